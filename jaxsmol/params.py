@@ -1,0 +1,151 @@
+"""Model parameters as a registered pytree, loaded from Hugging Face safetensors.
+
+Per-layer weights are stacked on a leading layer axis [L, ...] so the forward can `lax.scan` over
+layers (one compiled layer body, not L copies). Matrices are stored input-major ([in, out]) so that
+the forward reads `x @ W`; HF stores `nn.Linear` weights as [out, in], so the loader transposes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
+
+
+@flax.struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [L, D]
+    wq: jax.Array  # [L, D, N*H]
+    wk: jax.Array  # [L, D, K*H]
+    wv: jax.Array  # [L, D, K*H]
+    wo: jax.Array  # [L, N*H, D]
+    mlp_norm: jax.Array  # [L, D]
+    w_gate: jax.Array  # [L, D, F]
+    w_up: jax.Array  # [L, D, F]
+    w_down: jax.Array  # [L, F, D]
+
+
+@flax.struct.dataclass
+class Params:
+    embed: jax.Array  # [V, D]
+    layers: LayerParams
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
+
+    @property
+    def unembed(self) -> jax.Array:  # [V, D]
+        return self.embed if self.lm_head is None else self.lm_head
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+# HF name suffix under `model.layers.{i}.` -> (our field, HF shape as a function of cfg, transpose?)
+def _layer_specs(cfg: Config):
+    D, F, NH, KH = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {
+        "input_layernorm.weight": ("attn_norm", (D,)),
+        "self_attn.q_proj.weight": ("wq", (NH, D)),
+        "self_attn.k_proj.weight": ("wk", (KH, D)),
+        "self_attn.v_proj.weight": ("wv", (KH, D)),
+        "self_attn.o_proj.weight": ("wo", (D, NH)),
+        "post_attention_layernorm.weight": ("mlp_norm", (D,)),
+        "mlp.gate_proj.weight": ("w_gate", (F, D)),
+        "mlp.up_proj.weight": ("w_up", (F, D)),
+        "mlp.down_proj.weight": ("w_down", (D, F)),
+    }
+
+
+def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name this config needs, with its HF shape."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "model.norm.weight": (cfg.dim,)}
+    for i in range(cfg.n_layers):
+        for suffix, (_, shape) in _layer_specs(cfg).items():
+            shapes[f"model.layers.{i}.{suffix}"] = shape
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise JaxsmolError(f"model directory {model_dir} has no model.safetensors")
+    return [single]
+
+
+def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory as float32 NumPy arrays, by HF name."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in _safetensors_files(Path(model_dir)):
+        if not path.is_file():
+            raise JaxsmolError(f"missing checkpoint shard {path}")
+        try:
+            # framework="flax" would need bf16 support in numpy; "pt"-free numpy path handles f32/f16,
+            # and bf16 is read through ml_dtypes which jax ships.
+            with safe_open(str(path), framework="np") as f:
+                for name in f.keys():
+                    tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+        except JaxsmolError:
+            raise
+        except Exception as e:  # safetensors raises several error types for a corrupt file
+            raise JaxsmolError(f"cannot read {path}: {e}") from None
+    return tensors
+
+
+def params_from_hf(cfg: Config, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
+    """Map HF tensors to `Params`, asserting every shape; a missing or unexpected tensor is an error."""
+    tensors = dict(tensors)
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise JaxsmolError(f"checkpoint is missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise JaxsmolError(f"checkpoint has unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise JaxsmolError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
+
+    def stacked(suffix, transpose):
+        arrs = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.n_layers)]
+        return jnp.asarray(np.stack([a.T if transpose else a for a in arrs]), dtype)
+
+    layers = LayerParams(**{field: stacked(suffix, len(shape) == 2)
+                            for suffix, (field, shape) in _layer_specs(cfg).items()})
+    lm_head = None if cfg.tie_embeddings else jnp.asarray(tensors["lm_head.weight"], dtype)
+    return Params(embed=jnp.asarray(tensors["model.embed_tokens.weight"], dtype), layers=layers,
+                  final_norm=jnp.asarray(tensors["model.norm.weight"], dtype), lm_head=lm_head)
+
+
+def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params:
+    return params_from_hf(cfg, read_hf_tensors(model_dir), dtype)
+
+
+def init_random(cfg: Config, seed: int = 0, dtype=jnp.float32) -> Params:
+    """Random parameters with the real layout (for tests on tiny configs and shape checks)."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            tensors[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return params_from_hf(cfg, tensors, dtype)

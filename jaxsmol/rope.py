@@ -1,0 +1,19 @@
+"""Rotary position embedding, in the Hugging Face Llama layout (rotate the two halves of a head)."""
+
+import jax
+import jax.numpy as jnp
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions [T] int32 -> (sin, cos), each [T, H] float32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """x [B, T, heads, H]; sin, cos [T, H]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]

