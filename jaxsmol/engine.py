@@ -106,9 +106,10 @@ class Engine:
 
     def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        self.ctx = int(ctx or cfg.max_position)
+        self.ctx = cfg.max_position if ctx is None else int(ctx)
         if not 0 < self.ctx <= cfg.max_position:
-            raise JaxsmolError(f"context {self.ctx} must be in [1, {cfg.max_position}] (max_position_embeddings)")
+            raise JaxsmolError(f"context length {self.ctx} must be in [1, {cfg.max_position}] "
+                               "(the model's max_position_embeddings)")
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
 
@@ -199,6 +200,17 @@ class Engine:
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
         return _forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
+
+    def warmup(self, slots: int) -> None:
+        """Compile every program a request touching `slots` cache slots may need (prefill buckets and
+        decode, for the capacities on the way), so later timings measure compute, not compilation."""
+        for cap in sorted({capacity_for(s) for s in (slots, slots + PREFILL_BUCKETS[-1])}):
+            for T in PREFILL_BUCKETS + (1,):
+                if T <= cap:
+                    kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype)
+                    _forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
+        _sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                jnp.float32(1)).block_until_ready()
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""

@@ -1,0 +1,93 @@
+"""Shared CLI plumbing: model options, the persistent compilation cache, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="a Hugging Face SmolLM checkpoint directory "
+                   "(default: the bundled SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def enable_compilation_cache() -> None:
+    """Keep compiled XLA programs under the data directory so the next process skips compiles."""
+    import jax
+
+    from jaxsmol.default_model import data_home
+
+    jax.config.update("jax_compilation_cache_dir", str(data_home() / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def load_engine(args):
+    from jaxsmol.engine import Engine
+
+    enable_compilation_cache()
+    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty())
+
+
+def prompt_ids(args, engine) -> list[int]:
+    """Token ids from --ids, or from the text prompt (through the chat template with --chat)."""
+    from jaxsmol.errors import JaxsmolError
+
+    if getattr(args, "ids", None):
+        return args.ids
+    text = args.prompt
+    if text is None or text == "":
+        raise JaxsmolError("the prompt is empty (give a text prompt or --ids)")
+    if getattr(args, "chat", False):
+        messages = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else [])
+        text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
+    return engine.tokenizer.encode(text)
+
+
+def user_errors(main):
+    """Turn JaxsmolError (and a few OS errors) into `error: ...` on stderr and exit status 2."""
+
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        from jaxsmol.errors import JaxsmolError
+
+        try:
+            return main(argv)
+        except JaxsmolError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            return 0
+        except Exception as e:  # a bug: still one line, the traceback on request
+            if os.environ.get("JAXSMOL_DEBUG"):
+                raise
+            print(f"error: internal error: {type(e).__name__}: {e} (set JAXSMOL_DEBUG=1 for the traceback)",
+                  file=sys.stderr)
+            return 1
+    return wrapper

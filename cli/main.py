@@ -1,0 +1,159 @@
+"""`jaxsmol`: generate, tokenize, cacheprobe, import-gguf."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cli.common import (ArgumentParser, add_model_args, add_sampling_args, load_engine, prompt_ids,
+                        sampling_kwargs, user_errors)
+
+
+def _generate(args) -> int:
+    from jaxsmol.sampling import SamplingParams
+
+    engine = load_engine(args)
+    ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
+    sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
+                        logprobs=args.logprobs, **sampling_kwargs(args))
+    gen = engine.start(ids, sp)
+    stream = not args.json and not args.no_stream
+    for step in gen:
+        if stream:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    t = gen.timings
+    if args.json:
+        out = {"prompt_ids": ids, "output_ids": gen.output_ids, "text": gen.text,
+               "finish_reason": gen.finish_reason, "timings": t.as_dict()}
+        if args.logprobs:
+            out["logprobs"] = [{"token": p["token"], "logprob": p["logprob"],
+                                "top": [{"id": i, "logprob": lp} for i, lp in p["top"]]} for p in gen.logprobs]
+        print(json.dumps(out))
+    else:
+        print(gen.text if not stream else "")
+        print(f"[{t.prompt_tokens} prompt tokens, {t.generated_tokens} generated ({gen.finish_reason}); "
+              f"ttft {t.ttft_s * 1000:.0f} ms, prefill {t.prefill_tok_s:.0f} tok/s, "
+              f"decode {t.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _tokenize(args) -> int:
+    from jaxsmol.default_model import default_model_dir
+    from jaxsmol.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(args.model or default_model_dir(progress=sys.stderr.isatty()))
+    text = tok.apply_chat_template([{"role": "user", "content": args.text}]) if args.chat else args.text
+    ids = tok.encode(text)
+    if args.json:
+        print(json.dumps({"ids": ids, "tokens": [tok.decode([i]) for i in ids]}))
+    else:
+        print(" ".join(map(str, ids)))
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from jaxsmol.gguf_import import import_gguf
+
+    out = import_gguf(args.file, args.outdir, progress=sys.stderr.isatty())
+    print(f"imported {args.file} -> {out}")
+    return 0
+
+
+def print_probe(result: dict, tokenizer=None) -> None:
+    """The cold/warm table of a probe result (see cache.probe.run_probe)."""
+    cold, warm = result["cold"], result["warm"]
+    rows = [
+        ("prompt tokens", cold["prompt_tokens"], warm["prompt_tokens"]),
+        ("tokens reused", cold["tokens_reused"], warm["tokens_reused"]),
+        ("tokens prefilled", cold["tokens_prefilled"], warm["tokens_prefilled"]),
+        ("bypass", cold["bypass"] or "-", warm["bypass"] or "-"),
+        ("exact full hit", "yes" if cold["exact_hit"] else "no", "yes" if warm["exact_hit"] else "no"),
+        ("time to first token", f"{cold['ttft_s'] * 1000:.1f} ms", f"{warm['ttft_s'] * 1000:.1f} ms"),
+        ("total time", f"{cold['total_s'] * 1000:.1f} ms", f"{warm['total_s'] * 1000:.1f} ms"),
+        ("generated ids", " ".join(map(str, cold["output_ids"])), " ".join(map(str, warm["output_ids"]))),
+        ("generated text", json.dumps(cold["text"]), json.dumps(warm["text"])),
+        ("snapshot bytes", cold["snapshot_bytes"], warm["snapshot_bytes"]),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(str(r[1])) for r in rows + [("", "cold", "")])
+    print(f"cache probe (mode {result['mode']}, predict {result['max_tokens']})")
+    print(f"{'':<{w0}}  {'cold':<{w1}}  warm")
+    for name, c, w in rows:
+        print(f"{name:<{w0}}  {str(c):<{w1}}  {w}")
+    print(f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
+          f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x")
+
+
+def _cacheprobe(args) -> int:
+    from cache.probe import run_probe
+
+    engine = load_engine(args)
+    ids = prompt_ids(args, engine)
+    result = run_probe(engine, ids, args.predict, mode=args.cache_mode, then_ids=args.then,
+                       budget_bytes=args.cache_bytes, **sampling_kwargs(args))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_probe(result)
+    return 0
+
+
+def add_probe_args(p, default_mode: str) -> None:
+    p.add_argument("--predict", type=int, default=1, metavar="N", help="tokens to generate (default 1)")
+    p.add_argument("--then", type=int, nargs="+", metavar="ID",
+                   help="a second prompt (token ids) for the warm run, sharing a prefix with the first")
+    p.add_argument("--cache-mode", default=default_mode, choices=["radix", "minimal", "off"])
+    p.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--ids", type=int, nargs="+", metavar="ID", help="the prompt as token ids")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    g.add_argument("--system", help="a system message (with --chat)")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-stream", action="store_true", help="print the text at the end")
+    add_sampling_args(g)
+    add_model_args(g)
+    g.set_defaults(func=_generate)
+
+    t = sub.add_parser("tokenize", help="print the token ids of a text")
+    t.add_argument("text")
+    t.add_argument("--chat", action="store_true")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--model", metavar="DIR")
+    t.set_defaults(func=_tokenize)
+
+    c = sub.add_parser("cacheprobe", help="run a request cold, then warm from the prefix cache")
+    c.add_argument("ids", type=int, nargs="*", metavar="ID", help="the prompt as token ids")
+    c.add_argument("--text", dest="prompt", help="the prompt as text")
+    c.add_argument("--chat", action="store_true", help="apply the chat template to --text")
+    add_probe_args(c, default_mode="radix")
+    add_sampling_args(c)
+    c.set_defaults(max_tokens=None)
+    add_model_args(c)
+    c.set_defaults(func=_cacheprobe)
+
+    i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
+    i.add_argument("file")
+    i.add_argument("outdir")
+    i.set_defaults(func=_import_gguf)
+    return parser
+
+
+@user_errors
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
