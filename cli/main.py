@@ -99,6 +99,17 @@ def _cacheprobe(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from cli.serve import serve
+
+    engine = load_engine(args)
+    engine.warmup(512)  # compile the common programs before the first request arrives
+    print(f"jaxsmol serving {engine.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
+          max_queue=args.max_queue, cache_mode=args.cache_mode)
+    return 0
+
+
 def add_probe_args(p, default_mode: str) -> None:
     p.add_argument("--predict", type=int, default=1, metavar="N", help="tokens to generate (default 1)")
     p.add_argument("--then", type=int, nargs="+", metavar="ID",
@@ -141,6 +152,16 @@ def build_parser() -> ArgumentParser:
     c.set_defaults(max_tokens=None)
     add_model_args(c)
     c.set_defaults(func=_cacheprobe)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible daemon (keeps the prefix cache)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes (default 2 GiB)")
+    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"])
+    s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    add_model_args(s)
+    s.set_defaults(func=_serve)
 
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
     i.add_argument("file")

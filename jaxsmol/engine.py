@@ -304,7 +304,7 @@ class Generation:
                 step.top_logprobs = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
                 step.logprob = float(logp)
                 self.logprobs.append({"token": token, "logprob": step.logprob, "top": step.top_logprobs})
-            if decoder is not None:
+            if decoder is not None and token not in stop_ids:  # an EOS ends the text, it is not part of it
                 step.text = decoder.feed(token)
                 self.text += step.text
             self.timings.generated_tokens = len(self.output_ids)

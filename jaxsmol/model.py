@@ -101,5 +101,5 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    logits = jnp.einsum("...d,vd->...v", x, params.unembed).astype(jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", x, params.unembed).astype(jnp.float32)
     return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

@@ -34,14 +34,12 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D]
+    embed: jax.Array  # [V, D], rows gathered by token id
     layers: LayerParams
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [V, D]; None when tied to `embed`
-
-    @property
-    def unembed(self) -> jax.Array:  # [V, D]
-        return self.embed if self.lm_head is None else self.lm_head
+    unembed: jax.Array  # [D, V]: lm_head.weight transposed (embed transposed when tied)
+    # Why a transposed copy even when tied: XLA:CPU computes x @ [D, V] 2.5x faster than
+    # x . [V, D] for one decode row (4.4 vs 11 ms for SmolLM2's 49152 x 576), a quarter of a step.
 
     @property
     def nbytes(self) -> int:
@@ -130,9 +128,11 @@ def params_from_hf(cfg: Config, tensors: dict[str, np.ndarray], dtype=jnp.float3
 
     layers = LayerParams(**{field: stacked(suffix, len(shape) == 2)
                             for suffix, (field, shape) in _layer_specs(cfg).items()})
-    lm_head = None if cfg.tie_embeddings else jnp.asarray(tensors["lm_head.weight"], dtype)
-    return Params(embed=jnp.asarray(tensors["model.embed_tokens.weight"], dtype), layers=layers,
-                  final_norm=jnp.asarray(tensors["model.norm.weight"], dtype), lm_head=lm_head)
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
+    return Params(embed=jnp.asarray(embed, dtype), layers=layers,
+                  final_norm=jnp.asarray(tensors["model.norm.weight"], dtype),
+                  unembed=jnp.asarray(np.ascontiguousarray(head.T), dtype))
 
 
 def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params:
