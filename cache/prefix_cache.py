@@ -85,6 +85,7 @@ class PrefixCache:
         self.radix = RadixStore(budget_bytes, seq_axis=SEQ_AXIS)
         self.single = SingleSnapshotStore()
         self.stats = CacheStats()
+        engine.fingerprint  # hash the weights now, not inside the first request's time to first token
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def namespace(self, salt: str | None = None) -> tuple:

@@ -1,8 +1,12 @@
-"""`aitest`: the lab's client. `aitest --cacheprobe --predict N ID...` runs the cold/warm probe;
-`aitest --predict N ID...` runs one request and prints the generated ids.
+"""`aitest`: the lab's client.
 
-The lab's daemon keeps one snapshot of the first prompt_n - 1 tokens, so the default cache mode
-here is `minimal`; `--cache-mode radix` uses the full prefix store.
+    aitest --cacheprobe --predict N ID...       cold run, then warm run, side by side
+    aitest --predict N ID...                    one request; prints the generated ids
+    aitest --url http://127.0.0.1:8000 ...      the same against a running `jaxsmol serve`
+
+Without --url the model runs in this process. The lab's daemon keeps one snapshot of the first
+prompt_n - 1 tokens, so the in-process default cache mode is `minimal`; `--cache-mode radix`
+uses the full prefix store.
 """
 
 from __future__ import annotations
@@ -14,15 +18,46 @@ from cli.common import ArgumentParser, add_model_args, add_sampling_args, load_e
 from cli.main import add_probe_args, print_probe
 
 
+def print_remote_probe(result: dict) -> None:
+    cold, warm = result["cold"], result["warm"]
+    rows = [("prompt tokens", cold["prompt_tokens"], warm["prompt_tokens"]),
+            ("cached tokens", cold["cached_tokens"], warm["cached_tokens"]),
+            ("time to first token", f"{cold['ttft_s'] * 1000:.1f} ms", f"{warm['ttft_s'] * 1000:.1f} ms"),
+            ("total time", f"{cold['total_s'] * 1000:.1f} ms", f"{warm['total_s'] * 1000:.1f} ms"),
+            ("generated ids", " ".join(map(str, cold["output_ids"])), " ".join(map(str, warm["output_ids"]))),
+            ("generated text", json.dumps(cold["text"]), json.dumps(warm["text"]))]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(str(r[1])) for r in rows)
+    print(f"cache probe against {result['url']} (predict {result['max_tokens']})")
+    print(f"{'':<{w0}}  {'cold':<{w1}}  warm")
+    for name, c, w in rows:
+        print(f"{name:<{w0}}  {str(c):<{w1}}  {w}")
+    print(f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
+          f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x")
+
+
 @user_errors
 def main(argv=None) -> int:
     p = ArgumentParser(prog="aitest", description="The prefix-cache lab's test client.")
     p.add_argument("ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
     p.add_argument("--cacheprobe", action="store_true", help="run the request cold, then warm, and compare")
+    p.add_argument("--url", help="send the requests to a running `jaxsmol serve` at this address")
     add_probe_args(p, default_mode="minimal")
     add_sampling_args(p)
     add_model_args(p)
     args = p.parse_args(argv)
+    if args.predict < 0:
+        p.error(f"--predict must be >= 0, got {args.predict}")
+    if args.url:
+        from cli.client import complete, remote_probe
+
+        if args.cacheprobe:
+            result = remote_probe(args.url, args.ids, args.predict, then_ids=args.then)
+            print(json.dumps(result)) if args.json else print_remote_probe(result)
+        else:
+            out = complete(args.url, args.ids, args.predict)
+            print(json.dumps(out) if args.json else " ".join(map(str, out["output_ids"])))
+        return 0
     engine = load_engine(args)
     if args.cacheprobe:
         from cache.probe import run_probe

@@ -49,6 +49,7 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     cache_salt: str | None = Field(default=None, max_length=256)  # tenants never share cache entries
     use_prefix_cache: bool = True  # false: this request bypasses the cache
+    return_token_ids: bool = False  # add `token_ids` (generated ids) to each choice, as vLLM does
 
 
 class CompletionRequest(_Common):
@@ -173,7 +174,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         except JaxsmolError as e:
             return error_response(400, str(e))
         job = Job(prompt_ids=ids, sampling=sampling, salt=body.cache_salt, bypass=not body.use_prefix_cache,
-                  loop=asyncio.get_running_loop())
+                  loop=asyncio.get_running_loop(), return_token_ids=body.return_token_ids)
         try:
             worker.submit(job)
         except QueueFull:
@@ -207,6 +208,8 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
             if kind == "done":
                 _, index, gen, report = event
                 choices[index] = _choice(index, gen, chat)
+                if job.return_token_ids:
+                    choices[index]["token_ids"] = gen.output_ids
                 _add_usage(usage, gen, report)
             if kind == "end":
                 break
@@ -248,6 +251,8 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                     choice = ({"index": index, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason}
                               if chat else {"index": index, "text": "", "logprobs": None,
                                             "finish_reason": gen.finish_reason})
+                    if job.return_token_ids:
+                        choice["token_ids"] = gen.output_ids
                     yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [choice]})}\n\n"
             if include_usage:
                 yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [], 'usage': usage})}\n\n"

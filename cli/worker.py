@@ -31,6 +31,7 @@ class Job:
     salt: str | None
     bypass: bool
     loop: asyncio.AbstractEventLoop
+    return_token_ids: bool = False
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     id: int = dataclasses.field(default_factory=itertools.count(1).__next__)

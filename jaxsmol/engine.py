@@ -141,11 +141,11 @@ class Engine:
         if self._fingerprint is None:
             import hashlib
 
-            h = hashlib.sha256(repr(self.cfg).encode())
+            h = hashlib.blake2b(repr(self.cfg).encode(), digest_size=16)
             for leaf in jax.tree.leaves(self.params):
                 h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
                 h.update(np.asarray(leaf).tobytes())
-            self._fingerprint = h.hexdigest()[:16]
+            self._fingerprint = h.hexdigest()
         return self._fingerprint
 
     @property
