@@ -26,7 +26,7 @@ from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.model import ATTN_BLOCK, forward
 from jaxsmol.params import Params, load_params
-from jaxsmol.sampling import SamplingParams, sample, top_logprobs
+from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
 MIN_CAPACITY = 2 * ATTN_BLOCK
@@ -285,7 +285,7 @@ class Generation:
         from jaxsmol.tokenizer import IncrementalDecoder
         decoder = IncrementalDecoder(eng.tokenizer) if eng.tokenizer is not None else None
         stop_ids = set(sp.stop_ids) | set(cfg.eos_ids)
-        key = jax.random.key(sp.seed)
+        key = seed_key(sp.seed)
         t_decode = None
         for i in range(sp.max_tokens):
             if i > 0:

@@ -39,6 +39,11 @@ class SamplingParams:
                 raise JaxsmolError(message)
 
 
+def seed_key(seed: int) -> jax.Array:
+    """A PRNG key using all 63 bits of `seed` (jax.random.key alone keeps only 32 without x64)."""
+    return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32. Scalars are traced (no recompiles per setting)."""
