@@ -286,6 +286,7 @@ class Generation:
         decoder = IncrementalDecoder(eng.tokenizer) if eng.tokenizer is not None else None
         stop_ids = set(sp.stop_ids) | set(cfg.eos_ids)
         key = seed_key(sp.seed)
+        text = ""  # all decoded text so far; self.text is the part already streamed
         t_decode = None
         for i in range(sp.max_tokens):
             if i > 0:
@@ -304,28 +305,44 @@ class Generation:
                 step.top_logprobs = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
                 step.logprob = float(logp)
                 self.logprobs.append({"token": token, "logprob": step.logprob, "top": step.top_logprobs})
-            if decoder is not None and token not in stop_ids:  # an EOS ends the text, it is not part of it
-                step.text = decoder.feed(token)
-                self.text += step.text
             self.timings.generated_tokens = len(self.output_ids)
-            stop_hit = self._stop_string_hit()
-            if stop_hit is not None:
-                step.text = step.text[: max(0, len(step.text) - (len(self.text) - stop_hit))]
-                self.text = self.text[:stop_hit]
+            if token in stop_ids:
                 self.finish_reason = "stop"
-            elif token in stop_ids:
-                self.finish_reason = "stop"
+            elif i == sp.max_tokens - 1:
+                self.finish_reason = "length"
+            if decoder is not None:
+                # An EOS ends the text and is not part of it; the decoder's held-back bytes are
+                # released on the last step so that the streamed text equals `text`.
+                text += decoder.feed(token) if token not in stop_ids else ""
+                if self.finish_reason:
+                    text += decoder.flush()
+                hit = _find_stop(text, sp.stop_strings)
+                if hit is not None:
+                    text, self.finish_reason = text[:hit], "stop"
+                # hold back a tail that may still grow into a stop string
+                safe = len(text) if self.finish_reason else len(text) - _stop_prefix_len(text, sp.stop_strings)
+                step.text = text[len(self.text):safe]
+                self.text = text[:safe]
             yield step
             if self.finish_reason:
                 break
-        else:
-            self.finish_reason = "length"
-        if decoder is not None and self.finish_reason == "length":
-            self.text += decoder.flush()
         self.kv = kv
         self.timings.decode_s = time.perf_counter() - t_decode
         self.timings.total_s = time.perf_counter() - t0
 
-    def _stop_string_hit(self) -> int | None:
-        hits = [self.text.find(s) for s in self.sp.stop_strings if s and s in self.text]
-        return min(hits) if hits else None
+
+def _find_stop(text: str, stops) -> int | None:
+    """The earliest index where any stop string occurs in text."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

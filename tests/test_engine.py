@@ -1,0 +1,384 @@
+"""The engine (jaxsmol/engine.py, sampling.py) on the tiny random model: sampling, stopping,
+validation, chunking and the bound on compiled programs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsmol import engine as engine_mod
+from jaxsmol.engine import (MIN_CAPACITY, PREFILL_BUCKETS, Engine, capacity_for, chunk_plan,
+                            compile_bound)
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.model import ATTN_BLOCK
+from jaxsmol.sampling import SamplingParams, sample
+
+PROMPT = [1, 17, 42, 99, 7, 200, 13, 5, 64, 128]
+
+
+def _ids(n, seed):
+    return np.random.default_rng(seed).integers(3, 256, size=n).tolist()
+
+
+def _gen(engine, prompt=PROMPT, **sp):
+    return engine.generate(prompt, SamplingParams(**sp))
+
+
+# ---- sample(): the traced sampler itself ---------------------------------------------------------
+
+_sample_many = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)))  # one compile per logits shape
+
+
+def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0):
+    """n samples from one row of logits, with n different keys."""
+    keys = jax.random.split(jax.random.key(0), n)
+    out = _sample_many(jnp.asarray(logits)[None], keys, jnp.float32(temperature), jnp.int32(top_k),
+                       jnp.float32(top_p))
+    return np.asarray(out)[:, 0]
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    for top_k, top_p in [(0, 1.0), (5, 0.5)]:  # filters do not matter at temperature 0
+        got = sample(jnp.asarray(logits), jax.random.key(1), jnp.float32(0), jnp.int32(top_k), jnp.float32(top_p))
+        np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    freq = np.bincount(_draws(logits, 4000), minlength=4) / 4000
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+    # temperature 0.5 squares and renormalizes the probabilities
+    p2 = probs ** 2 / (probs ** 2).sum()
+    freq = np.bincount(_draws(logits, 4000, temperature=0.5), minlength=4) / 4000
+    np.testing.assert_allclose(freq, p2, atol=0.03)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
+    assert set(_draws(logits, 500, top_k=2)) == {0, 1}
+    assert set(_draws(logits, 500, top_k=1)) == {0}
+    assert set(_draws(logits, 500, top_p=0.75)) == {0, 1}  # smallest prefix with mass >= 0.75
+    assert set(_draws(logits, 500, top_p=0.85)) == {0, 1, 2}
+    assert set(_draws(logits, 500, top_p=1e-6)) == {0}
+    assert set(_draws(logits, 500, top_k=3, top_p=0.75)) == {0, 1}
+    big = np.random.default_rng(1).standard_normal(256).astype(np.float32) * 3
+    assert set(_draws(big, 500, top_k=5)) <= set(np.argsort(-big)[:5])
+
+
+def test_sampling_params_validation():
+    for bad, word in [(dict(max_tokens=-1), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+                      (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                      (dict(logprobs=21), "logprobs"), (dict(seed=-1), "seed")]:
+        with pytest.raises(JaxsmolError, match=word):
+            SamplingParams(**bad)
+
+
+# ---- compiled programs (first, so later tests reuse what it compiles) ------------------------
+
+def test_compiled_programs_are_bounded(tiny_engine):
+    """A mixed workload compiles at most compile_bound(ctx) forward programs, and the set saturates:
+    a second pass of different random lengths compiles nothing new. The sampler compiles once."""
+    fwd, smp = engine_mod._forward, engine_mod._sample
+    fwd.clear_cache()
+    smp.clear_cache()
+    ctx = tiny_engine.ctx
+    everything = tuple(range(256))  # as stop_ids: stop right after the first token
+
+    def run(n, max_tokens, steps=4, seed=0, **sp):
+        gen = tiny_engine.start(_ids(n, seed), SamplingParams(max_tokens=max_tokens, seed=seed, **sp))
+        for _, _step in zip(range(steps), gen):  # a streaming client may leave early
+            pass
+
+    # every reachable (chunk, capacity) pair, and decode at both capacities, once
+    for n in (10, 100, 200, 400):
+        run(n, 3)  # capacity 512
+        run(n, 600, stop_ids=everything)  # capacity 1024, no decode step
+    run(600, 3)  # 512 + 128 chunks, capacity 1024, decode at 1024
+    covered = fwd._cache_size()
+    assert 0 < covered <= compile_bound(ctx)
+
+    def random_pass(seed):
+        rng = np.random.default_rng(seed)
+        for i in range(30):
+            n = int(rng.integers(1, 601))
+            m = int(rng.integers(0, ctx - n + 1))
+            run(n, m, seed=i, temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.integers(0, 50)),
+                top_p=float(rng.choice([1.0, 0.9])))
+
+    random_pass(1)
+    assert fwd._cache_size() == covered <= compile_bound(ctx)
+    random_pass(2)
+    assert fwd._cache_size() == covered
+    assert smp._cache_size() == 1
+
+
+# ---- generation: sampling ------------------------------------------------------------------------
+
+def _check_greedy(engine, prompt, out):
+    """Each greedy token is the argmax of one uncached forward over prompt + the tokens before it."""
+    ref = engine.logits_all(prompt + out)
+    for j, tok in enumerate(out):
+        row = ref[len(prompt) - 1 + j]
+        assert tok == int(row.argmax()) or row.max() - row[tok] < 1e-5, f"step {j}"
+
+
+def test_greedy_generation_is_argmax(tiny_engine):
+    gen = _gen(tiny_engine, max_tokens=6)
+    assert gen.output_ids[0] == int(np.argmax(gen.prompt_logits))
+    _check_greedy(tiny_engine, PROMPT, gen.output_ids)
+
+
+def test_greedy_far_beyond_the_first_attention_block(tiny_engine):
+    """A 700-token prompt in a 1024-slot cache: decode at positions 700+ (block 2 of 4)."""
+    prompt = _ids(700, 1)
+    gen = tiny_engine.start(prompt, SamplingParams(max_tokens=300))
+    out = [step.token for _, step in zip(range(4), gen)]
+    assert gen.kv is None  # still in flight: the iterator was left early
+    _check_greedy(tiny_engine, prompt, out)
+
+
+def test_same_seed_same_tokens(tiny_engine):
+    sp = dict(max_tokens=10, temperature=0.8, top_k=50, top_p=0.9)
+    a = _gen(tiny_engine, seed=7, **sp).output_ids
+    _gen(tiny_engine, seed=8, **sp)  # another request in between changes nothing
+    assert _gen(tiny_engine, seed=7, **sp).output_ids == a
+    assert _gen(tiny_engine, seed=7, temperature=0.8, max_tokens=10).output_ids == \
+        _gen(tiny_engine, seed=7, temperature=0.8, max_tokens=10).output_ids
+
+
+def test_different_seeds_differ(tiny_engine):
+    outs = {tuple(_gen(tiny_engine, seed=s, max_tokens=8, temperature=1.0).output_ids) for s in range(5)}
+    assert len(outs) > 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny_engine):
+    greedy = _gen(tiny_engine, max_tokens=8).output_ids
+    for seed in (0, 1):
+        assert _gen(tiny_engine, max_tokens=8, temperature=1.0, top_k=1, seed=seed).output_ids == greedy
+        assert _gen(tiny_engine, max_tokens=8, temperature=1.0, top_p=1e-6, seed=seed).output_ids == greedy
+
+
+def test_logprobs(tiny_engine):
+    gen = _gen(tiny_engine, max_tokens=3, logprobs=4)
+    assert len(gen.logprobs) == 3
+    first = gen.logprobs[0]
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(gen.prompt_logits)))
+    assert [i for i, _ in first["top"]] == list(np.argsort(-logp)[:4])
+    assert first["logprob"] == pytest.approx(float(logp[first["token"]]), abs=1e-5)
+    assert first["top"][0] == (first["token"], pytest.approx(first["logprob"]))
+
+
+# ---- generation: stopping ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def greedy12(tiny_engine):
+    """12 greedy tokens and an index j whose token first occurs there (j >= 1 when possible)."""
+    out = _gen(tiny_engine, max_tokens=12).output_ids
+    assert 2 not in out, "test premise: the tiny model's greedy output has no eos (id 2)"
+    j = next((i for i in range(1, len(out)) if out[i] not in out[:i]), 0)
+    return out, j
+
+
+def test_max_tokens_and_length(tiny_engine, greedy12):
+    out, _ = greedy12
+    gen = _gen(tiny_engine, max_tokens=5)
+    assert gen.output_ids == out[:5] and gen.finish_reason == "length"
+    assert gen.timings.generated_tokens == 5 and gen.timings.prompt_tokens == len(PROMPT)
+    assert int(gen.kv.pos) == len(PROMPT) + 4  # the last token is sampled, not fed
+    gen = _gen(tiny_engine, max_tokens=0)
+    assert gen.output_ids == [] and gen.finish_reason == "length" and gen.prompt_logits.shape == (256,)
+
+
+def test_stop_ids(tiny_engine, greedy12):
+    out, j = greedy12
+    gen = _gen(tiny_engine, max_tokens=12, stop_ids=(out[j],))
+    assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
+
+
+def test_eos_stops(tiny_engine, greedy12):
+    out, j = greedy12
+    cfg = dataclasses.replace(tiny_engine.cfg, eos_ids=(out[j],))
+    eng = Engine(cfg, tiny_engine.params, None, ctx=1024)
+    gen = eng.generate(PROMPT, SamplingParams(max_tokens=12))
+    assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
+
+
+class FakeTokenizer:
+    """Just enough for IncrementalDecoder: token i decodes to "<i>"."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+def test_stop_strings(tiny_engine, greedy12):
+    out, j = greedy12
+    eng = Engine(tiny_engine.cfg, tiny_engine.params, FakeTokenizer(), ctx=1024)
+    text = lambda ids: FakeTokenizer().decode(ids)  # noqa: E731
+
+    # a stop string that is one whole token: the text ends before it, the token is still emitted
+    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=(f"<{out[j]}>",)))
+    steps = list(gen)
+    assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
+    assert gen.text == text(out[:j]) and "".join(s.text for s in steps) == gen.text
+
+    # a stop string spanning two tokens: cut where it starts
+    s = f"{out[1]}><{out[2]}"
+    k = next(k for k in range(1, 13) if s in text(out[:k]))
+    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=("never", s)))
+    steps = list(gen)
+    assert gen.output_ids == out[:k] and gen.finish_reason == "stop"
+    assert gen.text == text(out[:k])[: text(out[:k]).find(s)]
+
+    # no hit: the whole text, finish "length"
+    gen = eng.generate(PROMPT, SamplingParams(max_tokens=4, stop_strings=("never",)))
+    assert gen.text == text(out[:4]) and gen.finish_reason == "length"
+
+
+def test_streamed_text_equals_final_text_with_a_spanning_stop_string(tiny_engine, greedy12):
+    out, _ = greedy12
+    eng = Engine(tiny_engine.cfg, tiny_engine.params, FakeTokenizer(), ctx=1024)
+    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=(f"{out[1]}><{out[2]}",)))
+    streamed = "".join(step.text for step in gen)
+    assert gen.finish_reason == "stop"
+    assert streamed == gen.text
+
+
+
+class HalfCharTokenizer(FakeTokenizer):
+    """Token `half` is the first byte of a two-byte character: it decodes to U+FFFD when last, "é" otherwise."""
+
+    def __init__(self, half):
+        self.half = half
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = [int(i) for i in ids]
+        return "".join(("\ufffd" if k == len(ids) - 1 else "é") if i == self.half else f"<{i}>"
+                       for k, i in enumerate(ids))
+
+
+def test_streamed_text_equals_final_text_when_the_last_token_is_incomplete(tiny_engine, greedy12):
+    out, _ = greedy12
+    eng = Engine(tiny_engine.cfg, tiny_engine.params, HalfCharTokenizer(out[3]), ctx=1024)
+    gen = eng.start(PROMPT, SamplingParams(max_tokens=4))
+    streamed = "".join(step.text for step in gen)
+    assert gen.output_ids == out[:4] and gen.finish_reason == "length"
+    assert streamed == gen.text
+
+# ---- validation ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids, max_tokens, words", [
+    ([], 0, ["empty"]),
+    ([1, 256], 0, ["256", "[0, 256)"]),
+    ([1, -1], 0, ["-1", "[0, 256)"]),
+    (["a"], 0, ["integers"]),
+    ([1, 2], -1, ["max_tokens", "-1"]),
+    ([1] * 1000, 25, ["1000", "25", "1024"]),
+    ([1] * 1025, 0, ["1025", "1024"]),
+])
+def test_check_prompt_errors(tiny_engine, ids, max_tokens, words):
+    with pytest.raises(JaxsmolError) as e:
+        tiny_engine.check_prompt(ids, max_tokens)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_check_prompt_accepts_the_limit(tiny_engine):
+    assert tiny_engine.check_prompt(np.array([1] * 1000), 24) == [1] * 1000
+    with pytest.raises(JaxsmolError, match="exceeds"):
+        tiny_engine.start([1] * 1000, SamplingParams(max_tokens=25))
+
+
+def test_engine_context_must_fit_the_model(tiny_engine):
+    with pytest.raises(JaxsmolError, match="1024"):
+        Engine(tiny_engine.cfg, tiny_engine.params, ctx=1025)
+    assert Engine(tiny_engine.cfg, tiny_engine.params).ctx == 1024
+
+
+# ---- chunking, capacities, compile bound ---------------------------------------------------------
+
+def test_chunk_plan():
+    assert chunk_plan(0) == []
+    assert chunk_plan(1) == [64] and chunk_plan(64) == [64] and chunk_plan(65) == [128]
+    assert chunk_plan(300) == [512] and chunk_plan(512) == [512]
+    assert chunk_plan(513) == [512, 64] and chunk_plan(1100) == [512, 512, 128]
+    for n in range(1, 2200, 7):
+        plan = chunk_plan(n)
+        assert set(plan) <= set(PREFILL_BUCKETS) and all(t == 512 for t in plan[:-1])
+        rest = n - 512 * (len(plan) - 1)
+        assert 0 < rest <= plan[-1] and plan[-1] == min(b for b in PREFILL_BUCKETS if b >= rest)
+
+
+def test_capacity_for():
+    assert capacity_for(0) == capacity_for(1) == capacity_for(MIN_CAPACITY) == MIN_CAPACITY == 512
+    assert capacity_for(513) == 1024 and capacity_for(2048) == 2048 and capacity_for(2049) == 4096
+    for s in range(1, 9000, 97):
+        cap = capacity_for(s)
+        assert cap >= s and cap % ATTN_BLOCK == 0 and (cap == MIN_CAPACITY or cap // 2 < s)
+
+
+def test_compile_bound_values():
+    # capacities 512, 1024, 2048 for ctx 1024 (a 512-chunk may overhang ctx); 4 buckets + decode each
+    assert compile_bound(1024) == 5 * 3
+    assert compile_bound(2048) == 5 * 4
+    assert compile_bound(1) == 5 * 2
+
+
+def test_slots_needed_covers_padding_and_decode(tiny_engine):
+    assert tiny_engine.slots_needed(0, 10, 5) == 64
+    assert tiny_engine.slots_needed(0, 10, 100) == 110
+    assert tiny_engine.slots_needed(0, 600, 0) == 640
+    assert tiny_engine.slots_needed(500, 600, 0) == 628
+
+
+# ---- the real default model (SmolLM2-135M-Instruct) ----------------------------------------------
+
+TEXT = ("The history of the city begins with a small fishing village on the banks of a wide river. Over the "
+        "centuries, merchants arrived from distant lands, bringing spices, silk and new ideas. Bridges were "
+        "built, markets grew, and scholars founded a university whose library became famous across the "
+        "continent. ")
+
+
+@pytest.mark.real
+def test_real_chat_capital_of_france(real_engine):
+    tok = real_engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    gen = real_engine.generate(prompt, SamplingParams(max_tokens=12))
+    assert gen.text.startswith("The capital of France is Paris."), gen.text
+
+
+@pytest.mark.real
+def test_real_prefill_then_decode_equals_one_forward(real_engine):
+    ids = real_engine.tokenizer.encode(TEXT)[:45]
+    assert len(ids) == 45
+    ref = real_engine.logits_all(ids)
+    kv = real_engine.new_cache(64)
+    logits, kv = real_engine.prefill(ids[:40], kv)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[39], atol=1e-4)
+    for j in range(40, 45):
+        logits, kv = real_engine.decode(ids[j], kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), ref[j], atol=1e-4, err_msg=f"position {j}")
+
+
+@pytest.mark.real
+def test_real_chunked_prefill_equals_one_shot(real_engine):
+    """300 tokens as a 256-token chunk then a 64-token chunk (how a prefix hit continues) versus one
+    forward over all 300 (logits and cache contents)."""
+    ids = real_engine.tokenizer.encode(TEXT * 6)[:300]
+    assert len(ids) == 300
+    tokens = np.zeros((1, 512), np.int32)
+    tokens[0, :300] = ids
+    ref, ref_kv = engine_mod._forward(real_engine.params, jnp.asarray(tokens), jnp.int32(300),
+                                      real_engine.new_cache(512), real_engine.cfg, all_logits=True)
+    kv = real_engine.new_cache(512)
+    _, kv = real_engine.prefill(ids[:256], kv)
+    logits, kv = real_engine.prefill(ids, kv)  # continues at kv.pos == 256
+    assert int(kv.pos) == int(ref_kv.pos) == 300
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref[0, 299]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(kv.k[:, :, :300]), np.asarray(ref_kv.k[:, :, :300]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(kv.v[:, :, :300]), np.asarray(ref_kv.v[:, :, :300]), atol=1e-4)

@@ -1,0 +1,349 @@
+"""The pure forward pass (jaxsmol/model.py, rope.py, kv.py) and Config.from_hf, on the tiny config.
+
+The forward is jitted here without donation (`_fwd`), so a cache can be fed to several calls.
+Most calls use one padded shape (T=1024 prefill, T=1 decode, capacity 1024) to keep compiles few.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import KVCache
+from jaxsmol.model import ATTN_BLOCK, forward, rms_norm
+from jaxsmol.params import LayerParams, Params, _layer_specs, expected_shapes, init_random
+from jaxsmol.rope import apply_rope, rope_tables
+
+_fwd = jax.jit(forward, static_argnames=("cfg", "all_logits"))
+CAP = 1024  # cache capacity used throughout (4 attention blocks)
+
+
+@pytest.fixture(scope="module")
+def params(tiny_cfg):
+    return init_random(tiny_cfg)
+
+
+def _ids(n, seed=0, vocab=256):
+    return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.int32)
+
+
+def _run(params, cfg, ids, kv=None, T=None, all_logits=False, batch=1):
+    """Forward `ids` (a [n] or [B, n] array), padded with zeros to T rows, at kv.pos (fresh cache if None)."""
+    ids = np.atleast_2d(np.asarray(ids, np.int32))
+    B, n = ids.shape
+    T = T or n
+    tokens = np.zeros((B, T), np.int32)
+    tokens[:, :n] = ids
+    if kv is None:
+        kv = KVCache.zeros(cfg, CAP, batch=B)
+    return _fwd(params, jnp.asarray(tokens), jnp.int32(n), kv, cfg, all_logits=all_logits)
+
+
+# ---- building blocks -----------------------------------------------------------------------------
+
+def _np_rope(x, positions, theta):
+    """HF Llama reference: q * cos + rotate_half(q) * sin, rotate_half(x) = cat(-x2, x1)."""
+    H = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    freqs = np.outer(positions.astype(np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)  # [T, H]
+    cos, sin = np.cos(emb)[None, :, None, :], np.sin(emb)[None, :, None, :]
+    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    return x * cos + np.concatenate([-x2, x1], axis=-1) * sin
+
+
+@pytest.mark.parametrize("theta", [10000.0, 100000.0])
+def test_rope_matches_numpy_reference(theta):
+    rng = np.random.default_rng(0)
+    positions = np.array([0, 1, 2, 7, 255, 256, 1000, 2047])
+    x = rng.standard_normal((2, len(positions), 3, 16)).astype(np.float32)  # [B, T, heads, H]
+    sin, cos = rope_tables(jnp.asarray(positions, jnp.int32), 16, theta)
+    assert sin.shape == cos.shape == (len(positions), 16)
+    got = np.asarray(apply_rope(jnp.asarray(x), sin, cos))
+    np.testing.assert_allclose(got, _np_rope(x.astype(np.float64), positions, theta), atol=2e-4, rtol=1e-4)
+    # position 0 is the identity
+    np.testing.assert_array_equal(got[:, 0], x[:, 0])
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((2, 1, 1, 1, 16)).astype(np.float32)
+
+    def score(m, n):
+        sin, cos = rope_tables(jnp.array([m, n], jnp.int32), 16, 10000.0)
+        qr = apply_rope(jnp.broadcast_to(q, (1, 2, 1, 16)), sin, cos)[0, 0, 0]
+        kr = apply_rope(jnp.broadcast_to(k, (1, 2, 1, 16)), sin, cos)[0, 1, 0]
+        return float(qr @ kr)
+
+    assert score(10, 3) == pytest.approx(score(110, 103), abs=1e-4)
+    assert score(10, 3) == pytest.approx(score(507, 500), abs=1e-4)
+
+
+def test_rms_norm_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 64)).astype(np.float32) * 3
+    w = rng.standard_normal(64).astype(np.float32)
+    ref = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-5)), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- forward shapes and masking ------------------------------------------------------------------
+
+def test_forward_shapes(params, tiny_cfg):
+    c = tiny_cfg
+    kv0 = KVCache.zeros(c, CAP, batch=2)
+    assert kv0.k.shape == (c.n_layers, 2, CAP, c.n_kv_heads, c.head_dim)  # [L, B, S, K, H]
+    ids = np.stack([_ids(10, 0), _ids(10, 1)])
+    logits, kv = _run(params, c, ids, kv0, T=64)
+    assert logits.shape == (2, c.vocab_size) and logits.dtype == jnp.float32
+    assert kv.k.shape == kv.v.shape == kv0.k.shape and int(kv.pos) == 10
+    all_logits, kv2 = _run(params, c, ids, kv, T=64, all_logits=True)
+    assert all_logits.shape == (2, 64, c.vocab_size)
+    assert int(kv2.pos) == 20
+    # the last-token logits are the all-logits row at length - 1
+    last, _ = _run(params, c, ids, kv, T=64)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(all_logits[:, 9]), atol=1e-5)
+
+
+def test_causal_mask(params, tiny_cfg):
+    a = _ids(100, 0)
+    b = a.copy()
+    b[60:] = (b[60:] + 1) % 256
+    la, _ = _run(params, tiny_cfg, a, T=128, all_logits=True)
+    lb, _ = _run(params, tiny_cfg, b, T=128, all_logits=True)
+    la, lb = np.asarray(la[0]), np.asarray(lb[0])
+    np.testing.assert_array_equal(la[:60], lb[:60])
+    assert not np.allclose(la[60:100], lb[60:100])
+
+
+def test_padding_rows_do_not_change_real_rows(params, tiny_cfg):
+    ids = _ids(40, 3)
+    tokens_a = np.zeros((1, 64), np.int32)
+    tokens_b = _ids(64, 4)[None]  # different padding
+    tokens_a[0, :40] = tokens_b[0, :40] = ids
+    la, kva = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
+    lb, kvb = _fwd(params, jnp.asarray(tokens_b), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
+    np.testing.assert_array_equal(np.asarray(la[0, :40]), np.asarray(lb[0, :40]))
+    np.testing.assert_array_equal(np.asarray(kva.k[:, :, :40]), np.asarray(kvb.k[:, :, :40]))
+    np.testing.assert_array_equal(np.asarray(kva.v[:, :, :40]), np.asarray(kvb.v[:, :, :40]))
+    assert int(kva.pos) == int(kvb.pos) == 40
+    # last-token logits ignore the padding too
+    la1, _ = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg)
+    lb1, _ = _fwd(params, jnp.asarray(tokens_b), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg)
+    np.testing.assert_array_equal(np.asarray(la1), np.asarray(lb1))
+
+
+def _with_slots_from(kv: KVCache, start: int, value_fn) -> KVCache:
+    k, v = np.array(kv.k), np.array(kv.v)
+    k[:, :, start:] = value_fn(k[:, :, start:].shape, 0)
+    v[:, :, start:] = value_fn(v[:, :, start:].shape, 1)
+    return kv.replace(k=jnp.asarray(k), v=jnp.asarray(v))
+
+
+def _garbage(shape, seed):
+    return np.random.default_rng(seed).choice([-1e30, 1e30, 3e29], size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [5, 300])
+def test_stale_slots_beyond_pos_never_influence_results(params, tiny_cfg, n):
+    ids = _ids(n + 40, 5)
+    _, kv = _run(params, tiny_cfg, ids[:n], T=512)
+    clean = _with_slots_from(kv, n, lambda s, _: np.zeros(s, np.float32))
+    dirty = _with_slots_from(kv, n, _garbage)
+    # a decode step, a padded chunk after it, and its all-logits rows: bit-identical
+    l1, c1 = _run(params, tiny_cfg, ids[n:n + 1], clean)
+    l2, c2 = _run(params, tiny_cfg, ids[n:n + 1], dirty)
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    assert np.isfinite(np.asarray(l2)).all()
+    l1, _ = _run(params, tiny_cfg, ids[n + 1:], c1, T=64, all_logits=True)
+    l2, _ = _run(params, tiny_cfg, ids[n + 1:], c2, T=64, all_logits=True)
+    np.testing.assert_array_equal(np.asarray(l1[0, :39]), np.asarray(l2[0, :39]))
+
+
+def test_blocks_beyond_the_last_in_use_are_never_read(params, tiny_cfg):
+    """NaN in every slot of blocks past the one holding the last query: were any such block read,
+    0 * NaN in the value sum would poison the logits. This is the traced trip count at work."""
+    n = 100
+    ids = _ids(n + 8, 6)
+    _, kv = _run(params, tiny_cfg, ids[:n], T=128)
+    clean = _with_slots_from(kv, ATTN_BLOCK, lambda s, _: np.zeros(s, np.float32))
+    nan = _with_slots_from(kv, ATTN_BLOCK, lambda s, _: np.full(s, np.nan, np.float32))
+    for t in ids[n:]:
+        l1, clean = _run(params, tiny_cfg, [t], clean)
+        l2, nan = _run(params, tiny_cfg, [t], nan)
+        assert np.isfinite(np.asarray(l2)).all()
+        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+
+
+def test_attention_loop_has_a_traced_trip_count(params, tiny_cfg):
+    jaxpr = jax.make_jaxpr(functools.partial(forward, cfg=tiny_cfg))(
+        params, jnp.zeros((1, 1), jnp.int32), jnp.int32(1), KVCache.zeros(tiny_cfg, 4 * ATTN_BLOCK))
+    assert "while" in str(jaxpr)
+
+
+@pytest.mark.parametrize("n", [1, 200, 253, 256, 257, 511, 700])
+def test_prefill_then_decode_equals_one_forward(params, tiny_cfg, n):
+    """n prompt tokens (one padded chunk) then k decode steps == one forward over n + k tokens.
+    The n cover prompts that end before, at and after the 256-slot block boundaries."""
+    k = 4
+    ids = _ids(n + k, n)
+    ref, _ = _run(params, tiny_cfg, ids, T=CAP, all_logits=True)
+    ref = np.asarray(ref[0])
+    logits, kv = _run(params, tiny_cfg, ids[:n], T=CAP)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[n - 1], atol=1e-5)
+    for j in range(k):
+        logits, kv = _run(params, tiny_cfg, ids[n + j:n + j + 1], kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), ref[n + j], atol=1e-5, err_msg=f"decode step {j}")
+    assert int(kv.pos) == n + k
+
+
+@pytest.mark.parametrize("n", [600, 1000])
+def test_chunked_prefill_equals_one_shot(tiny_engine, params, n):
+    from jaxsmol.engine import chunk_plan
+
+    assert len(chunk_plan(n)) == 2
+    ids = _ids(n, 7).tolist()
+    kv = tiny_engine.new_cache(tiny_engine.slots_needed(0, n, 0))
+    logits, kv = tiny_engine.prefill(ids, kv)
+    assert int(kv.pos) == n
+    ref_logits, ref_kv = _run(params, tiny_engine.cfg, ids, T=CAP, all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref_logits[0, n - 1]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv.k[:, :, :n]), np.asarray(ref_kv.k[:, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv.v[:, :, :n]), np.asarray(ref_kv.v[:, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(tiny_engine.logits_all(ids), np.asarray(ref_logits[0, :n]), atol=1e-5)
+
+
+def test_batch_rows_are_independent(params, tiny_cfg):
+    a, b, c = _ids(50, 10), _ids(50, 11), _ids(50, 12)
+    lab, kab = _run(params, tiny_cfg, np.stack([a, b]), T=64, all_logits=True)
+    lac, _ = _run(params, tiny_cfg, np.stack([a, c]), T=64, all_logits=True)
+    la, ka = _run(params, tiny_cfg, a, T=64, all_logits=True)
+    lb, _ = _run(params, tiny_cfg, b, T=64, all_logits=True)
+    np.testing.assert_array_equal(np.asarray(lab[0]), np.asarray(lac[0]))  # row 0 ignores row 1
+    np.testing.assert_allclose(np.asarray(lab[0]), np.asarray(la[0]), atol=1e-5)  # and equals B=1
+    np.testing.assert_allclose(np.asarray(lab[1]), np.asarray(lb[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kab.k[:, :1, :50]), np.asarray(ka.k[:, :, :50]), atol=1e-5)
+    # decode continues both rows independently
+    d2, _ = _run(params, tiny_cfg, np.array([[3], [4]]), kab)
+    d1, _ = _run(params, tiny_cfg, np.array([[3]]), ka)
+    np.testing.assert_allclose(np.asarray(d2[0]), np.asarray(d1[0]), atol=1e-5)
+
+
+# ---- real configurations: shapes only ------------------------------------------------------------
+
+def _hf(hidden, layers, heads, kv_heads, inter, theta, max_pos, theta_in_rope_parameters=False):
+    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+         "intermediate_size": inter, "vocab_size": 49152, "max_position_embeddings": max_pos,
+         "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+         "mlp_bias": False, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2,
+         "torch_dtype": "bfloat16"}
+    if theta_in_rope_parameters:  # transformers >= 5 layout
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        d["rope_theta"] = theta
+    return d
+
+
+REAL_CONFIGS = {
+    "SmolLM-135M": (_hf(576, 30, 9, 3, 1536, 10000.0, 2048), 64),
+    "SmolLM-360M": (_hf(960, 32, 15, 5, 2560, 10000.0, 2048), 64),
+    "SmolLM-1.7B": (_hf(2048, 24, 32, 32, 8192, 10000.0, 2048), 64),
+    "SmolLM2-135M": (_hf(576, 30, 9, 3, 1536, 100000.0, 8192, theta_in_rope_parameters=True), 64),
+    "SmolLM2-360M": (_hf(960, 32, 15, 5, 2560, 100000.0, 8192), 64),
+    "SmolLM2-1.7B": (_hf(2048, 24, 32, 32, 8192, 130000.0, 8192, theta_in_rope_parameters=True), 64),
+}
+
+
+def _abstract_params(cfg: Config) -> Params:
+    """ShapeDtypeStructs in the layout params_from_hf produces (stacked layers, matrices [in, out])."""
+    hf = expected_shapes(cfg)
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    layers = {field: sds((cfg.n_layers,) + tuple(reversed(hf[f"model.layers.0.{suffix}"])))
+              for suffix, (field, _) in _layer_specs(cfg).items()}
+    return Params(embed=sds(hf["model.embed_tokens.weight"]), layers=LayerParams(**layers),
+                  final_norm=sds(hf["model.norm.weight"]), unembed=sds((cfg.dim, cfg.vocab_size)))
+
+
+def test_abstract_params_match_the_loader_layout(params, tiny_cfg):
+    """The ShapeDtypeStruct tree used below has the structure and shapes params_from_hf builds."""
+    real, abstract = jax.tree.structure(params), jax.tree.structure(_abstract_params(tiny_cfg))
+    assert real == abstract
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_abstract_params(tiny_cfg))):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+@pytest.mark.parametrize("name", list(REAL_CONFIGS))
+def test_real_configs_eval_shape(name):
+    hf, head_dim = REAL_CONFIGS[name]
+    cfg = Config.from_hf(hf)
+    theta = hf.get("rope_theta") or hf["rope_parameters"]["rope_theta"]
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size) == (
+        hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
+        head_dim, hf["intermediate_size"], 49152)
+    assert cfg.rope_theta == theta and cfg.max_position == hf["max_position_embeddings"]
+    assert cfg.tie_embeddings and cfg.eos_ids == (2,)
+    params = _abstract_params(cfg)
+    for T, cap, all_logits in [(64, 512, False), (1, 2048, False), (128, 512, True)]:
+        kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap))  # noqa: B023
+        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        length = jax.ShapeDtypeStruct((), jnp.int32)
+        logits, new_kv = jax.eval_shape(functools.partial(forward, cfg=cfg, all_logits=all_logits),
+                                        params, tokens, length, kv)
+        assert logits.shape == ((1, T, cfg.vocab_size) if all_logits else (1, cfg.vocab_size))
+        assert logits.dtype == jnp.float32
+        assert new_kv.k.shape == new_kv.v.shape == (cfg.n_layers, 1, cap, cfg.n_kv_heads, head_dim)
+        assert new_kv.pos.shape == () and new_kv.pos.dtype == jnp.int32
+
+
+# ---- Config refusals -----------------------------------------------------------------------------
+
+def _base_hf():
+    return dict(REAL_CONFIGS["SmolLM2-360M"][0])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, ["rope_scaling", "yarn"]),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["rope_scaling", "llama3"]),
+    ({"attention_bias": True}, ["attention_bias"]),
+    ({"mlp_bias": True}, ["mlp_bias"]),
+    ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
+    ({"model_type": "mistral"}, ["model_type", "mistral"]),
+    ({"architectures": ["MistralForCausalLM"]}, ["MistralForCausalLM"]),
+    ({"num_key_value_heads": 4}, ["num_attention_heads=15", "num_key_value_heads=4"]),
+])
+def test_config_refusals_name_the_field(change, words):
+    hf = {**_base_hf(), **change}
+    with pytest.raises(JaxsmolError) as e:
+        Config.from_hf(hf)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_config_missing_field_is_named():
+    hf = _base_hf()
+    del hf["hidden_size"]
+    with pytest.raises(JaxsmolError, match="hidden_size"):
+        Config.from_hf(hf)
+
+
+def test_config_defaults_and_loading(tmp_path):
+    hf = _base_hf()
+    for k in ("num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "eos_token_id"):
+        del hf[k]
+    cfg = Config.from_hf(hf)
+    assert cfg.n_kv_heads == cfg.n_heads == 15  # HF LlamaConfig defaults
+    assert cfg.rms_norm_eps == 1e-6 and cfg.tie_embeddings is False and cfg.eos_ids == ()
+    assert Config.from_hf({**hf, "eos_token_id": [2, 7]}).eos_ids == (2, 7)
+    hash(cfg)  # a static jit argument
+    with pytest.raises(JaxsmolError, match="config.json"):
+        Config.load(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(JaxsmolError, match="cannot read"):
+        Config.load(tmp_path)
