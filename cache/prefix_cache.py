@@ -93,7 +93,9 @@ class PrefixCache:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.budget_bytes // self.bytes_per_token
+        """Positions whose state fits the byte budget (radix mode also keeps a prompt's last logits)."""
+        logits_bytes = 4 * self.engine.cfg.vocab_size if self.mode == "radix" else 0
+        return max(self.budget_bytes - logits_bytes, 0) // self.bytes_per_token
 
     @property
     def bytes_held(self) -> int:
@@ -113,7 +115,8 @@ class PrefixCache:
             return "cache disabled"
         if n <= 1:
             return "prompt has at most one token"
-        if (n - 1) > self.capacity_tokens:
+        stored = n - 1 if self.mode == "minimal" else n  # the lab's snapshot leaves out the last token
+        if stored > self.capacity_tokens:
             return f"prompt exceeds the cache capacity ({self.capacity_tokens} tokens)"
         return None
 
@@ -201,6 +204,7 @@ class PrefixCache:
             tokens = tokens[: int(gen.kv.pos)]
             added = self.radix.insert(ns, tokens, gen.kv.segment)
         report.saved += added
+        self.stats.saves += 1
         self._sync()
 
 
@@ -217,13 +221,21 @@ class CachedRequest:
         self.gen = cache.engine.start(prompt, sp, prefix=prefix, prefix_len=report.reused,
                                       prefix_logits=logits, on_prefill=on_prefill)
 
+    def _release(self) -> None:
+        """Unpin the matched entries (once), so they may be evicted again."""
+        if self._match is not None and self.report.reused:
+            self.cache.radix.release(self._match)
+        self._match = None
+
+    def __del__(self):  # a request dropped before it ran still unpins its entries
+        self._release()
+
     def __iter__(self):
         cache, report = self.cache, self.report
         try:
             yield from self.gen
         finally:
-            if self._match is not None and report.reused:
-                cache.radix.release(self._match)
+            self._release()
             report.prefilled = self.gen.timings.prefilled_tokens
             cache.stats.tokens_reused += report.reused
             cache.stats.tokens_prefilled += report.prefilled

@@ -160,7 +160,9 @@ class RadixStore:
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
         upper = _Node(node.tokens[:at], self._slice(node.segment, 0, at), node.parent)
-        upper.last_used, upper.leases = node.last_used, node.leases
+        # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
+        # evicted meanwhile, since it is not a leaf while that child exists.
+        upper.last_used = node.last_used
         node.parent.children[node.tokens[0]] = upper
         lower_segment = self._slice(node.segment, at, len(node.tokens))
         self.bytes_held += _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)

@@ -31,12 +31,32 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * w
 
 
+ATTN_TILE = 64  # queries are processed in tiles of this many rows (see `attention`)
+
+
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
-    """Causal attention of the chunk's queries over the cache of one layer.
+    """Causal attention of the chunk's queries over the cache of one layer, in 64-row query tiles.
 
     q [B, T, K, G, H] (already scaled, RoPE applied), at positions pos..pos+T-1;
     k_all, v_all [L, B, S, K, H], the chunk's own keys already written. Returns [B, T, K, G, H].
+
+    Why tiles: XLA:CPU fuses the running-softmax update differently for different T (measured:
+    exp(m - max(m, s)) over [1, 9, 1, T] differs in the last bit between T=64 and T=512), so a row's
+    result would depend on the chunk it arrived in. Every tile runs the same compiled program, so a
+    row gets the same bits whatever chunk length and offset carried it.
     """
+    B, T, K, G, H = q.shape
+    if T <= ATTN_TILE or T % ATTN_TILE:  # decode steps, and odd lengths outside the engine's buckets
+        return _attention_tile(q, k_all, v_all, layer, pos)
+    n = T // ATTN_TILE
+    tiles = q.reshape(B, n, ATTN_TILE, K, G, H).transpose(1, 0, 2, 3, 4, 5)  # [n, B, tile, K, G, H]
+    out = lax.map(lambda a: _attention_tile(a[0], k_all, v_all, layer, pos + a[1] * ATTN_TILE),
+                  (tiles, jnp.arange(n)))
+    return out.transpose(1, 0, 2, 3, 4, 5).reshape(B, T, K, G, H)
+
+
+def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
+    """Attention for q [B, T, K, G, H] at positions pos..pos+T-1 over key blocks 0..last in use."""
     B, T, K, G, H = q.shape
     q_pos = pos + jnp.arange(T)  # [T]
     n_blocks = (pos + T + ATTN_BLOCK - 1) // ATTN_BLOCK  # blocks holding positions <= the last query
