@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
 import uuid
 from typing import Literal, Union
@@ -16,7 +17,7 @@ from typing import Literal, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache.prefix_cache import PrefixCache
@@ -41,7 +42,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, lt=2**31)  # the sampler takes it as an int32 (>= vocab = off)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -53,7 +54,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list[StrictInt]]  # StrictInt: true/false are not token ids
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
@@ -68,6 +69,47 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                    headers=None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
                         status_code=status, headers=headers)
+
+
+class _LimitsAndCounts:
+    """ASGI middleware: counts requests by endpoint and status, and refuses bodies over `limit` bytes
+    with 413: at once from the Content-Length, else (a chunked body) when the read passes the limit.
+
+    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hides the
+    client's disconnect from `Request.is_disconnected()`, which the handlers rely on to cancel jobs.
+    """
+
+    def __init__(self, app, limit: int, metrics: Metrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, seen = 500, 0  # 500 if the app raises before it answers (the error middleware sends it)
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        length = dict(scope["headers"]).get(b"content-length")
+        try:
+            if length is not None and (not length.isdigit() or int(length) > self.limit):
+                await error_response(413, f"request body over {self.limit} bytes")(scope, receive, counted_send)
+            else:
+                await self.app(scope, limited_receive, counted_send)
+        finally:
+            self.metrics.request(scope["path"], status)
 
 
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
@@ -88,15 +130,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.cache, app.state.worker, app.state.metrics = cache, worker, metrics
 
-    @app.middleware("http")
-    async def _limits_and_counts(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            response = error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
-        else:
-            response = await call_next(request)
-        metrics.request(request.url.path, response.status_code)
-        return response
+    app.add_middleware(_LimitsAndCounts, limit=MAX_BODY_BYTES, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -147,7 +181,8 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         if isinstance(body.prompt, str):
             if body.prompt == "":
                 return error_response(400, "prompt: the prompt is empty", param="prompt")
-            ids = engine.tokenizer.encode(body.prompt)
+            # tokenizing a long text takes a while: off the event loop, so other requests go on
+            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
         else:
             ids = body.prompt
         return await _serve(request, body, ids, chat=False, max_tokens=body.max_tokens,
@@ -156,7 +191,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         text = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        ids = engine.tokenizer.encode(text)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         k = (body.top_logprobs or 1) if body.logprobs else 0
         return await _serve(request, body, ids, chat=True, max_tokens=max_tokens, logprobs=k)
@@ -169,7 +204,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         try:
             engine.check_prompt(ids, max_tokens)
             sampling = [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                       top_p=body.top_p, seed=seed + i, stop_strings=tuple(stop),
+                                       top_p=body.top_p, seed=(seed + i) % 2**63, stop_strings=tuple(stop),
                                        logprobs=logprobs) for i in range(body.n)]
         except JaxsmolError as e:
             return error_response(400, str(e))
@@ -190,14 +225,18 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         return await _collect(request, job, meta, chat, len(ids))
 
     async def _next_event(request: Request, job: Job):
-        """The job's next event; cancels the job (and returns None) if the client has gone."""
+        """The job's next event; cancels the job (and returns None) if the client has gone.
+
+        The client is checked before every event, not only while none comes: tokens arriving faster
+        than the wait below must not keep a job alive after its client left."""
         while True:
+            if await request.is_disconnected():
+                job.cancelled.set()
+                return None
             try:
                 return await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                    return None
+                pass
 
     async def _collect(request, job, meta, chat, n_prompt):
         choices, usage = {}, _usage(n_prompt)
@@ -317,4 +356,10 @@ def serve(engine, host: str, port: int, **kw) -> None:
     import uvicorn
 
     app = create_app(engine, **kw)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120)
+    # uvicorn drains on SIGTERM, then raises the signal again once it has restored the previous handler:
+    # with the default handler that kills the drained process (exit status -15). A drained stop is a clean exit.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

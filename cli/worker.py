@@ -48,6 +48,7 @@ class Worker(threading.Thread):
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.lock = threading.Lock()  # held while the model or the cache is in use
         self.busy = False
+        self.stopping = threading.Event()
 
     def submit(self, job: Job) -> None:
         try:
@@ -56,11 +57,21 @@ class Worker(threading.Thread):
             raise QueueFull from None
 
     def stop(self) -> None:
-        """Finish the queued jobs, then exit."""
-        self.jobs.put(None)
+        """Finish the queued jobs, then exit (never blocks, even with a full queue)."""
+        self.stopping.set()
 
     def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                if self.stopping.is_set():
+                    return
+                continue
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.cancelled += 1
+                job.emit("end")
+                continue
             self.busy = True
             try:
                 with self.lock:

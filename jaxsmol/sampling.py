@@ -29,7 +29,7 @@ class SamplingParams:
         checks = [
             (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0 <= self.top_k < 2**31, f"top_k must be in [0, 2^31), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (0 <= self.seed < 2**63, f"seed must be a non-negative integer, got {self.seed}"),
