@@ -9,6 +9,11 @@ Modes:
 
 Keys are namespaced by the model fingerprint (config, dtype, weights) and an optional salt.
 
+A second tier on disk (`disk=DiskStore(...)`, cache/disk.py), radix mode: evicted entries are written
+there while its budget allows, a lookup that finds a longer prefix there than in memory brings it back
+first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
+`snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
+
 Exactness: a warm run gives the bits of a cold run. Prefill chunks are >= 64 rows wherever they
 start (see jaxsmol/engine.py), and the generated tokens' state is saved only after re-prefilling
 it the same way (`exact=True`), because single-token decode rows differ from prefill rows in the
@@ -22,6 +27,7 @@ from collections import Counter
 
 import numpy as np
 
+from cache.disk import DiskStore, Snapshot, SnapshotError
 from cache.minimal import SingleSnapshotStore
 from cache.radix import RadixStore
 from jaxsmol.engine import Engine, Generation
@@ -45,6 +51,10 @@ class CacheStats:
     tokens_prefilled: int = 0
     bytes_held: int = 0
     evictions: int = 0
+    disk_loads: int = 0  # entries brought back from the disk tier
+    disk_writes: int = 0  # entries written to the disk tier
+    disk_refused: int = 0  # disk entries that failed verification (dropped)
+    disk_bytes: int = 0  # bytes held by the disk tier
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -66,6 +76,7 @@ class CacheReport:
     divergence_pos: int | None = None  # the first position where the prompt and that sequence differ
     saved: int = 0  # positions newly stored by this request
     snapshot_bytes: int = 0  # bytes of the state restored or saved for this prompt
+    disk_loaded: int = 0  # positions brought back from the disk tier for this request
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,7 +84,7 @@ class CacheReport:
 
 class PrefixCache:
     def __init__(self, engine: Engine, mode: str = "radix", budget_bytes: int = 2 << 30, salt: str = "",
-                 save_generated: bool = True, exact: bool = True):
+                 save_generated: bool = True, exact: bool = True, disk: DiskStore | None = None):
         if mode not in MODES:
             raise JaxsmolError(f"cache mode must be one of {', '.join(MODES)}, got {mode!r}")
         if budget_bytes < 0:
@@ -85,6 +96,9 @@ class PrefixCache:
         self.radix = RadixStore(budget_bytes, seq_axis=SEQ_AXIS)
         self.single = SingleSnapshotStore()
         self.stats = CacheStats()
+        self.disk = disk if mode != "off" else None
+        if self.disk is not None and mode == "radix":
+            self.radix.on_evict = self._spill
         engine.fingerprint  # hash the weights now, not inside the first request's time to first token
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -102,13 +116,18 @@ class PrefixCache:
         return self.radix.bytes_held + self.single.bytes_held
 
     def flush(self) -> None:
+        """Forget every entry, the disk tier's too."""
         self.radix.clear()
         self.single.clear()
+        if self.disk is not None:
+            self.disk.clear()
         self._sync()
 
     def _sync(self) -> None:
         self.stats.bytes_held = self.bytes_held
         self.stats.evictions = self.radix.evictions
+        if self.disk is not None:
+            self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
 
     def _bypass_reason(self, n: int, bypass: bool) -> str | None:
         if self.mode == "off" or bypass:
@@ -139,6 +158,8 @@ class PrefixCache:
                 prefix = self.single.snapshot.value
         else:
             match = self.radix.match(ns, prompt)
+            if self.disk is not None and match.payload is None:
+                match = self._from_disk(ns, prompt, match, report)
             report.matched = match.length
             report.exact_hit = match.payload is not None
             report.reused = n if report.exact_hit else min(match.length, n - 1)
@@ -164,6 +185,104 @@ class PrefixCache:
         for _ in req:
             pass
         return req.gen, req.report
+
+    # ---- moving snapshots in and out (files, the disk tier) ----------------------------------------
+    def snapshot_of(self, tokens, salt: str | None = None) -> Snapshot | None:
+        """The stored state of the longest stored prefix of `tokens` (minimal mode: the one snapshot),
+        with the logits of every stored key along it; None if nothing is stored."""
+        ns = self.namespace(salt)
+        if self.mode == "minimal":
+            s = self.single.snapshot
+            if s is None or s.namespace != ns or not s.tokens:
+                return None
+            return Snapshot(s.tokens, np.asarray(s.value.k), np.asarray(s.value.v), salt=ns[1])
+        match = self.radix.match(ns, tokens)
+        if match.length == 0:
+            return None
+        seg = self.radix.gather(match)
+        return Snapshot(self.radix.tokens(match), seg["k"], seg["v"], self.radix.payloads(match), salt=ns[1])
+
+    def add_snapshot(self, snap: Snapshot, salt: str | None = None) -> None:
+        """Store `snap` (and an exact entry for each prefix it has logits for); `salt` defaults to its own."""
+        ns = self.namespace(snap.salt if salt is None else salt)
+        if self.mode == "minimal":
+            value = KVCache.from_segment(snap.segment(0, snap.length))
+            self.single.save(ns, snap.tokens, value, snap.length * self.bytes_per_token)
+        elif self.mode == "radix":
+            for n in sorted(snap.logits):  # shorter keys first: each insert stores only what is new
+                self.radix.insert(ns, snap.tokens[:n], snap.segment, payload=snap.logits[n])
+            self.radix.insert(ns, snap.tokens, snap.segment)
+        self._sync()
+
+    def _spill(self, ns, match) -> None:
+        """The radix store is evicting this key: keep it on disk if the disk budget allows."""
+        if ns[0] != self.engine.fingerprint:
+            return
+        seg = self.radix.gather(match)
+        snap = Snapshot(self.radix.tokens(match), seg["k"], seg["v"], self.radix.payloads(match), salt=ns[1])
+        try:
+            self.disk.put(snap)
+        except OSError:  # a full or broken disk costs the entry, never the request
+            pass
+
+    def _from_disk(self, ns, prompt, match, report: CacheReport):
+        """On a memory miss or partial match: if the disk tier holds a longer usable prefix, bring it
+        into memory and match again."""
+        n = len(prompt)
+        entry, common = self.disk.find(ns[1], prompt)
+        if entry is None:
+            return match
+        usable = n if common == n and n in entry.logits_at else min(common, n - 1)
+        if usable <= min(match.length, n - 1):
+            return match
+        try:
+            snap = self.disk.load(entry, prompt)
+        except SnapshotError:
+            self.stats.disk_refused += 1
+            return match
+        self.add_snapshot(snap, salt=ns[1])
+        self.stats.disk_loads += 1
+        report.disk_loaded = usable
+        return self.radix.match(ns, prompt)
+
+    def persist_to_disk(self) -> int:
+        """Write every stored key to the disk tier (least recently used first, so that the newest stay
+        when the disk budget is short). Returns the number of keys on disk afterwards."""
+        if self.disk is None:
+            return 0
+        keys = []
+        if self.mode == "radix":
+            keys = [(ns, self.radix.tokens(m)) for ns, m in self.radix.keys() if ns[0] == self.engine.fingerprint]
+        elif self.single.snapshot is not None:
+            keys = [(self.single.snapshot.namespace, self.single.snapshot.tokens)]
+        for ns, tokens in keys:
+            snap = self.snapshot_of(tokens, salt=ns[1])
+            if snap is not None:
+                self.disk.put(snap)
+        self._sync()
+        return len(self.disk)
+
+    def warm_from_disk(self) -> int:
+        """Fill memory from the disk tier, most recently used first, while they fit the memory budget.
+        Returns the number of entries loaded."""
+        if self.disk is None:
+            return 0
+        chosen, total = [], 0
+        for e in self.disk.newest_first():
+            if total + e.nbytes > self.budget_bytes or (self.mode == "minimal" and chosen):
+                break
+            chosen.append(e)
+            total += e.nbytes
+        loaded = 0
+        for e in reversed(chosen):  # oldest first, so the newest end up most recently used
+            try:
+                self.add_snapshot(self.disk.load(e))
+                loaded += 1
+            except SnapshotError:
+                self.stats.disk_refused += 1
+        self.stats.disk_loads += loaded
+        self._sync()
+        return loaded
 
     # ---- saving -----------------------------------------------------------------------------------
     def _save_prompt(self, ns, prompt, kv: KVCache, logits, report: CacheReport) -> None:
@@ -191,9 +310,7 @@ class PrefixCache:
             self.radix.acquire(match)
             try:
                 prefix = KVCache.from_segment(self.radix.gather(match, len(prompt)))
-                slots = self.engine.slots_needed(len(prompt), len(tokens), 0)
-                from jaxsmol.engine import capacity_for
-                kv = KVCache.restore(prefix, capacity_for(slots))
+                kv = self.engine.restore(prefix, self.engine.slots_needed(len(prompt), len(tokens), 0))
                 logits, kv = self.engine.prefill(tokens, kv)
                 added = self.radix.insert(ns, tokens, kv.segment, payload=np.array(np.asarray(logits)[0]))
             finally:

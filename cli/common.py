@@ -21,6 +21,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads and MLP columns)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -35,13 +37,28 @@ def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled XLA programs under the data directory so the next process skips compiles."""
-    import jax
+def compilation_cache_dir():
+    """Where compiled programs are kept: $JAXSMOL_COMPILE_CACHE (a directory, or `off` for none),
+    else the data directory's xla-cache."""
+    from pathlib import Path
 
     from jaxsmol.default_model import data_home
 
-    jax.config.update("jax_compilation_cache_dir", str(data_home() / "xla-cache"))
+    setting = os.environ.get("JAXSMOL_COMPILE_CACHE", "").strip()
+    if setting.lower() == "off":
+        return None
+    return Path(setting).expanduser() if setting else data_home() / "xla-cache"
+
+
+def enable_compilation_cache() -> None:
+    """Keep compiled XLA programs on disk so the next process skips compiles (see compilation_cache_dir)."""
+    import jax
+
+    path = compilation_cache_dir()
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -49,7 +66,11 @@ def load_engine(args):
     from jaxsmol.engine import Engine
 
     enable_compilation_cache()
-    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty())
+    mesh = None
+    if args.tp * args.dp > 1 or args.tp < 1 or args.dp < 1:
+        from jaxsmol.sharding import make_mesh
+        mesh = make_mesh(tp=args.tp, dp=args.dp)
+    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty(), mesh=mesh)
 
 
 def prompt_ids(args, engine) -> list[int]:
@@ -65,6 +86,41 @@ def prompt_ids(args, engine) -> list[int]:
         messages = ([{"role": "system", "content": args.system}] if getattr(args, "system", None) else [])
         text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
     return engine.tokenizer.encode(text)
+
+
+def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-cache", metavar="FILE",
+                   help="reuse the prompt prefix saved in FILE (if it is there and fits this model), "
+                        "then save this request's state to it")
+
+
+def open_prompt_cache(engine, path, prompt, mode: str = "radix"):
+    """(PrefixCache seeded from FILE, PromptCacheReport) for --prompt-cache. A file that cannot be used
+    is a one-line warning on stderr; the request then runs cold."""
+    from cache.disk import load_prompt_cache
+    from cache.prefix_cache import PrefixCache
+
+    cache = PrefixCache(engine, mode=mode)
+    report = load_prompt_cache(cache, path, prompt)
+    if report.refused:
+        print(f"warning: prompt cache not used: {report.refused}", file=sys.stderr)
+    return cache, report
+
+
+def warn_refused(probe_result: dict) -> None:
+    refused = (probe_result.get("prompt_cache") or {}).get("refused")
+    if refused:
+        print(f"warning: prompt cache not used: {refused}", file=sys.stderr)
+
+
+def close_prompt_cache(cache, report, tokens) -> None:
+    """Save the state of `tokens` (the prompt, plus the answer where stored) to the prompt cache file."""
+    from cache.disk import save_prompt_cache
+
+    try:
+        save_prompt_cache(cache, report.file, tokens, report)
+    except OSError as e:
+        print(f"warning: cannot write prompt cache {report.file}: {e}", file=sys.stderr)
 
 
 def user_errors(main):

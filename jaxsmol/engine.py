@@ -27,6 +27,7 @@ from jaxsmol.kv import KVCache
 from jaxsmol.model import ATTN_BLOCK, forward
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
+from jaxsmol.sharding import describe, shard_params
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
 MIN_CAPACITY = 2 * ATTN_BLOCK
@@ -104,8 +105,12 @@ class Step:
 class Engine:
     """A loaded model. Stateless between requests: every request gets its own immutable caches."""
 
-    def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None):
-        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+    def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None,
+                 mesh=None):
+        """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
+        if mesh is not None:
+            params = shard_params(params, mesh)
+        self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
         self.ctx = cfg.max_position if ctx is None else int(ctx)
         if not 0 < self.ctx <= cfg.max_position:
             raise JaxsmolError(f"context length {self.ctx} must be in [1, {cfg.max_position}] "
@@ -115,7 +120,7 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
-             progress: bool = True) -> "Engine":
+             progress: bool = True, mesh=None) -> "Engine":
         """Load a Hugging Face checkpoint directory, or the bundled default model when None."""
         from jaxsmol.tokenizer import Tokenizer
 
@@ -132,12 +137,13 @@ class Engine:
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
         params = load_params(model_dir, cfg, getattr(jnp, dtype))
-        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir)
+        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh)
 
     # ---- identity -------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """A hash of config, dtype and every weight byte: caches keyed by it never mix models."""
+        """A hash of config, dtype and every weight byte, plus the device layout: caches keyed by it
+        never mix models, nor states computed under different shardings (their last bits differ)."""
         if self._fingerprint is None:
             import hashlib
 
@@ -145,7 +151,7 @@ class Engine:
             for leaf in jax.tree.leaves(self.params):
                 h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
                 h.update(np.asarray(leaf).tobytes())
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = h.hexdigest() + ("" if self.mesh is None else "@" + describe(self.mesh))
         return self._fingerprint
 
     @property
@@ -175,7 +181,11 @@ class Engine:
 
     # ---- the forward, chunked -------------------------------------------------------------------
     def new_cache(self, slots: int) -> KVCache:
-        return KVCache.zeros(self.cfg, capacity_for(slots), dtype=self.params.embed.dtype)
+        return KVCache.zeros(self.cfg, capacity_for(slots), dtype=self.params.embed.dtype, mesh=self.mesh)
+
+    def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
+        """A device cache for `slots` slots holding the first `length` positions of a host snapshot."""
+        return KVCache.restore(snapshot, capacity_for(slots), length, mesh=self.mesh)
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
@@ -207,7 +217,7 @@ class Engine:
         for cap in sorted({capacity_for(s) for s in (slots, slots + PREFILL_BUCKETS[-1])}):
             for T in PREFILL_BUCKETS + (1,):
                 if T <= cap:
-                    kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype)
+                    kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
                     _forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
         _sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
                 jnp.float32(1)).block_until_ready()
@@ -265,7 +275,7 @@ class Generation:
         n = len(self.prompt_ids)
         slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens)
         if self._prefix is not None:
-            kv = KVCache.restore(self._prefix, capacity_for(slots), self._prefix_len)
+            kv = eng.restore(self._prefix, slots, self._prefix_len)
         else:
             kv = eng.new_cache(slots)
         if self._prefix_len < n:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.config import Config
+from jaxsmol.sharding import kv_sharding
 
 SEQ_AXIS = 2  # the slot axis of k and v
 
@@ -32,9 +33,12 @@ class KVCache:
     pos: jax.Array  # int32 []
 
     @classmethod
-    def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32) -> "KVCache":
+    def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32, mesh=None) -> "KVCache":
+        """An empty cache; with a mesh, placed as `sharding.kv_sharding` says."""
         shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=jnp.zeros((), jnp.int32))
+        device = None if mesh is None else kv_sharding(mesh, shape)
+        return cls(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device),
+                   pos=jnp.zeros((), jnp.int32))
 
     @property
     def capacity(self) -> int:
@@ -68,10 +72,11 @@ class KVCache:
         return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
 
     @classmethod
-    def restore(cls, snapshot: "KVCache", capacity: int, length: int | None = None) -> "KVCache":
+    def restore(cls, snapshot: "KVCache", capacity: int, length: int | None = None, mesh=None) -> "KVCache":
         """A device cache of `capacity` slots holding the first `length` positions of `snapshot`.
 
         Positions past `length` are zero (never read, see module docstring); the snapshot is untouched.
+        A host snapshot has no layout, so it is placed for `mesh` whatever layout computed it.
         """
         n = int(snapshot.pos) if length is None else length
         assert n <= snapshot.k.shape[SEQ_AXIS] and n <= capacity
@@ -79,6 +84,6 @@ class KVCache:
         def fill(a):
             buf = np.zeros(a.shape[:SEQ_AXIS] + (capacity,) + a.shape[SEQ_AXIS + 1:], a.dtype)
             buf[:, :, :n] = a[:, :, :n]
-            return jnp.asarray(buf)
+            return jnp.asarray(buf) if mesh is None else jax.device_put(buf, kv_sharding(mesh, buf.shape))
 
         return cls(k=fill(snapshot.k), v=fill(snapshot.v), pos=jnp.asarray(n, jnp.int32))
