@@ -109,3 +109,37 @@ def test_cli_refuses_a_mesh_larger_than_the_devices():
                        text=True, timeout=300, env=ENV)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "needs 8 devices, but only 4 are visible" in r.stderr
+
+
+@pytest.mark.real
+def test_daemon_serves_with_a_mesh(tmp_path):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "1024",
+                             "--tp", "3"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
+        answers = []
+        for _ in range(2):
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            answers.append(json.loads(urllib.request.urlopen(req, timeout=300).read()))
+        assert answers[0]["choices"][0]["text"].startswith(" Paris")
+        assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+        assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
