@@ -30,6 +30,9 @@ from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
 from jaxsmol.sharding import describe, shard_params
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
+# The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
+# padding, but those rows differ from a cold prefill's in the last bits.
+FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
 MIN_CAPACITY = 2 * ATTN_BLOCK
 
 # The only jit sites. The cache argument is donated: every caller hands over a buffer that nothing
@@ -39,11 +42,12 @@ _sample = jax.jit(sample)
 _top_logprobs = jax.jit(top_logprobs, static_argnames=("k",))
 
 
-def chunk_plan(n: int) -> list[int]:
+def chunk_plan(n: int, exact: bool = True) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
+    buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
     plan = []
     while n > 0:
-        T = next((b for b in PREFILL_BUCKETS if b >= n), PREFILL_BUCKETS[-1])
+        T = next((b for b in buckets if b >= n), buckets[-1])
         plan.append(T)
         n -= min(T, n)
     return plan
@@ -57,13 +61,14 @@ def capacity_for(slots: int) -> int:
     return cap
 
 
-def compile_bound(ctx: int) -> int:
+def compile_bound(ctx: int, exact: bool = True) -> int:
     """At most this many forward programs are ever compiled for a context of `ctx` tokens:
     one per (chunk length, capacity) plus one decode program per capacity."""
     n_caps = 1
     while capacity_for(ctx + PREFILL_BUCKETS[-1]) > MIN_CAPACITY * 2 ** (n_caps - 1):
         n_caps += 1
-    return (len(PREFILL_BUCKETS) + 1) * n_caps
+    lengths = set(PREFILL_BUCKETS if exact else FAST_BUCKETS) | {1}
+    return len(lengths) * n_caps
 
 
 @dataclasses.dataclass
@@ -187,19 +192,20 @@ class Engine:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot."""
         return KVCache.restore(snapshot, capacity_for(slots), length, mesh=self.mesh)
 
-    def slots_needed(self, start: int, n_prompt: int, max_tokens: int) -> int:
+    def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
-        chunks_end = start + sum(chunk_plan(n_prompt - start))
+        chunks_end = start + sum(chunk_plan(n_prompt - start, exact))
         return max(chunks_end, n_prompt + max_tokens)
 
-    def prefill(self, ids: list[int], kv: KVCache) -> tuple[jax.Array, KVCache]:
+    def prefill(self, ids: list[int], kv: KVCache, exact: bool = True) -> tuple[jax.Array, KVCache]:
         """Feed ids[kv.pos:] into kv in bucketed chunks; return (logits [1, V] after ids[-1], kv).
 
         `kv` is donated. Requires kv.pos < len(ids) and enough capacity (see slots_needed).
+        exact=False allows the short FAST_BUCKETS (not bit-identical to a cold prefill).
         """
         start = int(kv.pos)
         logits = None
-        for T in chunk_plan(len(ids) - start):
+        for T in chunk_plan(len(ids) - start, exact):
             n = min(T, len(ids) - start)
             chunk = np.zeros((1, T), np.int32)
             chunk[0, :n] = ids[start:start + n]
@@ -215,7 +221,7 @@ class Engine:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
         decode, for the capacities on the way), so later timings measure compute, not compilation."""
         for cap in sorted({capacity_for(s) for s in (slots, slots + PREFILL_BUCKETS[-1])}):
-            for T in PREFILL_BUCKETS + (1,):
+            for T in FAST_BUCKETS:
                 if T <= cap:
                     kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
                     _forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
@@ -235,11 +241,12 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------
     def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
               prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
-              on_prefill: Callable[[KVCache, jax.Array], None] | None = None) -> "Generation":
+              on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True) -> "Generation":
         """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
-        with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling."""
+        with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
+        exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold)."""
         return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
-                          prefix_logits, on_prefill)
+                          prefix_logits, on_prefill, exact)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> "Generation":
         gen = self.start(prompt_ids, sp, **kw)
@@ -252,7 +259,7 @@ class Generation:
     """An in-flight request: iterate it for `Step`s; afterwards read output_ids, text, finish_reason, timings."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
-                 prefix_logits, on_prefill):
+                 prefix_logits, on_prefill, exact: bool = True):
         n = len(prompt_ids)
         if prefix is not None and not 0 < prefix_len <= min(n, int(prefix.pos)):
             raise JaxsmolError(f"prefix_len {prefix_len} must be in [1, {min(n, int(prefix.pos))}]")
@@ -260,7 +267,7 @@ class Generation:
             raise JaxsmolError("reusing the whole prompt needs the logits stored with it")
         self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
         self._prefix, self._prefix_len, self._prefix_logits = prefix, prefix_len if prefix is not None else 0, prefix_logits
-        self._on_prefill = on_prefill
+        self._on_prefill, self._exact = on_prefill, exact
         self.output_ids: list[int] = []
         self.logprobs: list[dict] = []
         self.text = ""
@@ -273,13 +280,15 @@ class Generation:
         eng, sp, cfg = self.engine, self.sp, self.engine.cfg
         t0 = time.perf_counter()
         n = len(self.prompt_ids)
-        slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens)
+        # only a suffix after a restored prefix takes the fast path: a cold prefill is always exact
+        exact = self._exact or self._prefix is None
+        slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens, exact)
         if self._prefix is not None:
             kv = eng.restore(self._prefix, slots, self._prefix_len)
         else:
             kv = eng.new_cache(slots)
         if self._prefix_len < n:
-            logits, kv = eng.prefill(self.prompt_ids, kv)
+            logits, kv = eng.prefill(self.prompt_ids, kv, exact)
         else:  # exact full hit: the stored logits stand in for the forward
             logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
         self.timings.prefilled_tokens = n - self._prefix_len
