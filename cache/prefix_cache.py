@@ -17,7 +17,9 @@ first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a r
 Exactness: a warm run gives the bits of a cold run. Prefill chunks are >= 64 rows wherever they
 start (see jaxsmol/engine.py), and the generated tokens' state is saved only after re-prefilling
 it the same way (`exact=True`), because single-token decode rows differ from prefill rows in the
-last bits on XLA:CPU. With exact=False the decode state is saved as is (cheaper, not bitwise).
+last bits on XLA:CPU. With exact=False (the non-bitwise fast path) a short suffix after a restore is
+prefilled in 1, 16 or 32 rows instead of 64, and the decode state is saved as is: cheaper, but a
+warm run may then differ from a cold one in the last bits (and rarely in a sampled token).
 """
 
 from __future__ import annotations
@@ -336,7 +338,7 @@ class CachedRequest:
             def on_prefill(kv, lg):
                 cache._save_prompt(ns, prompt, kv, lg, report)
         self.gen = cache.engine.start(prompt, sp, prefix=prefix, prefix_len=report.reused,
-                                      prefix_logits=logits, on_prefill=on_prefill)
+                                      prefix_logits=logits, on_prefill=on_prefill, exact=cache.exact)
 
     def _release(self) -> None:
         """Unpin the matched entries (once), so they may be evicted again."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxsmol.engine import Engine
 from jaxsmol.sampling import SamplingParams
 
+from cache.disk import load_prompt_cache, save_prompt_cache
 from cache.prefix_cache import PrefixCache
 
 
@@ -20,11 +21,16 @@ def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
 
 
 def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "minimal",
-              then_ids=None, budget_bytes: int = 2 << 30, warmup: bool = True, **sampling) -> dict:
+              then_ids=None, budget_bytes: int = 2 << 30, warmup: bool = True, prompt_cache=None,
+              **sampling) -> dict:
     """Cold run on an empty cache, then a warm run of the same prompt (or of `then_ids`).
 
     With `then_ids`, the warm prompt differs, so its output is compared with an uncached run of
     the same prompt. Compilation is done beforehand (`warmup`) so that times compare compute only.
+
+    With `prompt_cache` (a file path), the cache starts from the snapshot saved there (so the first run
+    may reuse it: that is its point), the outputs are compared with an uncached run, and the state of
+    the second prompt (and its answer) is saved back to the file.
     """
     sp = SamplingParams(max_tokens=max_tokens, **sampling)
     prompt = engine.check_prompt(prompt_ids, max_tokens)
@@ -32,9 +38,15 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "m
     if warmup:
         engine.warmup(max(len(prompt), len(second)) + max_tokens)
     cache = PrefixCache(engine, mode=mode, budget_bytes=budget_bytes)
+    pc = load_prompt_cache(cache, prompt_cache, prompt) if prompt_cache else None
     cold = _run(cache, prompt, sp)
     warm = _run(cache, second, sp)
-    reference = cold if second is prompt else _run(PrefixCache(engine, mode="off"), second, sp)
+    if second is prompt and not cold["tokens_reused"]:
+        reference = cold
+    else:
+        reference = _run(PrefixCache(engine, mode="off"), second, sp)
+    if pc is not None:
+        save_prompt_cache(cache, prompt_cache, second + warm["output_ids"], pc)
     identical = (warm["output_ids"] == reference["output_ids"]
                  and (warm["prompt_logits"] == reference["prompt_logits"]).all())
     for r in (cold, warm, reference):
@@ -42,5 +54,5 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "m
     return {
         "mode": mode, "max_tokens": max_tokens, "cold": cold, "warm": warm,
         "identical": bool(identical), "ttft_speedup": cold["ttft_s"] / max(warm["ttft_s"], 1e-9),
-        "stats": cache.stats.as_dict(),
+        "stats": cache.stats.as_dict(), **({"prompt_cache": pc.as_dict()} if pc is not None else {}),
     }

@@ -11,7 +11,8 @@ the matched tokens provides the value of the match (the first `length` positions
 depend on those positions' tokens, which is what a causal model's KV state is).
 
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
-nodes on the path of a lease (an entry in use) are never evicted.
+nodes on the path of a lease (an entry in use) are never evicted. `on_evict(namespace, match)`, when
+set, is called with a victim's whole key before it goes (a second tier may keep it).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class RadixStore:
         self._clock = itertools.count(1)
         self.bytes_held = 0
         self.evictions = 0
+        self.on_evict = None  # callable(namespace, Match of the victim's whole key), or None
 
     # ---- helpers ---------------------------------------------------------------------------
     def _slice(self, value, start, stop):
@@ -126,6 +128,36 @@ class RadixStore:
             if depth == length:
                 break
         return parts[0] if len(parts) == 1 else self._concat(parts)
+
+    @staticmethod
+    def tokens(match: Match) -> tuple:
+        """The first match.length tokens of the key a match follows."""
+        return tuple(t for node in match.path for t in node.tokens)[: match.length]
+
+    @staticmethod
+    def payloads(match: Match) -> dict:
+        """{prefix length: payload} of the stored keys that end on the match's path, within its length."""
+        out, depth = {}, 0
+        for node in match.path:
+            depth += len(node.tokens)
+            if depth <= match.length and node.payload is not None:
+                out[depth] = node.payload
+        return out
+
+    def _key_of(self, node: _Node):
+        """(namespace, Match) of the whole key that ends at `node`."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        namespace = next(ns for ns, root in self._roots.items() if root is node)
+        path.reverse()
+        return namespace, Match(length=sum(len(n.tokens) for n in path), path=path)
+
+    def keys(self):
+        """(namespace, Match) of every stored key that no other extends (a leaf), least recently used first."""
+        for leaf in sorted(self._leaves(), key=lambda n: n.last_used):
+            yield self._key_of(leaf)
 
     # ---- insert ------------------------------------------------------------------------------
     def insert(self, namespace, tokens, value_of, payload=None) -> int:
@@ -195,6 +227,8 @@ class RadixStore:
             if not candidates:
                 return  # everything left is in use: over budget until released
             victim = min(candidates, key=lambda n: n.last_used)
+            if self.on_evict is not None:
+                self.on_evict(*self._key_of(victim))
             del victim.parent.children[victim.tokens[0]]
             self.bytes_held -= victim.nbytes
             self.evictions += 1

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-from cli.common import ArgumentParser, add_model_args, add_sampling_args, load_engine, sampling_kwargs, user_errors
+from cli.common import (ArgumentParser, add_model_args, add_sampling_args, close_prompt_cache, load_engine,
+                        open_prompt_cache, warn_refused, sampling_kwargs, user_errors)
 from cli.main import add_probe_args, print_probe
 
 
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.predict < 0:
         p.error(f"--predict must be >= 0, got {args.predict}")
+    if args.url and args.prompt_cache:
+        p.error("--prompt-cache runs the model in this process; it does not go with --url")
     if args.url:
         from cli.client import complete, remote_probe
 
@@ -63,15 +66,29 @@ def main(argv=None) -> int:
         from cache.probe import run_probe
 
         result = run_probe(engine, args.ids, args.predict, mode=args.cache_mode, then_ids=args.then,
-                           budget_bytes=args.cache_bytes, **sampling_kwargs(args))
+                           budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))
+        warn_refused(result)
         print(json.dumps(result)) if args.json else print_probe(result)
         return 0
     from jaxsmol.sampling import SamplingParams
 
-    gen = engine.generate(args.ids, SamplingParams(max_tokens=args.predict, **sampling_kwargs(args)))
+    sp = SamplingParams(max_tokens=args.predict, **sampling_kwargs(args))
+    cache_out = None
+    if args.prompt_cache:
+        ids = engine.check_prompt(args.ids, args.predict)
+        cache, pc = open_prompt_cache(engine, args.prompt_cache, ids, mode=args.cache_mode)
+        gen, report = cache.generate(ids, sp)
+        close_prompt_cache(cache, pc, ids + gen.output_ids)
+        cache_out = {"reused": report.reused, "source": "prompt-cache" if report.reused else None,
+                     "refused": pc.refused, "file": pc.file, "saved": pc.saved}
+    else:
+        gen = engine.generate(args.ids, sp)
     if args.json:
-        print(json.dumps({"prompt_ids": args.ids, "output_ids": gen.output_ids, "text": gen.text,
-                          "timings": gen.timings.as_dict()}))
+        out = {"prompt_ids": args.ids, "output_ids": gen.output_ids, "text": gen.text,
+               "timings": gen.timings.as_dict()}
+        if cache_out is not None:
+            out["cache"] = cache_out
+        print(json.dumps(out))
     else:
         print(" ".join(map(str, gen.output_ids)))
     return 0

@@ -1,12 +1,12 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, import-gguf."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, serve, bench, import-gguf."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from cli.common import (ArgumentParser, add_model_args, add_sampling_args, load_engine, prompt_ids,
-                        sampling_kwargs, user_errors)
+from cli.common import (ArgumentParser, add_model_args, add_prompt_cache_arg, add_sampling_args, close_prompt_cache,
+                        load_engine, open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, user_errors)
 
 
 def _generate(args) -> int:
@@ -16,16 +16,28 @@ def _generate(args) -> int:
     ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
                         logprobs=args.logprobs, **sampling_kwargs(args))
-    gen = engine.start(ids, sp)
+    if args.prompt_cache:
+        cache, pc = open_prompt_cache(engine, args.prompt_cache, ids)
+        req = cache.start(ids, sp)
+        gen, steps = req.gen, req
+    else:
+        gen = steps = engine.start(ids, sp)
     stream = not args.json and not args.no_stream
-    for step in gen:
+    for step in steps:
         if stream:
             sys.stdout.write(step.text)
             sys.stdout.flush()
     t = gen.timings
+    cache_out = None
+    if args.prompt_cache:
+        close_prompt_cache(cache, pc, ids + gen.output_ids)
+        cache_out = {"reused": req.report.reused, "source": "prompt-cache" if req.report.reused else None,
+                     "refused": pc.refused, "file": pc.file, "saved": pc.saved}
     if args.json:
         out = {"prompt_ids": ids, "output_ids": gen.output_ids, "text": gen.text,
                "finish_reason": gen.finish_reason, "timings": t.as_dict()}
+        if cache_out is not None:
+            out["cache"] = cache_out
         if args.logprobs:
             out["logprobs"] = [{"token": p["token"], "logprob": p["logprob"],
                                 "top": [{"id": i, "logprob": lp} for i, lp in p["top"]]} for p in gen.logprobs]
@@ -35,6 +47,9 @@ def _generate(args) -> int:
         print(f"[{t.prompt_tokens} prompt tokens, {t.generated_tokens} generated ({gen.finish_reason}); "
               f"ttft {t.ttft_s * 1000:.0f} ms, prefill {t.prefill_tok_s:.0f} tok/s, "
               f"decode {t.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        if cache_out is not None:
+            print(f"[prompt cache {cache_out['file']}: {cache_out['reused']} of {t.prompt_tokens} prompt tokens "
+                  f"reused, {cache_out['saved']} tokens saved]", file=sys.stderr)
     return 0
 
 
@@ -83,6 +98,10 @@ def print_probe(result: dict, tokenizer=None) -> None:
         print(f"{name:<{w0}}  {str(c):<{w1}}  {w}")
     print(f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
           f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x")
+    pc = result.get("prompt_cache")
+    if pc:
+        used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"
+        print(f"prompt cache {pc['file']}: {used}; {pc['saved']} tokens saved")
 
 
 def _cacheprobe(args) -> int:
@@ -91,7 +110,8 @@ def _cacheprobe(args) -> int:
     engine = load_engine(args)
     ids = prompt_ids(args, engine)
     result = run_probe(engine, ids, args.predict, mode=args.cache_mode, then_ids=args.then,
-                       budget_bytes=args.cache_bytes, **sampling_kwargs(args))
+                       budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))
+    warn_refused(result)
     if args.json:
         print(json.dumps(result))
     else:
@@ -106,8 +126,15 @@ def _serve(args) -> int:
     engine.warmup(512)  # compile the common programs before the first request arrives
     print(f"jaxsmol serving {engine.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
-          max_queue=args.max_queue, cache_mode=args.cache_mode)
+          max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
+          disk_cache_bytes=args.disk_cache_bytes)
     return 0
+
+
+def _bench(args) -> int:
+    from cli.bench import run_bench
+
+    return run_bench(args)
 
 
 def add_probe_args(p, default_mode: str) -> None:
@@ -117,6 +144,7 @@ def add_probe_args(p, default_mode: str) -> None:
     p.add_argument("--cache-mode", default=default_mode, choices=["radix", "minimal", "off"])
     p.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_prompt_cache_arg(p)
 
 
 def build_parser() -> ArgumentParser:
@@ -132,6 +160,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end")
+    add_prompt_cache_arg(g)
     add_sampling_args(g)
     add_model_args(g)
     g.set_defaults(func=_generate)
@@ -160,8 +189,23 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"])
     s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
+                   "memory, and all of them at shutdown; loaded back at start and on a memory miss")
+    s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
     add_model_args(s)
     s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations")
+    b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under 2 minutes)")
+    b.add_argument("--json", default="bench.json", metavar="FILE", help="write the results here (default bench.json)")
+    b.add_argument("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")
+    b.add_argument("--compare", choices=["hf"], help="also measure Hugging Face transformers (pip install -e '.[hf]')")
+    b.add_argument("--only", nargs="+", metavar="SECTION",
+                   choices=["compilations", "prefill", "decode", "ttft", "snapshot", "cli"],
+                   help="run only these sections")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    add_model_args(b)
+    b.set_defaults(func=_bench)
 
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
     i.add_argument("file")

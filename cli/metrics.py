@@ -73,9 +73,12 @@ class Metrics:
                            ("exact_hits", "Lookups answered with no forward."), ("misses", "Lookups with no reuse."),
                            ("saves", "Snapshots saved."), ("restores", "Snapshots restored."),
                            ("tokens_reused", "Prompt positions restored instead of prefilled."),
-                           ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted.")):
+                           ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
+                           ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
+                           ("disk_writes", "Entries written to the disk tier.")):
             metric(f"jaxsmol_cache_{key}_total", "counter", help_, [("", s[key])])
         metric("jaxsmol_cache_bypasses_total", "counter", "Requests that bypassed the cache, by reason.",
                [(f'{{reason="{r}"}}', n) for r, n in sorted(s["bypasses"].items())])
         metric("jaxsmol_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", s["bytes_held"])])
+        metric("jaxsmol_cache_disk_bytes", "gauge", "Bytes held by the disk tier.", [("", s["disk_bytes"])])
         return "\n".join(lines) + "\n"

@@ -2,6 +2,8 @@
 
 FastAPI validates requests; uvicorn serves them. One worker thread runs the model (cli/worker.py);
 handlers enqueue a job and relay its tokens, as one JSON body or as server-sent events.
+With `cache_dir`, the prefix cache has a second tier on disk (cache/disk.py): warmed from it before
+the first request, written to it at shutdown (and on eviction).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import time
 import uuid
 from typing import Literal, Union
@@ -113,8 +116,16 @@ class _LimitsAndCounts:
 
 
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
-               model_name: str | None = None, cache_mode: str = "radix") -> FastAPI:
-    cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes)
+               model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
+               disk_cache_bytes: int = 4 << 30) -> FastAPI:
+    disk = None
+    if cache_dir is not None and prefix_cache:
+        from cache.disk import DiskStore, identity
+
+        disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes)
+        for name, reason in disk.skipped:
+            print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
+    cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
     metrics = Metrics()
     worker = Worker(cache, max_queue, metrics)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
@@ -122,10 +133,20 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        loop = asyncio.get_running_loop()
+        if cache.disk is not None:
+            n = await loop.run_in_executor(None, cache.warm_from_disk)
+            print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
         worker.start()
         yield
         worker.stop()  # queued jobs finish first (SIGTERM drains)
-        await asyncio.get_running_loop().run_in_executor(None, worker.join, 120)
+        await loop.run_in_executor(None, worker.join, 120)
+        if cache.disk is not None:
+            def _persist():
+                with worker.lock:
+                    return cache.persist_to_disk()
+            n = await loop.run_in_executor(None, _persist)
+            print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
 
     app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.cache, app.state.worker, app.state.metrics = cache, worker, metrics

@@ -6,6 +6,7 @@ chat template the way `transformers` does it; `IncrementalDecoder` turns streame
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -22,9 +23,11 @@ def _token_content(tok) -> str | None:
 class Tokenizer:
     """A loaded tokenizer; build it with `Tokenizer.load(model_dir)`."""
 
-    def __init__(self, tok, config: dict):
+    def __init__(self, tok, config: dict, source_digest: bytes | None = None):
         self._tok = tok
         self.config = config
+        self._source_digest = source_digest  # blake2b of the tokenizer.json bytes (set by `load`)
+        self._fingerprint: str | None = None
         self.chat_template: str | None = config.get("chat_template")
         if isinstance(self.chat_template, list):  # newer HF format: a list of named templates
             named = {t.get("name"): t.get("template") for t in self.chat_template}
@@ -43,13 +46,25 @@ class Tokenizer:
                 raise JaxsmolError(f"model directory {model_dir} has no {p.name}")
         try:
             tok = HFTokenizer.from_file(str(path))
+            digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
         except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
             raise JaxsmolError(f"cannot read {path}: {e}") from None
         try:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise JaxsmolError(f"cannot read {cfg_path}: {e}") from None
-        return cls(tok, config)
+        return cls(tok, config, source_digest=digest)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the tokenizer.json bytes and the chat template: the same ids and prompts mean
+        the same thing under two tokenizers with one fingerprint (saved prompt caches key on it)."""
+        if self._fingerprint is None:
+            digest = self._source_digest or hashlib.blake2b(self._tok.to_str().encode(), digest_size=16).digest()
+            h = hashlib.blake2b(digest, digest_size=16)
+            h.update(b"\0chat_template\0" + (self.chat_template or "").encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,368 @@
+"""Prefix snapshots on disk (cache/disk.py): the file format, its refusals, atomic writes, the daemon's
+second tier, and --prompt-cache across processes.
+
+Most tests use the tiny engine (fingerprint "tiny", no tokenizer); the two marked `real` start
+processes on the bundled model: two `jaxsmol generate --prompt-cache` runs, and a daemon restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache import disk
+from cache.disk import DiskStore, Snapshot, SnapshotError, load_prompt_cache, load_snapshot, save_prompt_cache
+from cache.prefix_cache import PrefixCache
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+SP = SamplingParams(max_tokens=4)
+TINY = {"model": "tiny", "tokenizer": "none"}
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]  # 0..2 are special in tiny
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_engine, tmp_path_factory):
+    """A prompt-cache file of P (90 tokens) + its 4 generated tokens, and the cold generation of P."""
+    P = _prompt(1, 90)
+    cache = PrefixCache(tiny_engine)
+    gen, _ = cache.generate(P, SP)
+    path = tmp_path_factory.mktemp("snap") / "p.safetensors"
+    assert save_prompt_cache(cache, path, P + gen.output_ids) == len(P) + len(gen.output_ids)
+    return path, P, gen
+
+
+# ---- round trip -----------------------------------------------------------------------------------------
+def test_round_trip_is_bitwise(tiny_engine, saved):
+    path, P, cold_P = saved
+    snap = load_snapshot(path, disk.identity(tiny_engine), P)
+    assert snap.tokens == tuple(P + cold_P.output_ids) and sorted(snap.logits) == [90, 94]
+    assert not snap.k.flags.writeable and snap.k.dtype == np.float32
+    assert np.array_equal(snap.logits[90], cold_P.prompt_logits)
+
+    # the same prompt from a loaded file: an exact hit (no forward), the cold run's tokens
+    cache = PrefixCache(tiny_engine)
+    assert load_prompt_cache(cache, path, P).loaded == 94
+    gen, report = cache.generate(P, SP)
+    assert report.exact_hit and report.reused == 90
+    assert gen.output_ids == cold_P.output_ids and np.array_equal(gen.prompt_logits, cold_P.prompt_logits)
+
+    # a longer prompt sharing P: P reused from the file, the rest prefilled, bits of a cold run
+    Q = P + _prompt(2, 20)
+    cache = PrefixCache(tiny_engine)
+    load_prompt_cache(cache, path, Q)
+    gen, report = cache.generate(Q, SP)
+    cold = tiny_engine.generate(Q, SP)
+    assert report.reused == 90 and report.prefilled == 20
+    assert np.array_equal(gen.prompt_logits, cold.prompt_logits) and gen.output_ids == cold.output_ids
+
+
+def test_partial_prefix_and_bfloat16_round_trip(tiny_engine, saved, tmp_path):
+    import ml_dtypes
+
+    path, P, _ = saved
+    R = P[:50] + _prompt(3, 10)  # shares only 50 tokens with the file
+    cache = PrefixCache(tiny_engine)
+    load_prompt_cache(cache, path, R)
+    gen, report = cache.generate(R, SP)
+    cold = tiny_engine.generate(R, SP)
+    assert report.reused == 50 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
+
+    k = np.arange(2 * 1 * 3 * 2 * 4, dtype=np.float32).reshape(2, 1, 3, 2, 4).astype(ml_dtypes.bfloat16)
+    snap = Snapshot((5, 6, 7), k, -k, {3: np.ones(8, np.float32)}, salt="tenant")
+    disk.save_snapshot(tmp_path / "b.safetensors", snap, TINY)
+    back = load_snapshot(tmp_path / "b.safetensors", TINY)
+    assert back.k.dtype == k.dtype and np.array_equal(back.k.view(np.uint16), k.view(np.uint16))
+    assert back.salt == "tenant" and back.tokens == (5, 6, 7) and np.array_equal(back.logits[3], np.ones(8))
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+def _flip(p: Path, at: int) -> None:
+    b = bytearray(p.read_bytes())
+    b[at] ^= 0x01
+    p.write_bytes(bytes(b))
+
+
+def _case(name: str, src: Path, dst: Path, P: list[int], monkeypatch):
+    """Make the broken file of case `name` at dst; return (prompt, words the refusal must contain)."""
+    prompt = P
+    data = src.read_bytes()
+    dst.write_bytes(data)
+    if name == "other model":
+        disk.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "model": "another"})
+        words = "another model"
+    elif name == "other tokenizer":
+        disk.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "tokenizer": "0123456789abcdef"})
+        words = "another tokenizer"
+    elif name == "flipped byte":
+        _flip(dst, len(data) - 1000)  # inside the tensor bytes
+        words = "corrupted"
+    elif name == "flipped header byte":
+        header = data[8:8 + int.from_bytes(data[:8], "little")]
+        first_id_end = header.index(b",", header.index(b'"tokens'))  # just after the first token id
+        _flip(dst, 8 + first_id_end - 1)  # its last digit: still valid JSON, another token id
+        words = "corrupted"
+    elif name == "truncated":
+        dst.write_bytes(data[: len(data) // 2])
+        words = "truncated"
+    elif name == "wrong version":
+        snap = load_snapshot(src, TINY)
+        monkeypatch.setattr(disk, "FORMAT_VERSION", 99)
+        disk.save_snapshot(dst, snap, TINY)
+        monkeypatch.undo()
+        words = "format version 99"
+    elif name == "foreign tokens":
+        prompt = [t + 1 if t < 255 else 3 for t in P]  # shares no prefix
+        words = "share no prefix"
+    elif name == "not a snapshot":
+        from safetensors.numpy import save_file
+        save_file({"x": np.zeros(3, np.float32)}, dst)
+        words = "not a jaxsmol prefix snapshot"
+    return prompt, words
+
+
+CASES = ["other model", "other tokenizer", "flipped byte", "flipped header byte", "truncated", "wrong version",
+         "foreign tokens", "not a snapshot"]
+
+
+def test_refusals_then_the_cold_path_answers(tiny_engine, saved, tmp_path, monkeypatch):
+    src, P, cold = saved
+    for name in CASES:
+        dst = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        prompt, words = _case(name, src, dst, P, monkeypatch)
+        with pytest.raises(SnapshotError, match=words) as err:
+            load_snapshot(dst, TINY, prompt)
+        assert isinstance(err.value, JaxsmolError) and "\n" not in str(err.value), name
+        cache = PrefixCache(tiny_engine)  # through the prompt cache: reported, then cold and correct
+        report = load_prompt_cache(cache, dst, prompt)
+        assert report.refused and words in report.refused and report.loaded == 0, name
+        if prompt == P:
+            gen, r = cache.generate(P, SP)
+            assert r.reused == 0 and gen.output_ids == cold.output_ids, name
+    # a missing file is no refusal: nothing to load
+    assert load_prompt_cache(PrefixCache(tiny_engine), tmp_path / "absent", P).refused is None
+
+
+@pytest.mark.real
+def test_tokenizer_fingerprint(model_dir, tmp_path):
+    import shutil
+
+    from jaxsmol.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model_dir)
+    fp = tok.fingerprint
+    assert fp == Tokenizer.load(model_dir).fingerprint and len(fp) == 32
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"] + " "
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer.load(tmp_path).fingerprint != fp  # the chat template is part of it
+
+
+# ---- atomic writes --------------------------------------------------------------------------------------
+def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
+    src, P, _ = saved
+    snap = load_snapshot(src, TINY)
+    target = tmp_path / "p.safetensors"
+
+    def boom(a, b):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        disk.save_snapshot(target, snap, TINY)
+    assert not target.exists() and list(tmp_path.iterdir()) == []  # no file, no temporary left
+    monkeypatch.undo()
+    disk.save_snapshot(target, snap, TINY)
+    monkeypatch.setattr(os, "replace", boom)
+    other = Snapshot(snap.tokens[:10], snap.k[:, :, :10], snap.v[:, :, :10])
+    with pytest.raises(OSError):
+        disk.save_snapshot(target, other, TINY)
+    monkeypatch.undo()
+    assert load_snapshot(target, TINY).tokens == snap.tokens  # the old one, whole
+
+
+_WRITER = """
+import sys, numpy as np
+from cache.disk import Snapshot, save_snapshot
+k = np.random.default_rng(0).standard_normal((8, 1, 4096, 4, 64)).astype(np.float32)  # 32 MiB a tensor
+i = 0
+while True:
+    save_snapshot(sys.argv[1], Snapshot(tuple(range(i, i + 4096)), k, k), {"model": "m", "tokenizer": "none"})
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_sigkill_mid_write_never_leaves_a_loadable_half_file(tmp_path):
+    target = tmp_path / ("0" * 32 + ".safetensors")  # named like a DiskStore entry
+    ident = {"model": "m", "tokenizer": "none"}
+    for delay in (0.0, 0.15):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], cwd=ROOT, stdout=subprocess.PIPE,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            assert proc.stdout.readline(), "the writer died before its first write"
+            deadline = time.monotonic() + 60  # then kill it while a temporary file is being written
+            while not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.002)
+            time.sleep(delay)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        snap = load_snapshot(target, ident)  # always a whole version
+        assert snap.tokens == tuple(range(snap.tokens[0], snap.tokens[0] + 4096))
+        store = DiskStore(tmp_path, ident)  # a directory scan ignores the temporary (half) file
+        assert [e.path.name for e in store.entries.values()] == [target.name] and not store.skipped
+    (tmp_path / "model.safetensors").write_bytes(b"not ours")  # a directory scan touches no other file
+    assert len(DiskStore(tmp_path, ident)) == 1 and (tmp_path / "model.safetensors").exists()
+
+
+# ---- the daemon's second tier, in process ------------------------------------------------------------
+def test_eviction_spills_to_disk_and_a_miss_brings_it_back(tiny_engine, tmp_path):
+    P, R = _prompt(4, 100), _prompt(5, 100)
+    budget = 120 * tiny_engine.kv_bytes_per_token  # one prompt (plus its answer) at a time
+    store = DiskStore(tmp_path, disk.identity(tiny_engine), 1 << 20)
+    cache = PrefixCache(tiny_engine, budget_bytes=budget, disk=store)
+    first, _ = cache.generate(P, SP)
+    cache.generate(R, SP)  # evicts P: written to disk
+    assert cache.stats.evictions >= 1 and len(store) >= 1 and cache.stats.disk_writes >= 1
+    gen, report = cache.generate(P, SP)  # a memory miss, found on disk
+    assert report.disk_loaded == 100 and report.exact_hit and cache.stats.disk_loads == 1
+    assert gen.output_ids == first.output_ids and np.array_equal(gen.prompt_logits, first.prompt_logits)
+    # a longer prompt: the disk entry is a prefix of it
+    Q = R + _prompt(6, 10)  # R went to disk when P came back
+    gen, report = cache.generate(Q, SP)
+    cold = tiny_engine.generate(Q, SP)
+    assert report.reused >= 100 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
+    assert store.bytes_held <= store.budget_bytes
+
+
+def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
+    P, R = _prompt(7, 80), _prompt(8, 60)
+    ident = disk.identity(tiny_engine)
+    cache = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
+    first, _ = cache.generate(P, SP)
+    cache.generate(R, SP, salt="tenant")
+    assert cache.persist_to_disk() == 2  # one file per stored key (P + answer, R + answer)
+    other = DiskStore(tmp_path, {**ident, "tokenizer": "x"})  # another tokenizer: left alone
+    assert len(other) == 0 and len(other.skipped) == 2 and "another tokenizer" in other.skipped[0][1]
+    restarted = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
+    assert restarted.warm_from_disk() == 2 and len(restarted.disk) == 2
+    gen, report = restarted.generate(P, SP)
+    assert report.exact_hit and report.disk_loaded == 0 and gen.output_ids == first.output_ids
+    assert restarted.generate(R, SP)[1].reused == 0  # salts stay apart
+    assert restarted.generate(R, SP, salt="tenant")[1].exact_hit
+    restarted.flush()  # forgets both tiers
+    assert len(restarted.disk) == 0 and restarted.generate(P, SP)[1].reused == 0
+
+
+def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
+    ident = disk.identity(tiny_engine)
+    snaps = [Snapshot(tuple(_prompt(10 + i, 50)), np.zeros((2, 1, 50, 2, 16), np.float32),
+                      np.zeros((2, 1, 50, 2, 16), np.float32)) for i in range(3)]
+    store = DiskStore(tmp_path, ident, budget_bytes=int(2.5 * snaps[0].nbytes) + 4096)
+    for s in snaps:
+        assert store.put(s)
+        time.sleep(0.01)
+    assert [e.tokens for e in store.newest_first()] == [snaps[2].tokens, snaps[1].tokens]
+    assert not (tmp_path / store.name_of("", snaps[0].tokens)).exists()
+    assert not DiskStore(tmp_path, ident, budget_bytes=100).put(snaps[0])  # never fits
+
+
+# ---- real model, separate processes ---------------------------------------------------------------------
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.real
+def test_two_cli_runs_share_a_prompt_cache(model_dir, tmp_path):
+    f = tmp_path / "prompt.cache"
+    args = ("generate", "The capital of France is", "--max-tokens", 4, "--json", "--prompt-cache", f)
+    r1 = _cli(*args)
+    assert r1.returncode == 0, r1.stderr
+    one = json.loads(r1.stdout)
+    assert one["cache"] == {"reused": 0, "source": None, "refused": None, "file": str(f),
+                            "saved": len(one["prompt_ids"]) + len(one["output_ids"])}
+    r2 = _cli(*args)
+    assert r2.returncode == 0, r2.stderr
+    two = json.loads(r2.stdout)
+    n = len(one["prompt_ids"])
+    assert two["cache"]["reused"] == n and two["cache"]["source"] == "prompt-cache"
+    assert two["timings"]["prefilled_tokens"] == 0 and two["output_ids"] == one["output_ids"]
+    f.write_bytes(f.read_bytes()[:-100])  # truncated: a warning, then the cold path
+    r3 = _cli(*args)
+    assert r3.returncode == 0, r3.stderr
+    three = json.loads(r3.stdout)
+    assert "warning: prompt cache not used:" in r3.stderr and "truncated" in three["cache"]["refused"]
+    assert three["cache"]["reused"] == 0 and three["output_ids"] == one["output_ids"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(cache_dir: Path, log):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
+                             "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    import httpx
+
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, _log(log)
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.25)
+
+
+def _log(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read().decode(errors="replace")[-4000:]
+
+
+@pytest.mark.real
+def test_daemon_restart_keeps_its_hits(model_dir, tmp_path):
+    import httpx
+
+    body = {"prompt": "Here is a list of facts. Fact 1: the sky is blue. Fact 2: grass is green. Question:",
+            "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    answers = []
+    with tempfile.TemporaryFile() as log:
+        for run in range(2):
+            proc, url = _start_server(tmp_path / "cache", log)
+            try:
+                r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(120)
+            assert rc == 0, _log(log)
+            assert list((tmp_path / "cache").glob("*.safetensors")), _log(log)
+    first, second = answers
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
