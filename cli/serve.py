@@ -271,7 +271,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                 if job.return_token_ids:
                     choices[index]["token_ids"] = gen.output_ids
                 _add_usage(usage, gen, report)
-            if kind == "end":
+            if kind == "end" or len(choices) == len(job.sampling):
                 break
         if event is None:
             return error_response(499, "client closed the request")
@@ -282,7 +282,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     async def _sse(request, job, meta, chat, include_usage, n_prompt):
         obj_type = "chat.completion.chunk" if chat else "text_completion"
         usage = _usage(n_prompt)
-        started = set()
+        started, finished = set(), 0
         try:
             while (event := await _next_event(request, job)) is not None:
                 kind = event[0]
@@ -314,6 +314,9 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                     if job.return_token_ids:
                         choice["token_ids"] = gen.output_ids
                     yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [choice]})}\n\n"
+                    finished += 1
+                    if finished == len(job.sampling):
+                        break
             if include_usage:
                 yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"

@@ -91,15 +91,23 @@ class Worker(threading.Thread):
             except JaxsmolError as e:
                 job.emit("error", e)
                 return
-            steps = iter(req)
+            steps, done = iter(req), False
             try:
                 for step in steps:
                     job.emit("token", index, step)
-                    if job.cancelled.is_set():
+                    if req.gen.finish_reason and not done:
+                        # Answer now: what the cache does after the last token (saving the answer
+                        # for the next turn) need not delay this client.
+                        done = self._done(job, index, req)
+                    if job.cancelled.is_set() and not done:
                         self.metrics.cancelled += 1
                         return
             finally:
                 steps.close()  # runs the cache's bookkeeping (lease release) even when cancelled
-            gen, report = req.gen, req.report
-            self.metrics.observe(gen, report, queue_s=0.0)
-            job.emit("done", index, gen, report)
+            if not done:
+                self._done(job, index, req)
+
+    def _done(self, job: Job, index: int, req) -> bool:
+        self.metrics.observe(req.gen, req.report, queue_s=0.0)
+        job.emit("done", index, req.gen, req.report)
+        return True

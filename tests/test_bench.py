@@ -1,0 +1,90 @@
+"""`jaxsmol bench --quick` end to end: every section is there, its numbers are positive, and the
+mixed workload stays within the compile bound. No timing assertions: speed is the benchmark's
+output, not a test's (the machine running the tests may be busy)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.real
+
+
+def _positive(x, what):
+    assert isinstance(x, (int, float)) and x > 0, f"{what} = {x!r}"
+
+
+def test_bench_quick_writes_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "cli.main", "bench", "--quick", "--json", str(out)]
+    plot = tmp_path / "bench.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        cmd += ["--plot", str(plot)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "HEADLINE 1008+16" in r.stdout
+    res = json.loads(out.read_text())
+    for section in ("meta", "compilations", "prefill", "decode", "ttft", "snapshot", "cli"):
+        assert section in res, section
+
+    assert [row["tokens"] for row in res["prefill"]]
+    for row in res["prefill"]:
+        _positive(row["tok_s"], f"prefill {row['tokens']} tok/s")
+    assert {row["position"] for row in res["decode"]} == {64, 2000}
+    for row in res["decode"]:
+        _positive(row["tok_s"], f"decode at {row['position']} tok/s")
+
+    t = res["ttft"]
+    assert {row["suffix"] for row in t["grid"]} == {1, 16, 128}
+    assert {row["exact"] for row in t["grid"]} == {True, False}
+    for row in t["grid"] + t["modes"]:
+        for k in ("cold_ttft_s", "warm_ttft_s", "exact_hit_ttft_s", "warm_over_cold"):
+            _positive(row[k], f"{row['mode']} {row['prefix']}+{row['suffix']} {k}")
+        assert row["warm_reused"] == row["prefix"]  # the warm prompt reuses exactly the shared prefix
+    modes = {(row["mode"], row["exact"]) for row in t["modes"]}
+    assert {("radix", True), ("radix", False), ("minimal", True)} <= modes
+    assert all(row["exact_is_full_hit"] for row in t["modes"] if row["mode"] == "radix")
+    h = t["headline"]
+    assert (h["prefix"], h["suffix"]) == (1008, 16) and h["reused"] == 1008
+    _positive(h["warm_over_cold"], "headline warm/cold")
+
+    sn = res["snapshot"]
+    assert sn["bytes_per_token"] == 46080  # float32 SmolLM2-135M
+    assert [row["n"] for row in sn["rows"]] == [1, 2, 4, 8]
+    for row in sn["rows"]:
+        _positive(row["bytes_held"], f"bytes held for {row['n']} branches")
+        assert row["full_copies_bytes"] == row["n"] * (sn["trunk"] + sn["branch"]) * sn["bytes_per_token"]
+    held = [row["bytes_held"] for row in sn["rows"]]
+    assert held == sorted(held) and held[-1] < sn["rows"][-1]["full_copies_bytes"]  # the trunk is stored once
+
+    c = res["compilations"]
+    assert c["requests"] > 0 and 2 <= c["prompt_min"] <= c["prompt_max"] <= 1500
+    _positive(c["forward_programs"], "forward programs")
+    assert c["forward_programs"] <= c["bound"] and c["within_bound"]
+    assert res["forward_programs_total"] <= res["meta"]["compile_bound_fast"]
+
+    for case in ("without_cache", "with_cache"):
+        _positive(res["cli"][case]["ttft_s"], f"fresh process {case} ttft")
+        _positive(res["cli"][case]["wall_s"], f"fresh process {case} wall")
+    if "--plot" in cmd:
+        assert plot.stat().st_size > 0
+
+
+def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
+    """With torch missing, --compare hf names the extra to install (checked before any loading)."""
+    if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None:
+        # hide them: a sitecustomize on the path makes their imports fail and find_spec return None
+        (tmp_path / "sitecustomize.py").write_text(
+            "import sys\nfor m in ('torch', 'transformers'):\n    sys.modules[m] = None\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--compare", "hf", "--json", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "pip install -e '.[hf]'" in lines[0]
+    assert not (tmp_path / "x.json").exists()
