@@ -273,7 +273,8 @@ class Generation:
         self.text = ""
         self.finish_reason: str | None = None
         self.timings = Timings(prompt_tokens=n, reused_tokens=self._prefix_len)
-        self.kv: KVCache | None = None  # the cache after the last step (positions 0..pos-1 computed)
+        self.kv: KVCache | None = None  # the cache after the last step (positions 0..pos-1 computed);
+        # None after an exact full hit that needed no decode step
         self.prompt_logits: np.ndarray | None = None  # [V] logits after the last prompt token
 
     def __iter__(self) -> Iterator[Step]:
@@ -283,11 +284,9 @@ class Generation:
         # only a suffix after a restored prefix takes the fast path: a cold prefill is always exact
         exact = self._exact or self._prefix is None
         slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens, exact)
-        if self._prefix is not None:
-            kv = eng.restore(self._prefix, slots, self._prefix_len)
-        else:
-            kv = eng.new_cache(slots)
+        kv = None  # an exact full hit restores its cache only when a decode step needs it
         if self._prefix_len < n:
+            kv = eng.restore(self._prefix, slots, self._prefix_len) if self._prefix is not None else eng.new_cache(slots)
             logits, kv = eng.prefill(self.prompt_ids, kv, exact)
         else:  # exact full hit: the stored logits stand in for the forward
             logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
@@ -309,6 +308,8 @@ class Generation:
         t_decode = None
         for i in range(sp.max_tokens):
             if i > 0:
+                if kv is None:
+                    kv = eng.restore(self._prefix, slots, self._prefix_len)
                 logits, kv = eng.decode(self.output_ids[-1], kv)
             token_arr = _sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
                                 jnp.int32(sp.top_k), jnp.float32(sp.top_p))
