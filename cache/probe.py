@@ -56,3 +56,30 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "m
         "identical": bool(identical), "ttft_speedup": cold["ttft_s"] / max(warm["ttft_s"], 1e-9),
         "stats": cache.stats.as_dict(), **({"prompt_cache": pc.as_dict()} if pc is not None else {}),
     }
+
+
+def timed_request(cache: PrefixCache, prompt_ids, sp: SamplingParams):
+    """One request through `cache`: (Generation, CacheReport, wall seconds)."""
+    import time
+
+    t0 = time.perf_counter()
+    gen, report = cache.generate(prompt_ids, sp)
+    return gen, report, time.perf_counter() - t0
+
+
+def compare_modes(engine: Engine, workload, modes=("off", "radix")) -> dict:
+    """Run `workload(cache)` (a list of `timed_request` results) once per cache mode, each on a
+    fresh cache. Returns the runs, a per-mode summary (prefilled tokens, wall seconds, summed time
+    to first token), the first mode's wall time over the last's, and whether every request's
+    tokens and prompt logits were identical in all modes."""
+    import numpy as np
+
+    runs = {mode: workload(PrefixCache(engine, mode=mode)) for mode in modes}
+    first = runs[modes[0]]
+    identical = all(len(rs) == len(first) and all(
+        g.output_ids == g0.output_ids and np.array_equal(g.prompt_logits, g0.prompt_logits)
+        for (g, _, _), (g0, _, _) in zip(rs, first)) for rs in runs.values())
+    summary = {mode: {"prefilled": sum(r.prefilled for _, r, _ in rs), "seconds": sum(s for _, _, s in rs),
+                      "ttft": sum(g.timings.ttft_s for g, _, _ in rs)} for mode, rs in runs.items()}
+    return {"runs": runs, "summary": summary, "identical": identical,
+            "speedup": summary[modes[0]]["seconds"] / summary[modes[-1]]["seconds"]}
