@@ -27,4 +27,4 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_enable_compilation_cache", False)
         return
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every program: most take < 1 s

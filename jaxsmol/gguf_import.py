@@ -120,17 +120,11 @@ def _read_config(reader, path: Path) -> tuple[dict, dict]:
 
 
 def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    V, D, F = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (V, D)
-    per_layer = {"self_attn.q_proj": (q, D), "self_attn.k_proj": (kv, D), "self_attn.v_proj": (kv, D),
-                 "self_attn.o_proj": (D, q), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D),
-                 "mlp.down_proj": (D, F), "input_layernorm": (D,), "post_attention_layernorm": (D,)}
-    for i in range(cfg["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{k}.weight": s for k, s in per_layer.items()})
-    return shapes
+    """The HF tensor shapes the loader will assert, from the config.json being written."""
+    from jaxsmol.config import Config
+    from jaxsmol.params import expected_shapes
+
+    return expected_shapes(Config.from_hf(cfg))
 
 
 def _hf_name(gguf_name: str) -> str:
