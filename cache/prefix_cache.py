@@ -315,6 +315,7 @@ class PrefixCache:
                 kv = self.engine.restore(prefix, self.engine.slots_needed(len(prompt), len(tokens), 0))
                 logits, kv = self.engine.prefill(tokens, kv)
                 added = self.radix.insert(ns, tokens, kv.segment, payload=np.array(np.asarray(logits)[0]))
+                self.engine.recycle(kv)
             finally:
                 self.radix.release(match)
         else:
@@ -361,4 +362,6 @@ class CachedRequest:
         if (report.bypass is None and cache.mode == "radix" and cache.save_generated
                 and self.gen.output_ids and self.gen.finish_reason):
             cache._save_generated(self.ns, self.prompt, self.gen, report)
+        cache.engine.recycle(self.gen.kv)  # the request is over: its buffer can serve the next one
+        self.gen.kv = None
         cache._sync()

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kv import KVCache
+from jaxsmol.kv import KVCache, aligned_host_prefix, load_prefix
 from jaxsmol.model import ATTN_BLOCK, forward
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
@@ -39,6 +39,7 @@ MIN_CAPACITY = 2 * ATTN_BLOCK
 # else holds (a fresh cache, or one restored from a host snapshot), so XLA updates it in place.
 _forward = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
 _sample = jax.jit(sample)
+_load_prefix = jax.jit(load_prefix, donate_argnames=("kv",))
 _top_logprobs = jax.jit(top_logprobs, static_argnames=("k",))
 
 
@@ -122,6 +123,7 @@ class Engine:
                                "(the model's max_position_embeddings)")
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
+        self._pool: dict[int, list[KVCache]] = {}  # capacity -> finished caches (see recycle)
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
@@ -185,12 +187,34 @@ class Engine:
         return ids
 
     # ---- the forward, chunked -------------------------------------------------------------------
+    # A finished request's cache buffer can serve the next request of the same capacity: its stale
+    # slots are never read (kv.py), and a buffer XLA already owns skips the page faults of a fresh
+    # allocation (~35 ms for 2048 slots here, ~250 ms for 4096).
+    POOL_PER_CAPACITY = 2
+
+    def recycle(self, kv: KVCache | None) -> None:
+        """Hand back a cache that nothing will read again (the caller must drop its reference)."""
+        if kv is None or self.mesh is not None or kv.k.shape[1] != 1:
+            return
+        free = self._pool.setdefault(kv.capacity, [])
+        if len(free) < self.POOL_PER_CAPACITY:
+            free.append(kv)
+
     def new_cache(self, slots: int) -> KVCache:
-        return KVCache.zeros(self.cfg, capacity_for(slots), dtype=self.params.embed.dtype, mesh=self.mesh)
+        cap = capacity_for(slots)
+        if self._pool.get(cap):
+            return self._pool[cap].pop().replace(pos=jnp.zeros((), jnp.int32))
+        return KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot."""
-        return KVCache.restore(snapshot, capacity_for(slots), length, mesh=self.mesh)
+        cap = capacity_for(slots)
+        n = int(snapshot.pos) if length is None else length
+        if not self._pool.get(cap):
+            return KVCache.restore(snapshot, cap, n, mesh=self.mesh)
+        k, v = (aligned_host_prefix(a, n, ATTN_BLOCK) for a in (snapshot.k, snapshot.v))
+        return _load_prefix(self._pool[cap].pop(), jax.device_put(k, may_alias=True),
+                            jax.device_put(v, may_alias=True), jnp.int32(n))
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
@@ -274,7 +298,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.timings = Timings(prompt_tokens=n, reused_tokens=self._prefix_len)
         self.kv: KVCache | None = None  # the cache after the last step (positions 0..pos-1 computed);
-        # None after an exact full hit that needed no decode step
+        # None after an exact full hit that needed no decode step, or once recycled
+        self.pos = 0  # positions computed for this request at the end (prompt + generated - 1)
         self.prompt_logits: np.ndarray | None = None  # [V] logits after the last prompt token
 
     def __iter__(self) -> Iterator[Step]:
@@ -296,7 +321,7 @@ class Generation:
         if self._on_prefill is not None:
             self._on_prefill(kv, logits)  # before decode donates kv
         if sp.max_tokens == 0:
-            self.kv, self.finish_reason = kv, "length"
+            self.kv, self.finish_reason, self.pos = kv, "length", n
             self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
             return
 
@@ -347,6 +372,7 @@ class Generation:
             if self.finish_reason:
                 break
         self.kv = kv
+        self.pos = n + len(self.output_ids) - 1
         self.timings.decode_s = time.perf_counter() - t_decode
         self.timings.total_s = time.perf_counter() - t0
 

@@ -87,3 +87,26 @@ class KVCache:
             return jnp.asarray(buf) if mesh is None else jax.device_put(buf, kv_sharding(mesh, buf.shape))
 
         return cls(k=fill(snapshot.k), v=fill(snapshot.v), pos=jnp.asarray(n, jnp.int32))
+
+
+def aligned_host_prefix(a: np.ndarray, n: int, multiple: int) -> np.ndarray:
+    """The first n positions of a host k or v [L, B, >=n, K, H], zero-padded to a multiple of
+    `multiple` slots (bounding the shapes `load_prefix` compiles for), in 64-byte aligned memory so
+    that `jax.device_put(..., may_alias=True)` can use it without a copy on CPU."""
+    P = -(-n // multiple) * multiple
+    shape = a.shape[:SEQ_AXIS] + (P,) + a.shape[SEQ_AXIS + 1:]
+    nbytes = int(np.prod(shape)) * a.dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    out = raw[offset:offset + nbytes].view(a.dtype).reshape(shape)
+    out[:, :, :n] = a[:, :, :n]
+    out[:, :, n:] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
+    return out
+
+
+def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array) -> KVCache:
+    """kv with k, v [L, B, P, K, H] written at slot 0 and pos = length (slots past it are stale)."""
+    return KVCache(k=jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, 0, 0)),
+                   v=jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, 0, 0, 0)),
+                   pos=length.astype(jnp.int32))
+
