@@ -27,10 +27,11 @@ the text (`<|im_start|>`...) map to their ids.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
+
+from make_hf_reference import sha256  # same folder: the script's own directory is on sys.path
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -77,14 +78,6 @@ STRINGS = [
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "The quick brown fox jumps over the lazy dog.",
 ]
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def main(argv=None) -> int:
