@@ -27,7 +27,7 @@ from jaxsmol.kv import KVCache, aligned_host_prefix, load_prefix
 from jaxsmol.model import ATTN_BLOCK, forward
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
-from jaxsmol.sharding import describe, shard_params
+from jaxsmol.sharding import describe, kv_sharding, shard_params
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
 # The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
@@ -207,14 +207,16 @@ class Engine:
         return KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
-        """A device cache for `slots` slots holding the first `length` positions of a host snapshot."""
-        cap = capacity_for(slots)
+        """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
+
+        The snapshot is untouched; a host snapshot has no layout, so it is placed for this engine's
+        mesh whatever layout computed it."""
         n = int(snapshot.pos) if length is None else length
-        if not self._pool.get(cap):
-            return KVCache.restore(snapshot, cap, n, mesh=self.mesh)
+        kv = self.new_cache(slots)  # a recycled buffer when one is free
         k, v = (aligned_host_prefix(a, n, ATTN_BLOCK) for a in (snapshot.k, snapshot.v))
-        return _load_prefix(self._pool[cap].pop(), jax.device_put(k, may_alias=True),
-                            jax.device_put(v, may_alias=True), jnp.int32(n))
+        place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
+            lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
+        return _load_prefix(kv, place(k), place(v), jnp.int32(n))
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""

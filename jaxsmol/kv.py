@@ -10,7 +10,7 @@ key positions <= q, and every such position was written for this sequence before
 position is enough; nothing is ever cleared.
 
 A *snapshot* is the same pytree trimmed to its length and held in host memory as read-only NumPy
-arrays (`trim`); `restore` turns it back into a device cache of a given capacity.
+arrays (`trim`); `load_prefix` writes one back into a device cache (see `Engine.restore`).
 """
 
 from __future__ import annotations
@@ -70,23 +70,6 @@ class KVCache:
     def from_segment(cls, seg: dict) -> "KVCache":
         """A host snapshot from a segment that starts at position 0."""
         return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
-
-    @classmethod
-    def restore(cls, snapshot: "KVCache", capacity: int, length: int | None = None, mesh=None) -> "KVCache":
-        """A device cache of `capacity` slots holding the first `length` positions of `snapshot`.
-
-        Positions past `length` are zero (never read, see module docstring); the snapshot is untouched.
-        A host snapshot has no layout, so it is placed for `mesh` whatever layout computed it.
-        """
-        n = int(snapshot.pos) if length is None else length
-        assert n <= snapshot.k.shape[SEQ_AXIS] and n <= capacity
-
-        def fill(a):
-            buf = np.zeros(a.shape[:SEQ_AXIS] + (capacity,) + a.shape[SEQ_AXIS + 1:], a.dtype)
-            buf[:, :, :n] = a[:, :, :n]
-            return jnp.asarray(buf) if mesh is None else jax.device_put(buf, kv_sharding(mesh, buf.shape))
-
-        return cls(k=fill(snapshot.k), v=fill(snapshot.v), pos=jnp.asarray(n, jnp.int32))
 
 
 def aligned_host_prefix(a: np.ndarray, n: int, multiple: int) -> np.ndarray:
