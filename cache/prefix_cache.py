@@ -142,33 +142,34 @@ class PrefixCache:
         return None
 
     # ---- a request ------------------------------------------------------------------------------
-    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, salt: str | None = None,
-              bypass: bool = False) -> "CachedRequest":
-        """Look the prompt up and start its generation; iterate the result for tokens."""
-        prompt = self.engine.check_prompt(prompt_ids, sp.max_tokens)
+    def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> "Lookup":
+        """Check the prompt and find its longest stored prefix; the entries found stay pinned (never
+        evicted) until `release(lookup)`. Raises JaxsmolError for a bad prompt."""
+        prompt = self.engine.check_prompt(prompt_ids, max_tokens)
         n = len(prompt)
-        ns = self.namespace(salt)
-        report = CacheReport(mode=self.mode, prompt_tokens=n, bypass=self._bypass_reason(n, bypass))
+        lk = Lookup(self.namespace(salt), prompt, CacheReport(mode=self.mode, prompt_tokens=n,
+                                                              bypass=self._bypass_reason(n, bypass)))
+        report = lk.report
         if report.bypass:
             self.stats.bypasses[report.bypass] += 1
-            return CachedRequest(self, ns, prompt, sp, report, None, None, None)
+            return lk
         self.stats.lookups += 1
-        match, prefix, logits = None, None, None
         if self.mode == "minimal":
-            report.matched = report.reused = self.single.reusable_len(ns, prompt)
+            report.matched = report.reused = self.single.reusable_len(lk.ns, prompt)
             if report.reused:
-                prefix = self.single.snapshot.value
+                lk.prefix = self.single.snapshot.value
         else:
-            match = self.radix.match(ns, prompt)
+            match = self.radix.match(lk.ns, prompt)
             if self.disk is not None and match.payload is None:
-                match = self._from_disk(ns, prompt, match, report)
+                match = self._from_disk(lk.ns, prompt, match, report)
             report.matched = match.length
             report.exact_hit = match.payload is not None
             report.reused = n if report.exact_hit else min(match.length, n - 1)
             if report.reused:
                 self.radix.acquire(match)
-                prefix = KVCache.from_segment(self.radix.gather(match, report.reused))
-                logits = match.payload
+                lk.match = match
+                lk.prefix = KVCache.from_segment(self.radix.gather(match, report.reused))
+                lk.logits = match.payload
             report.nearest_len = match.nearest_len
         if report.matched < n:
             report.divergence_pos = report.matched
@@ -179,7 +180,25 @@ class PrefixCache:
             report.snapshot_bytes = report.reused * self.bytes_per_token
         else:
             self.stats.misses += 1
-        return CachedRequest(self, ns, prompt, sp, report, match, prefix, logits)
+        return lk
+
+    def release(self, lk: "Lookup") -> None:
+        """Unpin what `lookup` pinned (once; later calls do nothing)."""
+        if lk.match is not None:
+            self.radix.release(lk.match)
+            lk.match = None
+
+    def finish(self, lk: "Lookup", prefilled: int) -> None:
+        """Account a request whose prompt is done: `prefilled` positions were computed."""
+        lk.report.prefilled = prefilled
+        self.stats.tokens_reused += lk.report.reused
+        self.stats.tokens_prefilled += prefilled
+        self._sync()
+
+    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, salt: str | None = None,
+              bypass: bool = False) -> "CachedRequest":
+        """Look the prompt up and start its generation; iterate the result for tokens."""
+        return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
         """Run a request to the end; returns (Generation, CacheReport)."""
@@ -287,8 +306,11 @@ class PrefixCache:
         return loaded
 
     # ---- saving -----------------------------------------------------------------------------------
-    def _save_prompt(self, ns, prompt, kv: KVCache, logits, report: CacheReport) -> None:
-        """Called right after the prompt is in `kv` (before decode donates it)."""
+    def save_prompt(self, lk: "Lookup", kv: KVCache, logits) -> None:
+        """Store the prompt's state; call right after the prompt is in `kv` (before decode donates it)."""
+        if lk.report.bypass is not None or lk.report.exact_hit:
+            return
+        ns, prompt, report = lk.ns, lk.prompt, lk.report
         n = len(prompt)
         if self.mode == "minimal":
             self.single.save(ns, prompt[: n - 1], kv.trim(n - 1), (n - 1) * self.bytes_per_token)
@@ -300,68 +322,100 @@ class PrefixCache:
         self.stats.saves += 1
         self._sync()
 
-    def _save_generated(self, ns, prompt, gen: Generation, report: CacheReport) -> None:
+    def wants_answer(self, lk: "Lookup", output_ids) -> bool:
+        """Whether prompt + answer should be stored (radix mode, the cache consulted, an answer)."""
+        return lk.report.bypass is None and self.mode == "radix" and self.save_generated and bool(output_ids)
+
+    def begin_answer(self, lk: "Lookup", output_ids) -> "AnswerSave | None":
+        """Exact mode: pin the stored prompt that prompt + answer extends, for `finish_answer`.
+
+        The answer's state is recomputed with prefill-shaped chunks from the stored prompt, so that
+        it has the bits a cold prefill of the next turn would compute (see the module docstring).
+        None if the prompt was evicted meanwhile (nothing to extend)."""
+        tokens = list(lk.prompt) + list(output_ids)
+        match = self.radix.match(lk.ns, tokens)
+        if match.length < len(lk.prompt):
+            return None
+        self.radix.acquire(match)
+        prefix = KVCache.from_segment(self.radix.gather(match, len(lk.prompt)))
+        return AnswerSave(lk, tokens, match, prefix)
+
+    def finish_answer(self, save: "AnswerSave", kv: KVCache | None, logits) -> None:
+        """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
+        try:
+            if kv is not None:
+                added = self.radix.insert(save.lookup.ns, save.tokens, kv.segment,
+                                          payload=np.array(np.asarray(logits)[0]))
+                save.lookup.report.saved += added
+                self.stats.saves += 1
+        finally:
+            self.radix.release(save.match)
+            self._sync()
+
+    def _save_generated(self, lk: "Lookup", gen: Generation) -> None:
         """Store prompt + generated tokens, so the next chat turn reuses the answer too."""
-        tokens = prompt + gen.output_ids
         if self.exact:
-            # Recompute the answer's state with prefill-shaped chunks so it has the bits a cold
-            # prefill of the next turn would compute (see the module docstring).
-            match = self.radix.match(ns, tokens)
-            if match.length < len(prompt):
-                return  # the prompt was evicted meanwhile: nothing to extend
-            self.radix.acquire(match)
-            try:
-                prefix = KVCache.from_segment(self.radix.gather(match, len(prompt)))
-                kv = self.engine.restore(prefix, self.engine.slots_needed(len(prompt), len(tokens), 0))
-                logits, kv = self.engine.prefill(tokens, kv)
-                added = self.radix.insert(ns, tokens, kv.segment, payload=np.array(np.asarray(logits)[0]))
-                self.engine.recycle(kv)
-            finally:
-                self.radix.release(match)
-        else:
-            if gen.kv is None:
+            save = self.begin_answer(lk, gen.output_ids)
+            if save is None:
                 return
-            tokens = tokens[: int(gen.kv.pos)]
-            added = self.radix.insert(ns, tokens, gen.kv.segment)
-        report.saved += added
-        self.stats.saves += 1
-        self._sync()
+            kv, logits = None, None
+            try:
+                kv = self.engine.restore(save.prefix, self.engine.slots_needed(len(lk.prompt), len(save.tokens), 0))
+                logits, kv = self.engine.prefill(save.tokens, kv)
+            finally:
+                self.finish_answer(save, kv, logits)
+            self.engine.recycle(kv)
+        elif gen.kv is not None:
+            tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
+            lk.report.saved += self.radix.insert(lk.ns, tokens, gen.kv.segment)
+            self.stats.saves += 1
+            self._sync()
+
+
+@dataclasses.dataclass
+class Lookup:
+    """What `PrefixCache.lookup` found for one prompt: the state to restore and the entries pinned."""
+    ns: tuple
+    prompt: list[int]
+    report: CacheReport
+    match: object = None  # the radix Match pinned for this request (None once released)
+    prefix: KVCache | None = None  # host snapshot whose first report.reused positions are reused
+    logits: np.ndarray | None = None  # [V] after the whole prompt, on an exact full hit
+
+
+@dataclasses.dataclass
+class AnswerSave:
+    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `match`)."""
+    lookup: Lookup
+    tokens: list[int]
+    match: object
+    prefix: KVCache
 
 
 class CachedRequest:
     """A generation with the cache's work around it; iterate for `Step`s."""
 
-    def __init__(self, cache: PrefixCache, ns, prompt, sp, report, match, prefix, logits):
-        self.cache, self.ns, self.prompt, self.sp, self.report = cache, ns, prompt, sp, report
-        self._match = match
+    def __init__(self, cache: PrefixCache, lk: Lookup, sp: SamplingParams):
+        self.cache, self.lookup, self.sp, self.report = cache, lk, sp, lk.report
         on_prefill = None
-        if report.bypass is None and not report.exact_hit:
-            def on_prefill(kv, lg):
-                cache._save_prompt(ns, prompt, kv, lg, report)
-        self.gen = cache.engine.start(prompt, sp, prefix=prefix, prefix_len=report.reused,
-                                      prefix_logits=logits, on_prefill=on_prefill, exact=cache.exact)
-
-    def _release(self) -> None:
-        """Unpin the matched entries (once), so they may be evicted again."""
-        if self._match is not None and self.report.reused:
-            self.cache.radix.release(self._match)
-        self._match = None
+        if lk.report.bypass is None and not lk.report.exact_hit:
+            def on_prefill(kv, logits):
+                cache.save_prompt(lk, kv, logits)
+        self.gen = cache.engine.start(lk.prompt, sp, prefix=lk.prefix, prefix_len=lk.report.reused,
+                                      prefix_logits=lk.logits, on_prefill=on_prefill, exact=cache.exact)
 
     def __del__(self):  # a request dropped before it ran still unpins its entries
-        self._release()
+        self.cache.release(self.lookup)
 
     def __iter__(self):
-        cache, report = self.cache, self.report
+        cache, lk = self.cache, self.lookup
         try:
             yield from self.gen
         finally:
-            self._release()
-            report.prefilled = self.gen.timings.prefilled_tokens
-            cache.stats.tokens_reused += report.reused
-            cache.stats.tokens_prefilled += report.prefilled
-        if (report.bypass is None and cache.mode == "radix" and cache.save_generated
-                and self.gen.output_ids and self.gen.finish_reason):
-            cache._save_generated(self.ns, self.prompt, self.gen, report)
+            cache.release(lk)
+            cache.finish(lk, self.gen.timings.prefilled_tokens)
+        if self.gen.finish_reason and cache.wants_answer(lk, self.gen.output_ids):
+            cache._save_generated(lk, self.gen)
         cache.engine.recycle(self.gen.kv)  # the request is over: its buffer can serve the next one
         self.gen.kv = None
         cache._sync()

@@ -114,7 +114,7 @@ class _Warm:
         import jax.numpy as jnp
         import numpy as np
 
-        from jaxsmol.engine import _forward, _sample
+        from jaxsmol.programs import forward as _forward, sample as _sample
         from jaxsmol.kv import KVCache
 
         eng = self.engine
@@ -238,7 +238,8 @@ def _summarize_cells(runs: list[dict], prefix: int, suffix: int, mode: str, exac
 def section_compilations(engine, plan, rng) -> dict:
     """A mixed workload through the radix cache; count the forward programs it compiles."""
     from cache.prefix_cache import PrefixCache
-    from jaxsmol.engine import _forward, compile_bound
+    from jaxsmol.engine import compile_bound
+    from jaxsmol.programs import forward as _forward
     from jaxsmol.sampling import SamplingParams
 
     vocab = engine.cfg.vocab_size
@@ -699,7 +700,8 @@ def run_bench(args) -> int:
     import numpy as np
 
     from cli.common import load_engine
-    from jaxsmol.engine import _forward, compile_bound
+    from jaxsmol.engine import compile_bound
+    from jaxsmol.programs import forward as _forward
 
     plan = QUICK if args.quick else FULL
     rng = np.random.default_rng(args.seed)

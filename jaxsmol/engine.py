@@ -1,6 +1,6 @@
 """The engine: weights, tokenizer and the jitted forward; chunked prefill, decode and generation.
 
-`jax.jit` is applied here and only here. Prompts are prefilled in chunks whose lengths come from
+Compiled programs come from programs.py (the one jit site). Prompts are prefilled in chunks whose lengths come from
 `PREFILL_BUCKETS`, with the true length traced, and caches are allocated with capacities from a
 doubling ladder, so the number of compiled forward programs is bounded (`compile_bound`).
 
@@ -23,25 +23,19 @@ import numpy as np
 
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kv import KVCache, aligned_host_prefix, load_prefix
-from jaxsmol.model import ATTN_BLOCK, forward
+from jaxsmol import programs
+from jaxsmol.kv import KVCache, aligned_host_prefix
+from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
-from jaxsmol.sampling import SamplingParams, sample, seed_key, top_logprobs
+from jaxsmol.sampling import SamplingParams, seed_key
 from jaxsmol.sharding import describe, kv_sharding, shard_params
+from jaxsmol.stream import Step, TokenStream
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
 # The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
 # padding, but those rows differ from a cold prefill's in the last bits.
 FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
 MIN_CAPACITY = 2 * ATTN_BLOCK
-
-# The only jit sites. The cache argument is donated: every caller hands over a buffer that nothing
-# else holds (a fresh cache, or one restored from a host snapshot), so XLA updates it in place.
-_forward = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
-_sample = jax.jit(sample)
-_load_prefix = jax.jit(load_prefix, donate_argnames=("kv",))
-_top_logprobs = jax.jit(top_logprobs, static_argnames=("k",))
-
 
 def chunk_plan(n: int, exact: bool = True) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
@@ -97,15 +91,6 @@ class Timings:
         d = dataclasses.asdict(self)
         d.update(prefill_tok_s=round(self.prefill_tok_s, 2), decode_tok_s=round(self.decode_tok_s, 2))
         return d
-
-
-@dataclasses.dataclass
-class Step:
-    """One generated token."""
-    token: int
-    text: str  # the new text it completes (may be "" while a UTF-8 character is incomplete)
-    top_logprobs: list[tuple[int, float]] | None = None
-    logprob: float | None = None
 
 
 class Engine:
@@ -216,7 +201,7 @@ class Engine:
         k, v = (aligned_host_prefix(a, n, ATTN_BLOCK) for a in (snapshot.k, snapshot.v))
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
-        return _load_prefix(kv, place(k), place(v), jnp.int32(n))
+        return programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
@@ -229,19 +214,33 @@ class Engine:
         `kv` is donated. Requires kv.pos < len(ids) and enough capacity (see slots_needed).
         exact=False allows the short FAST_BUCKETS (not bit-identical to a cold prefill).
         """
-        start = int(kv.pos)
         logits = None
-        for T in chunk_plan(len(ids) - start, exact):
-            n = min(T, len(ids) - start)
-            chunk = np.zeros((1, T), np.int32)
-            chunk[0, :n] = ids[start:start + n]
-            logits, kv = _forward(self.params, jnp.asarray(chunk), jnp.int32(n), kv, self.cfg)
-            start += n
+        while logits is None or int(kv.pos) < len(ids):
+            logits, kv = self.prefill_chunk(ids, kv, exact=exact)
         return logits, kv
+
+    def prefill_chunk(self, ids: list[int], kv: KVCache, max_rows: int = PREFILL_BUCKETS[-1],
+                      exact: bool = True) -> tuple[jax.Array, KVCache]:
+        """Feed the next chunk of ids[kv.pos:] (at most max_rows real tokens) into kv (donated);
+        returns (logits [1, V] after the chunk's last token, kv).
+
+        A chunk that would run past the cache's capacity starts earlier instead, recomputing a few
+        positions already written: a >= 64-row chunk gives every row the same bits wherever it starts
+        (module docstring), so they are rewritten unchanged."""
+        pos = int(kv.pos)
+        buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
+        T = next((b for b in buckets if b >= min(len(ids) - pos, max_rows)), buckets[-1])
+        begin = max(min(pos, kv.capacity - T), 0)
+        n = min(T, len(ids) - begin)
+        chunk = np.zeros((1, T), np.int32)
+        chunk[0, :n] = ids[begin:begin + n]
+        if begin != pos:
+            kv = kv.replace(pos=jnp.int32(begin))
+        return programs.forward(self.params, jnp.asarray(chunk), jnp.int32(n), kv, self.cfg)
 
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
-        return _forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
+        return programs.forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
 
     def warmup(self, slots: int) -> None:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
@@ -250,8 +249,8 @@ class Engine:
             for T in FAST_BUCKETS:
                 if T <= cap:
                     kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
-                    _forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
-        _sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                    programs.forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
+        programs.sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
                 jnp.float32(1)).block_until_ready()
 
     def logits_all(self, ids) -> np.ndarray:
@@ -261,7 +260,7 @@ class Engine:
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :len(ids)] = ids
         kv = self.new_cache(T)
-        logits, _ = _forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg, all_logits=True)
+        logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg, all_logits=True)
         return np.asarray(logits[0, :len(ids)])
 
     # ---- generation -----------------------------------------------------------------------------
@@ -327,70 +326,34 @@ class Generation:
             self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
             return
 
-        from jaxsmol.tokenizer import IncrementalDecoder
-        decoder = IncrementalDecoder(eng.tokenizer) if eng.tokenizer is not None else None
-        stop_ids = set(sp.stop_ids) | set(cfg.eos_ids)
+        stream = TokenStream(eng.tokenizer, sp, cfg.eos_ids)
         key = seed_key(sp.seed)
-        text = ""  # all decoded text so far; self.text is the part already streamed
         t_decode = None
         for i in range(sp.max_tokens):
             if i > 0:
                 if kv is None:
                     kv = eng.restore(self._prefix, slots, self._prefix_len)
                 logits, kv = eng.decode(self.output_ids[-1], kv)
-            token_arr = _sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
-                                jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+            token_arr = programs.sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
+                                        jnp.int32(sp.top_k), jnp.float32(sp.top_p))
             token = int(token_arr[0])
             if i == 0:
                 self.timings.ttft_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
-            self.output_ids.append(token)
-            step = Step(token=token, text="")
+            logprob, top = None, None
             if sp.logprobs:
-                ids, values = _top_logprobs(logits, sp.logprobs)
-                logp = jax.nn.log_softmax(logits[0])[token]
-                step.top_logprobs = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
-                step.logprob = float(logp)
-                self.logprobs.append({"token": token, "logprob": step.logprob, "top": step.top_logprobs})
+                ids, values = programs.top_logprobs(logits, sp.logprobs)
+                logprob = float(jax.nn.log_softmax(logits[0])[token])
+                top = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
+            step = stream.push(token, logprob, top)
+            self.output_ids, self.logprobs, self.text = stream.output_ids, stream.logprobs, stream.text
+            self.finish_reason = stream.finish_reason
             self.timings.generated_tokens = len(self.output_ids)
-            if token in stop_ids:
-                self.finish_reason = "stop"
-            elif i == sp.max_tokens - 1:
-                self.finish_reason = "length"
-            if decoder is not None:
-                # An EOS ends the text and is not part of it; the decoder's held-back bytes are
-                # released on the last step so that the streamed text equals `text`.
-                text += decoder.feed(token) if token not in stop_ids else ""
-                if self.finish_reason:
-                    text += decoder.flush()
-                hit = _find_stop(text, sp.stop_strings)
-                if hit is not None:
-                    text, self.finish_reason = text[:hit], "stop"
-                # hold back a tail that may still grow into a stop string
-                safe = len(text) if self.finish_reason else len(text) - _stop_prefix_len(text, sp.stop_strings)
-                step.text = text[len(self.text):safe]
-                self.text = text[:safe]
             yield step
-            if self.finish_reason:
+            if stream.done:
                 break
         self.kv = kv
         self.pos = n + len(self.output_ids) - 1
         self.timings.decode_s = time.perf_counter() - t_decode
         self.timings.total_s = time.perf_counter() - t0
 
-
-def _find_stop(text: str, stops) -> int | None:
-    """The earliest index where any stop string occurs in text."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops) -> int:
-    """Length of the longest tail of text that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

@@ -58,8 +58,8 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array
 def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
     """Attention for q [B, T, K, G, H] at positions pos..pos+T-1 over key blocks 0..last in use."""
     B, T, K, G, H = q.shape
-    q_pos = pos + jnp.arange(T)  # [T]
-    n_blocks = (pos + T + ATTN_BLOCK - 1) // ATTN_BLOCK  # blocks holding positions <= the last query
+    q_pos = pos[..., None] + jnp.arange(T)  # [T], or [B, T] when each row has its own position
+    n_blocks = (jnp.max(pos) + T + ATTN_BLOCK - 1) // ATTN_BLOCK  # blocks holding positions <= the last query
 
     def block(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
@@ -69,7 +69,8 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
         vb = lax.dynamic_slice(v_all, start, size)[0]  # [B, C, K, H]
         s = jnp.einsum("btkgh,bckh->bkgtc", q, kb)  # [B, K, G, T, C]
         k_pos = i * ATTN_BLOCK + jnp.arange(ATTN_BLOCK)  # [C]
-        s = jnp.where(k_pos[None, :] <= q_pos[:, None], s, NEG_INF)
+        visible = k_pos <= q_pos[..., None]  # [T, C] or [B, T, C]
+        s = jnp.where(visible if visible.ndim == 2 else visible[:, None, None], s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
@@ -84,10 +85,22 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, H]
 
 
+def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
+    """cache [L, B, S, K, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos is [B])."""
+    if pos.ndim == 0:
+        return lax.dynamic_update_slice(cache, new[None], (layer, 0, pos, 0, 0))
+
+    def row(b, c):  # one in-place slice per row: a scatter would copy the whole cache on XLA:CPU
+        return lax.dynamic_update_slice(c, lax.dynamic_index_in_dim(new, b)[None], (layer, b, pos[b], 0, 0))
+    return lax.fori_loop(0, new.shape[0], row, cache)
+
+
 def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
             all_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
 
+    kv.pos is a scalar (every row at the same position: one sequence, or a prompt's forks) or a
+    vector [B] (each row its own sequence at its own position: batched decoding, see batch.py).
     Writes their keys/values into the cache with `dynamic_update_slice` and returns
     (logits, new kv with pos + length). Logits are [B, V] for the last real token, or
     [B, T, V] for every row when `all_logits`. Requires kv.pos + T <= S (the caller sizes S).
@@ -95,7 +108,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     B, T = tokens.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     pos = kv.pos
-    sin, cos = rope_tables(pos + jnp.arange(T), H, cfg.rope_theta)  # [T, H]
+    sin, cos = rope_tables(pos[..., None] + jnp.arange(T), H, cfg.rope_theta)  # [T, H] or [B, T, H]
     x = params.embed[tokens]  # [B, T, D]
 
     def layer(carry, inputs):
@@ -107,8 +120,8 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
         v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, K, H)
         q = apply_rope(q, sin, cos) * (H ** -0.5)
         k = apply_rope(k, sin, cos)
-        k_all = lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, pos, 0, 0))
-        v_all = lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, pos, 0, 0))
+        k_all = _write(k_all, k.astype(k_all.dtype), i, pos)
+        v_all = _write(v_all, v.astype(v_all.dtype), i, pos)
         a = attention(q.reshape(B, T, K, G, H), k_all, v_all, i, pos).reshape(B, T, K * G * H)
         x = x + jnp.einsum("btn,nd->btd", a, w.wo)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)

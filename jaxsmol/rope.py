@@ -5,15 +5,17 @@ import jax.numpy as jnp
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """positions [T] int32 -> (sin, cos), each [T, H] float32."""
+    """positions [T] (or [B, T]) int32 -> (sin, cos), each [T, H] (or [B, T, H]) float32."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]
     return jnp.sin(angles), jnp.cos(angles)
 
 
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    """x [B, T, heads, H]; sin, cos [T, H]."""
+    """x [B, T, heads, H]; sin, cos [T, H], or [B, T, H] (a position per row)."""
+    if sin.ndim == 2:
+        sin, cos = sin[None], cos[None]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

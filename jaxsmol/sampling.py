@@ -85,3 +85,37 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     logp = jax.nn.log_softmax(logits, axis=-1)
     values, ids = jax.lax.top_k(logp, k)
     return ids, values
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (logits / 1e-38 would overflow)
+MASKED = -1e30  # a token outside `allowed`: large, finite and negative, so never NaN
+
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Each row with its own settings: logits [W, V] -> token ids [W] int32.
+
+    temperature, top_p [W] float32; top_k, step [W] int32; seed_lo, seed_hi [W] uint32 (a 63-bit seed
+    split in two); allowed [W, V] bool. Row i draws with `fold_in(seed_key(seed_i), step_i)`, the key
+    `Generation` uses, so a seed gives the same tokens alone or in a batch (given the same logits).
+    The sort that top-k / top-p need runs only when some row asks for it; greedy rows cost an argmax.
+    """
+    logits = jnp.where(allowed, logits, MASKED)
+    greedy_rows = temperature < GREEDY_BELOW
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
+        needs_sort = jnp.any(~greedy_rows & ((top_k > 0) | (top_p < 1)))
+        filtered = lax.cond(needs_sort, _top_k_top_p, lambda a: a[0], (scaled, top_k[:, None], top_p[:, None]))
+        keys = jax.vmap(lambda lo, hi, i: jax.random.fold_in(
+            jax.random.fold_in(jax.random.key(lo), hi), i))(seed_lo, seed_hi, step)
+        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+    drawn = lax.cond(jnp.all(greedy_rows), lambda _: greedy, draw, None)
+    return jnp.where(greedy_rows, greedy, drawn)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A 63-bit seed as the (low, high) uint32 halves `sample_rows` takes."""
+    return seed & 0xFFFFFFFF, seed >> 32

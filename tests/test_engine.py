@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxsmol import engine as engine_mod
+from jaxsmol import programs
 from jaxsmol.engine import (MIN_CAPACITY, PREFILL_BUCKETS, Engine, capacity_for, chunk_plan,
                             compile_bound)
 from jaxsmol.errors import JaxsmolError
@@ -84,7 +85,7 @@ def test_sampling_params_validation():
 def test_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload compiles at most compile_bound(ctx) forward programs, and the set saturates:
     a second pass of different random lengths compiles nothing new. The sampler compiles once."""
-    fwd, smp = engine_mod._forward, engine_mod._sample
+    fwd, smp = programs.forward, programs.sample
     fwd.clear_cache()
     smp.clear_cache()
     ctx = tiny_engine.ctx
@@ -373,7 +374,7 @@ def test_real_chunked_prefill_equals_one_shot(real_engine):
     assert len(ids) == 300
     tokens = np.zeros((1, 512), np.int32)
     tokens[0, :300] = ids
-    ref, ref_kv = engine_mod._forward(real_engine.params, jnp.asarray(tokens), jnp.int32(300),
+    ref, ref_kv = programs.forward(real_engine.params, jnp.asarray(tokens), jnp.int32(300),
                                       real_engine.new_cache(512), real_engine.cfg, all_logits=True)
     kv = real_engine.new_cache(512)
     _, kv = real_engine.prefill(ids[:256], kv)

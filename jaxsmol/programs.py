@@ -1,0 +1,36 @@
+"""Every compiled program, in one place: `jax.jit` is applied here and only here.
+
+Single sequence (engine.py): `forward` (chunked prefill and decode), `sample`, `top_logprobs`,
+`load_prefix`. Batched decoding (batch.py, used by the scheduler): `decode_step`, `sample_first`,
+`insert_row`, `relayout`.
+
+A cache argument is donated where the caller hands over a buffer that nothing else holds (a fresh
+cache, a recycled one, or one restored from a host snapshot), so XLA updates it in place. Host
+snapshots held by the prefix store are NumPy arrays, never device buffers, so a donation can never
+touch a stored prefix.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxsmol import batch, kv, model, sampling
+
+forward = jax.jit(model.forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
+sample = jax.jit(sampling.sample)
+load_prefix = jax.jit(kv.load_prefix, donate_argnames=("kv",))
+top_logprobs = jax.jit(sampling.top_logprobs, static_argnames=("k",))
+
+decode_step = jax.jit(batch.decode_step, static_argnames=("cfg", "logprobs"), donate_argnames=("kv",))
+sample_first = jax.jit(batch.sample_and_score, static_argnames=("logprobs",))
+insert_row = jax.jit(batch.insert_row, donate_argnames=("batch",))
+relayout = jax.jit(batch.relayout, static_argnames=("width", "capacity"))
+
+ALL = {"forward": forward, "sample": sample, "load_prefix": load_prefix, "top_logprobs": top_logprobs,
+       "decode_step": decode_step, "sample_first": sample_first, "insert_row": insert_row,
+       "relayout": relayout}
+
+
+def compiled_count(name: str = "forward") -> int:
+    """How many programs the jitted function `name` has compiled in this process so far."""
+    return ALL[name]._cache_size()
