@@ -200,6 +200,13 @@ class PrefixCache:
         """Look the prompt up and start its generation; iterate the result for tokens."""
         return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
 
+    def generate_many(self, prompts, sp: SamplingParams = SamplingParams(), **kw):
+        """Many prompts, and n samples of each, decoded together (cache/scheduler.py): per prompt a
+        list of `Finished` results. Keywords: n, salt, max_batch, batch_invariant."""
+        from cache.scheduler import generate_many  # the scheduler builds on this module
+
+        return generate_many(self, prompts, sp, **kw)
+
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
         """Run a request to the end; returns (Generation, CacheReport)."""
         req = self.start(prompt_ids, sp, **kw)

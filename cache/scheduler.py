@@ -1,0 +1,458 @@
+"""Continuous batching: many requests decode together, one jitted step for all of them.
+
+Each `step()` does, in order:
+  1. admission: the oldest waiting request, if decode rows will be free for its choices, is looked up
+     in the prefix cache and its state restored into a one-row staging cache (prefill / insert /
+     generate, as in JetStream);
+  2. one prefill chunk of that request (>= 64 rows, so its prompt state has the bits of a cold
+     prefill; at most `chunk_rows` rows while others decode, so their streams keep flowing), or
+     else one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
+     when a prompt is complete, its first tokens are sampled and its state is inserted into one
+     decode row per choice (`n` forks share one prefill);
+  3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
+     then sampling with each row's own settings), then the host side of every row (TokenStream).
+Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
+
+The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
+doubling ladder; it grows when a newcomer needs more and shrinks (after SHRINK_AFTER steps of being
+at most half used) so that a lone stream decodes at width 1. With `batch_invariant`, the width is
+always `max_batch`: a row's logits then do not depend on how many other rows are live, so a
+request's tokens are the same alone or among others (a decode step's row-count changes the last
+bits of XLA:CPU's matmuls).
+
+Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
+a request that would break it waits, except that one request alone is always admitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.prefix_cache import AnswerSave, Lookup, PrefixCache
+from jaxsmol import programs
+from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import KVCache
+from jaxsmol.sampling import SamplingParams, split_seed
+from jaxsmol.stream import Step, TokenStream
+
+SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
+MAX_PENDING_SAVES = 64  # answers waiting to be stored for the next turn; older ones are dropped
+
+
+@dataclasses.dataclass
+class Finished:
+    """One choice's result: plain data (no device buffers, no cache entries)."""
+    index: int
+    prompt_tokens: int
+    cached_tokens: int  # prompt positions restored from the prefix cache
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict]
+    ttft_s: float
+
+
+class Sink(Protocol):
+    """Where a request's events go (the daemon's job, or `generate_many`'s collector)."""
+    def token(self, index: int, step: Step) -> None: ...
+    def done(self, result: Finished) -> None: ...
+    def error(self, error: Exception) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclasses.dataclass
+class Request:
+    """`len(samplings)` choices of one prompt: prefilled once, decoded as one row each."""
+    prompt_ids: list[int]
+    samplings: list[SamplingParams]
+    sink: Sink
+    indices: list[int] | None = None  # the choice indices the sink sees (default 0..n-1)
+    salt: str | None = None
+    bypass: bool = False
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        if not self.samplings:
+            raise JaxsmolError("a request needs at least one choice")
+        self.indices = list(range(len(self.samplings))) if self.indices is None else list(self.indices)
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """An admitted request whose prompt is being prefilled into `kv`, a chunk per step."""
+    request: Request
+    lookup: Lookup
+    kv: KVCache
+
+
+@dataclasses.dataclass
+class _Row:
+    """A decode row: one choice of a request."""
+    request: Request
+    lookup: Lookup
+    index: int
+    stream: TokenStream
+    ttft_s: float
+
+
+@dataclasses.dataclass
+class _Saving:
+    save: AnswerSave
+    kv: KVCache | None = None
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    steps: int = 0  # decode steps
+    decoded_tokens: int = 0  # tokens sampled by decode steps (first tokens excluded)
+    prefilled_tokens: int = 0  # prompt positions computed (padding excluded)
+    admitted: int = 0
+    relayouts: int = 0
+
+
+def widths_for(max_batch: int) -> tuple[int, ...]:
+    """The batch widths used: powers of two below max_batch, and max_batch."""
+    widths, w = [], 1
+    while w < max_batch:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (max_batch,)
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, max_batch: int = 16, kv_bytes: int = 4 << 30,
+                 batch_invariant: bool = False, chunk_rows: int = 128):
+        if max_batch < 1:
+            raise JaxsmolError(f"max_batch must be >= 1, got {max_batch}")
+        if chunk_rows not in PREFILL_BUCKETS:
+            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {chunk_rows}")
+        self.cache, self.engine = cache, cache.engine
+        self.max_batch, self.kv_bytes, self.chunk_rows = max_batch, kv_bytes, chunk_rows
+        self.batch_invariant = batch_invariant
+        self.widths = (max_batch,) if batch_invariant else widths_for(max_batch)
+        self.pending: collections.deque[Request] = collections.deque()
+        self.prefilling: _Prefill | None = None
+        self.saves: collections.deque[_Saving] = collections.deque()
+        self.rows: list[_Row | None] = []
+        self.batch: KVCache | None = None  # k, v [L, W, S, K, H], pos [W]
+        self.stats = SchedulerStats()
+        self._shrink_votes = 0
+        self._all_allowed: dict[int, jax.Array] = {}
+
+    # ---- the public surface ------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request; its events reach its sink from `step()` (a bad one: one error event)."""
+        if len(request.samplings) > self.max_batch:
+            request.sink.error(JaxsmolError(f"at most {self.max_batch} choices per request (max_batch), "
+                                            f"got {len(request.samplings)}"))
+            return
+        self.pending.append(request)
+
+    @property
+    def live_rows(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.prefilling or self.saves or self.live_rows)
+
+    @property
+    def kv_bytes_held(self) -> int:
+        return 0 if self.batch is None else self.batch.nbytes
+
+    def step(self) -> None:
+        """One round: admit, one prefill (or answer-saving) chunk, one decode step of all rows."""
+        self._drop_cancelled()
+        if self.prefilling is None:
+            self._admit()
+        if self.prefilling is not None:
+            self._prefill_chunk()
+        elif self.saves:
+            self._save_chunk()
+        if self.live_rows:
+            self._decode()
+        self._maybe_shrink()
+
+    def run(self) -> None:
+        while self.has_work:
+            self.step()
+
+    # ---- admission and prefill ---------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.pending:
+            req = self.pending[0]
+            if req.sink.cancelled():
+                self.pending.popleft()
+                continue
+            if not self._room_for(req):
+                return
+            self.pending.popleft()
+            try:
+                self._begin(req)
+                return
+            except JaxsmolError as e:
+                req.sink.error(e)
+
+    def _need(self, req: Request) -> int:
+        return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))
+
+    def _room_for(self, req: Request) -> bool:
+        rows = self.live_rows + len(req.samplings)
+        if rows > self.max_batch:
+            return False
+        width = self._width_for(rows)
+        capacity = max(self._need(req), self.batch.capacity if self.batch is not None and self.live_rows else 0)
+        return self.live_rows == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
+
+    def _width_for(self, rows: int) -> int:
+        return next((w for w in self.widths if w >= rows), self.widths[-1])
+
+    def _begin(self, req: Request) -> None:
+        lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
+                               salt=req.salt, bypass=req.bypass)
+        self.stats.admitted += 1
+        slots = max(self._need(req), self.batch.capacity if self.batch is not None else 0)
+        n, reused = len(lk.prompt), lk.report.reused
+        try:
+            if reused and (reused < n or any(sp.max_tokens > 1 for sp in req.samplings)):
+                kv = self.engine.restore(lk.prefix, slots, reused)
+            else:
+                kv = self.engine.new_cache(slots) if reused < n else None
+        except BaseException:
+            self.cache.release(lk)
+            raise
+        self.prefilling = _Prefill(req, lk, kv)
+        if reused == n:  # an exact full hit: the stored logits stand in for the forward
+            self._prompt_done(jnp.asarray(lk.logits, jnp.float32)[None])
+
+    def _prefill_chunk(self) -> None:
+        p = self.prefilling
+        rows = self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
+        try:
+            logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, rows, exact=self._exact(p))
+            done = int(p.kv.pos) >= len(p.lookup.prompt)
+        except Exception as e:  # a failure costs this request, never the others
+            self._abort_prefill(e)
+            return
+        if done:
+            self._prompt_done(logits)
+
+    def _exact(self, p: _Prefill) -> bool:
+        return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
+
+    def _abort_prefill(self, error: Exception | None) -> None:
+        p, self.prefilling = self.prefilling, None
+        self.cache.release(p.lookup)
+        self.engine.recycle(p.kv)
+        if error is not None:
+            p.request.sink.error(error)
+
+    def _prompt_done(self, logits: jax.Array) -> None:
+        """The prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
+        token, and give every choice that goes on a decode row."""
+        p = self.prefilling
+        req, lk = p.request, p.lookup
+        self.cache.save_prompt(lk, p.kv, logits)
+        prefilled = len(lk.prompt) - lk.report.reused
+        self.cache.finish(lk, prefilled)
+        self.cache.release(lk)
+        self.stats.prefilled_tokens += prefilled
+        ttft = time.perf_counter() - req.submitted
+        want = max(sp.logprobs for sp in req.samplings)
+        m = len(req.samplings)
+        out = jax.device_get(programs.sample_first(
+            jnp.broadcast_to(logits, (m, logits.shape[-1])),
+            self._sampling_arrays(req.samplings, [0] * m, m), logprobs=want > 0))
+        going_on = []
+        for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
+            row = _Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft)
+            if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
+                self._push(row, out, i)
+            if row.stream.done or sp.max_tokens == 0:
+                self._finish(row)
+            else:
+                going_on.append(row)
+        if going_on:
+            self._insert(going_on, p.kv)
+        self.engine.recycle(p.kv)
+        self.prefilling = None
+
+    # ---- decode rows ---------------------------------------------------------------------------------
+    def _insert(self, rows: list[_Row], kv: KVCache) -> None:
+        """Write the prompt state `kv` [L, 1, S, K, H] into one free decode row per choice."""
+        needed = self.live_rows + len(rows)
+        width = self._width_for(needed)
+        capacity = max(kv.capacity, self.batch.capacity if self.batch is not None else 0)
+        if self.batch is None or width > len(self.rows) or capacity > self.batch.capacity:
+            self._relayout(max(width, len(self.rows)), capacity)
+        free = [i for i, r in enumerate(self.rows) if r is None]  # admission left room for all
+        for row, i in zip(rows, free):
+            self.rows[i] = row
+            self.batch = programs.insert_row(self.batch, kv, jnp.int32(i))
+
+    def _relayout(self, width: int, capacity: int) -> None:
+        """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        rows = [self.rows[i] for i in live] + [None] * (width - len(live))
+        if self.batch is None or not live:
+            cfg = self.engine.cfg
+            self.batch = KVCache.zeros(cfg, capacity, batch=width, dtype=self.engine.params.embed.dtype,
+                                       mesh=self.engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
+        else:
+            source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
+            self.batch = programs.relayout(self.batch, source, width, capacity)
+        self.rows = rows
+        self.stats.relayouts += 1
+        self._shrink_votes = 0
+
+    def _maybe_shrink(self) -> None:
+        if self.batch is None or self.batch_invariant or self.prefilling is not None:
+            return
+        live = self.live_rows
+        if live == 0 and len(self.rows) > 1:
+            self.batch, self.rows = None, []  # idle: give the memory back
+            return
+        target = self._width_for(max(live, 1))
+        self._shrink_votes = self._shrink_votes + 1 if target <= len(self.rows) // 2 else 0
+        if self._shrink_votes >= SHRINK_AFTER:
+            self._relayout(target, self.batch.capacity)
+
+    def _decode(self) -> None:
+        W = len(self.rows)
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
+        tokens = np.zeros(W, np.int32)
+        active = np.zeros(W, bool)
+        for i, r in live:
+            tokens[i], active[i] = r.stream.output_ids[-1], True
+        samplings = [r.stream.sp if r is not None else SamplingParams() for r in self.rows]
+        steps = [len(r.stream.output_ids) if r is not None else 0 for r in self.rows]
+        want = any(r.stream.sp.logprobs for _, r in live)
+        try:
+            out, self.batch = programs.decode_step(self.engine.params, jnp.asarray(tokens), self.batch,
+                                                   jnp.asarray(active), self._sampling_arrays(samplings, steps, W),
+                                                   self.engine.cfg, logprobs=want)
+            out = jax.device_get(out)
+        except Exception as e:  # the batch is lost: fail its requests, keep serving
+            for _, r in live:
+                r.request.sink.error(e)
+            self.batch, self.rows = None, []
+            return
+        self.stats.steps += 1
+        self.stats.decoded_tokens += len(live)
+        for i, r in live:
+            self._push(r, out, i)
+            if r.stream.done:
+                self.rows[i] = None
+                self._finish(r)
+
+    def _push(self, row: _Row, out: dict, i: int) -> None:
+        """Feed row's sampled token (entry i of a step's output) to its stream and its sink."""
+        k = row.stream.sp.logprobs
+        logprob, top = None, None
+        if k:
+            logprob = float(out["logprob"][i])
+            top = [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
+        step = row.stream.push(int(out["tokens"][i]), logprob, top)
+        row.request.sink.token(row.index, step)
+
+    def _finish(self, row: _Row) -> None:
+        s, lk = row.stream, row.lookup
+        row.request.sink.done(Finished(index=row.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
+                                       output_ids=list(s.output_ids), text=s.text,
+                                       finish_reason=s.finish_reason or "length", logprobs=list(s.logprobs),
+                                       ttft_s=row.ttft_s))
+        if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
+            save = self.cache.begin_answer(lk, s.output_ids)
+            if save is not None:
+                self.saves.append(_Saving(save))
+            while len(self.saves) > MAX_PENDING_SAVES:
+                self._drop_save(self.saves.popleft())
+
+    def _drop_cancelled(self) -> None:
+        for i, r in enumerate(self.rows):
+            if r is not None and r.request.sink.cancelled():
+                self.rows[i] = None
+        if self.prefilling is not None and self.prefilling.request.sink.cancelled():
+            self._abort_prefill(None)
+
+    def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], width: int) -> dict:
+        seeds = [split_seed(sp.seed) for sp in samplings]
+        if width not in self._all_allowed:
+            self._all_allowed[width] = jnp.ones((width, self.engine.cfg.vocab_size), bool)
+        return {"temperature": np.array([sp.temperature for sp in samplings], np.float32),
+                "top_k": np.array([sp.top_k for sp in samplings], np.int32),
+                "top_p": np.array([sp.top_p for sp in samplings], np.float32),
+                "seed_lo": np.array([lo for lo, _ in seeds], np.uint32),
+                "seed_hi": np.array([hi for _, hi in seeds], np.uint32),
+                "step": np.array(steps, np.int32), "allowed": self._all_allowed[width]}
+
+    # ---- storing answers for the next turn ---------------------------------------------------------------
+    def _save_chunk(self) -> None:
+        s = self.saves[0]
+        tokens, start = s.save.tokens, len(s.save.lookup.prompt)
+        try:
+            if s.kv is None:
+                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start)
+            rows = self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
+            logits, s.kv = self.engine.prefill_chunk(tokens, s.kv, rows)
+            if int(s.kv.pos) < len(tokens):
+                return
+            self.saves.popleft()
+            self.cache.finish_answer(s.save, s.kv, logits)
+            self.engine.recycle(s.kv)
+        except Exception:  # a failed save costs the next turn its reuse, nothing else
+            self._drop_save(self.saves.popleft())
+
+    def _drop_save(self, s: _Saving) -> None:
+        self.cache.finish_answer(s.save, None, None)
+        self.engine.recycle(s.kv)
+
+
+# ---- the library's batched calls -------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class Collector:
+    """A Sink that keeps a request's results (and streamed steps) for `generate_many`."""
+    results: dict = dataclasses.field(default_factory=dict)
+    steps: dict = dataclasses.field(default_factory=dict)
+    errors: list = dataclasses.field(default_factory=list)
+    cancel: bool = False
+
+    def token(self, index: int, step: Step) -> None:
+        self.steps.setdefault(index, []).append(step)
+
+    def done(self, result: Finished) -> None:
+        self.results[result.index] = result
+
+    def error(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def cancelled(self) -> bool:
+        return self.cancel
+
+
+def generate_many(cache: PrefixCache, prompts, sp: SamplingParams = SamplingParams(), *, n: int = 1,
+                  salt: str | None = None, max_batch: int = 16, batch_invariant: bool = False,
+                  scheduler: Scheduler | None = None) -> list[list[Finished]]:
+    """Run every prompt (n samples each: seeds sp.seed + i, prefilled once) as one continuous batch.
+
+    Returns, per prompt, its n results. Raises the first request's error, if any."""
+    sched = scheduler or Scheduler(cache, max_batch=max(max_batch, n), batch_invariant=batch_invariant)
+    sinks = []
+    for prompt in prompts:
+        sink = Collector()
+        samplings = [dataclasses.replace(sp, seed=(sp.seed + i) % 2**63) for i in range(n)]
+        sched.submit(Request(list(prompt), samplings, sink, salt=salt))
+        sinks.append(sink)
+    sched.run()
+    for sink in sinks:
+        if sink.errors:
+            raise sink.errors[0]
+    return [[sink.results[i] for i in range(n)] for sink in sinks]

@@ -1,0 +1,176 @@
+"""Continuous batching (cache/scheduler.py): many requests in one decode batch, on the tiny config.
+
+The contract: under batch_invariant a request's tokens and logprobs are identical alone or among
+others; requests join and leave while others decode; n samples of one prompt prefill it once; the
+prompt state is still bitwise what a cold prefill computes; compiled programs stay bounded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cache.prefix_cache import PrefixCache
+from cache.scheduler import Collector, Request, Scheduler, generate_many, widths_for
+from jaxsmol import programs
+from jaxsmol.engine import capacity_for
+from jaxsmol.sampling import SamplingParams
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 256, size=n)] for n in lengths]
+
+
+def run_alone(engine, prompt, sp, **kw):
+    return generate_many(PrefixCache(engine, mode="off"), [prompt], sp, batch_invariant=True, max_batch=4, **kw)[0]
+
+
+MIXED = [SamplingParams(max_tokens=9, logprobs=3),
+         SamplingParams(max_tokens=14, temperature=0.8, seed=7, logprobs=2),
+         SamplingParams(max_tokens=11, temperature=1.2, top_k=20, seed=3),
+         SamplingParams(max_tokens=13, temperature=0.9, top_p=0.7, seed=11, stop_ids=(5, 6, 7)),
+         SamplingParams(max_tokens=1),
+         SamplingParams(max_tokens=20, temperature=1.0, top_k=5, top_p=0.9, seed=2**40 + 5, logprobs=1)]
+
+
+def test_batched_equals_alone_under_batch_invariant(tiny_engine):
+    """Six requests of mixed lengths and sampling settings through 4 rows (so they join as rows free
+    up): each one's tokens, text-free results and logprobs equal its run alone, bit for bit."""
+    ps = prompts(0, [5, 70, 130, 300, 64, 9])
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True)
+    sinks = [Collector() for _ in ps]
+    for p, sp, sink in zip(ps, MIXED, sinks):
+        sched.submit(Request(p, [sp], sink))
+    sched.run()
+    for p, sp, sink in zip(ps, MIXED, sinks):
+        got, alone = sink.results[0], run_alone(tiny_engine, p, sp)[0]
+        assert not sink.errors
+        assert got.output_ids == alone.output_ids and got.finish_reason == alone.finish_reason
+        assert got.logprobs == alone.logprobs  # exact floats, top ids included
+        assert [s.token for s in sink.steps[0]] == got.output_ids
+        assert len(got.output_ids) <= sp.max_tokens
+
+
+def test_stop_ids_and_lengths_end_rows(tiny_engine):
+    sp = dataclasses.replace(MIXED[3], max_tokens=40)
+    [res] = run_alone(tiny_engine, prompts(1, [50])[0], sp)
+    if res.finish_reason == "stop":
+        assert res.output_ids[-1] in sp.stop_ids and not set(res.output_ids[:-1]) & set(sp.stop_ids)
+    else:
+        assert len(res.output_ids) == 40 and not set(res.output_ids) & set(sp.stop_ids)
+    [res] = run_alone(tiny_engine, prompts(1, [50])[0], SamplingParams(max_tokens=0))
+    assert res.output_ids == [] and res.finish_reason == "length"
+
+
+def test_requests_join_while_others_decode(tiny_engine):
+    """A request submitted mid-stream is admitted and streams before the running one finishes."""
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4)
+    first, second = Collector(), Collector()
+    p1, p2 = prompts(2, [40, 200])
+    sched.submit(Request(p1, [SamplingParams(max_tokens=30)], first))
+    for _ in range(5):
+        sched.step()
+    assert len(first.steps[0]) == 6 and not first.results  # step 1: prefill, first token, one decode
+    sched.submit(Request(p2, [SamplingParams(max_tokens=5)], second))
+    while not second.results:
+        sched.step()
+        assert sched.live_rows <= 2
+    assert not first.results  # the second finished while the first was still decoding
+    sched.run()
+    assert len(first.results[0].output_ids) == 30 and len(second.results[0].output_ids) == 5
+
+
+def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=2)
+    sinks = [Collector() for _ in range(3)]
+    for p, sink in zip(prompts(3, [20, 30, 40]), sinks):
+        sched.submit(Request(p, [SamplingParams(max_tokens=50)], sink))
+    for _ in range(6):
+        sched.step()
+    assert sched.live_rows == 2 and not sinks[2].steps  # the third waits for a row
+    sinks[0].cancel = True
+    for _ in range(4):
+        sched.step()
+    assert sinks[2].steps and sched.live_rows == 2  # admitted into the freed row
+    sched.run()
+    assert not sinks[0].results and len(sinks[0].steps[0]) < 50
+    assert len(sinks[1].results[0].output_ids) == 50 and len(sinks[2].results[0].output_ids) == 50
+
+
+def test_n_samples_prefill_the_prompt_once(tiny_engine):
+    cache = PrefixCache(tiny_engine, mode="radix")
+    sched = Scheduler(cache, max_batch=8)
+    prompt = prompts(4, [100])[0]
+    [results] = generate_many(cache, [prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=1), n=8,
+                              scheduler=sched)
+    assert sched.stats.prefilled_tokens == 100  # not 800
+    assert len(results) == 8 and all(r.cached_tokens == 0 for r in results)  # cold, for every choice
+    assert len({tuple(r.output_ids) for r in results}) > 1  # seeds seed + i: different samples
+    again = generate_many(cache, [prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=1), n=2,
+                          scheduler=sched)[0]
+    assert all(r.cached_tokens == 100 for r in again)  # an exact full hit, for both choices
+    assert [r.output_ids for r in again] == [r.output_ids for r in results[:2]]
+    assert sched.stats.prefilled_tokens == 100
+
+
+def test_cached_prompt_state_is_bitwise_cold_with_batching(tiny_engine):
+    """Prompt logits (stored with each prompt) are identical whether a prefix came from the cache or
+    not, with other rows decoding meanwhile."""
+    base = prompts(5, [300])[0]
+    warm_cache = PrefixCache(tiny_engine, mode="radix")
+    sched = Scheduler(warm_cache, max_batch=4)
+    busy = Collector()
+    sched.submit(Request(prompts(6, [30])[0], [SamplingParams(max_tokens=60)], busy))
+    generate_many(warm_cache, [base], SamplingParams(max_tokens=3), scheduler=sched)
+    second = base[:200] + prompts(7, [77])[0]
+    [[warm]] = generate_many(warm_cache, [second], SamplingParams(max_tokens=3), scheduler=sched)
+    assert warm.cached_tokens == 200
+    cold_cache = PrefixCache(tiny_engine, mode="radix")
+    [[cold]] = generate_many(cold_cache, [second], SamplingParams(max_tokens=3))
+    assert warm.output_ids == cold.output_ids
+    ns = warm_cache.namespace()
+    warm_logits = warm_cache.radix.match(ns, second).payload
+    cold_logits = cold_cache.radix.match(cold_cache.namespace(), second).payload
+    assert warm_logits is not None and np.array_equal(warm_logits, cold_logits)
+
+
+def test_answers_are_stored_for_the_next_turn(tiny_engine):
+    cache = PrefixCache(tiny_engine, mode="radix")
+    prompt = prompts(8, [80])[0]
+    [[first]] = generate_many(cache, [prompt], SamplingParams(max_tokens=20))
+    follow_up = prompt + first.output_ids + prompts(9, [10])[0]
+    [[second]] = generate_many(cache, [follow_up], SamplingParams(max_tokens=2))
+    assert second.cached_tokens == len(prompt) + len(first.output_ids)
+
+
+def test_widths_and_compiled_programs_are_bounded(tiny_engine):
+    """A mixed workload through a max_batch 8 scheduler compiles at most one decode program per
+    (width, capacity, logprobs) and one insert per (width, capacity, row capacity)."""
+    assert widths_for(8) == (1, 2, 4, 8) and widths_for(6) == (1, 2, 4, 6)
+    before = programs.compiled_count("decode_step")
+    cache = PrefixCache(tiny_engine, mode="radix")
+    sched = Scheduler(cache, max_batch=8)
+    rng = np.random.default_rng(10)
+    for wave in range(3):
+        for n in rng.integers(2, 400, size=5):
+            sched.submit(Request(prompts(int(n), [int(n)])[0],
+                                 [SamplingParams(max_tokens=int(rng.integers(1, 30)), logprobs=int(n) % 2)],
+                                 Collector()))
+        for _ in range(int(rng.integers(3, 20))):
+            sched.step()
+    sched.run()
+    capacities = {capacity_for(s) for s in (512, 1024)}
+    assert programs.compiled_count("decode_step") - before <= len(widths_for(8)) * len(capacities) * 2
+
+
+def test_too_many_choices_is_a_clear_error(tiny_engine):
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=2)
+    sink = Collector()
+    sched.submit(Request([1, 2, 3], [SamplingParams()] * 3, sink))
+    assert "at most 2 choices" in str(sink.errors[0])
+    sink = Collector()
+    sched.submit(Request([1, 2, 999], [SamplingParams()], sink))
+    sched.run()
+    assert "outside" in str(sink.errors[0]) and not sched.has_work
