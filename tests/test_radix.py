@@ -434,7 +434,8 @@ def test_an_empty_namespace_drops_its_root():
 def test_add_snapshot_of_a_loaded_file_holds_what_it_counts(tiny_engine, tmp_path):
     """A snapshot read from disk is inserted as copies, not as views that keep the whole file (and
     its logits) alive; evicting it then frees its bytes."""
-    from cache.disk import identity, load_snapshot, save_prompt_cache
+    from cache.disk import save_prompt_cache
+    from cache.snapshot import identity, load_snapshot
     from cache.prefix_cache import PrefixCache
     from jaxsmol.sampling import SamplingParams
 
