@@ -11,7 +11,10 @@ the matched tokens provides the value of the match (the first `length` positions
 depend on those positions' tokens, which is what a causal model's KV state is).
 
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
-nodes on the path of a lease (an entry in use) are never evicted. `on_evict(namespace, match)`, when
+nodes on the path of a lease (an entry in use) are never evicted. Every stored segment and payload owns
+its memory (a NumPy view given to `insert` is copied, a split copies both halves), so the bytes
+counted are the bytes held and evicting a node frees what it counted. A namespace's root goes when
+its last key does. `on_evict(namespace, match)`, when
 set, is called with a victim's whole key before it goes (a second tier may keep it).
 """
 
@@ -27,6 +30,20 @@ import numpy as np
 
 def _nbytes(tree) -> int:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
+
+
+def _own(a):
+    """`a` if it owns its memory, else a copy with the same read-only flag: a view would keep its
+    whole base alive while only the view's bytes are counted."""
+    if not isinstance(a, np.ndarray) or a.base is None:
+        return a
+    out = np.array(a)  # np.array copies: a C-contiguous array that owns its buffer
+    out.flags.writeable = a.flags.writeable
+    return out
+
+
+def _owned(tree):
+    return jax.tree.map(_own, tree)
 
 
 class _Node:
@@ -165,6 +182,8 @@ class RadixStore:
         [start, stop) and is only asked for the positions not already stored (a shared trunk is
         neither copied nor stored twice). Returns the number of newly stored positions."""
         tokens = tuple(tokens)
+        if not tokens:
+            return 0
         node, depth = self._root(namespace), 0
         path = []
         while depth < len(tokens):
@@ -178,12 +197,12 @@ class RadixStore:
             node, depth = child, depth + n
         added = len(tokens) - depth
         if added:
-            leaf = _Node(tokens[depth:], value_of(depth, len(tokens)), node)
+            leaf = _Node(tokens[depth:], _owned(value_of(depth, len(tokens))), node)
             node.children[tokens[depth]] = leaf
             self.bytes_held += leaf.nbytes
             node, path = leaf, path + [leaf]
         if payload is not None and node.payload is None and path:
-            node.payload = payload
+            node.payload = _owned(payload)
             self.bytes_held += _nbytes(payload)
         self._touch(path)
         self._evict(protect=set(map(id, path)))
@@ -191,12 +210,13 @@ class RadixStore:
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
-        upper = _Node(node.tokens[:at], self._slice(node.segment, 0, at), node.parent)
+        # Both halves are copies: views would keep the whole old segment alive after either half goes.
+        upper = _Node(node.tokens[:at], _owned(self._slice(node.segment, 0, at)), node.parent)
         # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
         # evicted meanwhile, since it is not a leaf while that child exists.
         upper.last_used = node.last_used
         node.parent.children[node.tokens[0]] = upper
-        lower_segment = self._slice(node.segment, at, len(node.tokens))
+        lower_segment = _owned(self._slice(node.segment, at, len(node.tokens)))
         self.bytes_held += _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)
         node.tokens, node.segment, node.parent = node.tokens[at:], lower_segment, upper
         upper.children[node.tokens[0]] = node
@@ -232,6 +252,12 @@ class RadixStore:
             del victim.parent.children[victim.tokens[0]]
             self.bytes_held -= victim.nbytes
             self.evictions += 1
+            if victim.parent.parent is None and not victim.parent.children:
+                self._drop_root(victim.parent)
+
+    def _drop_root(self, root: _Node) -> None:
+        """Forget an empty namespace (one root per salt ever seen would otherwise pile up)."""
+        del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
 
     def clear(self) -> None:
         self._roots.clear()

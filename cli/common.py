@@ -91,12 +91,14 @@ def warn_refused(probe_result: dict) -> None:
 
 
 def close_prompt_cache(cache, report, tokens) -> None:
-    """Save the state of `tokens` (the prompt, plus the answer where stored) to the prompt cache file."""
+    """Save the state of `tokens` (the prompt, plus the answer where stored) to the prompt cache file;
+    a file that is not a snapshot is left as it is (the warning when it was refused said so)."""
     from cache.disk import save_prompt_cache
+    from jaxsmol.errors import JaxsmolError
 
     try:
         save_prompt_cache(cache, report.file, tokens, report)
-    except OSError as e:
+    except (OSError, JaxsmolError) as e:
         print(f"warning: cannot write prompt cache {report.file}: {e}", file=sys.stderr)
 
 

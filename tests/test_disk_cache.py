@@ -1,5 +1,5 @@
-"""Prefix snapshots on disk (cache/disk.py): the file format, its refusals, atomic writes, the daemon's
-second tier, and --prompt-cache across processes.
+"""Prefix snapshots on disk (cache/snapshot.py, cache/disk.py): the file format, its refusals, atomic
+writes, the daemon's second tier, and --prompt-cache across processes.
 
 Most tests use the tiny engine (fingerprint "tiny", no tokenizer); the two marked `real` start
 processes on the bundled model: two `jaxsmol generate --prompt-cache` runs, and a daemon restart.
@@ -8,6 +8,7 @@ processes on the bundled model: two `jaxsmol generate --prompt-cache` runs, and 
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -20,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache import disk
-from cache.disk import DiskStore, Snapshot, SnapshotError, load_prompt_cache, load_snapshot, save_prompt_cache
+from cache import snapshot
+from cache.disk import DiskStore, load_prompt_cache, save_prompt_cache
+from cache.snapshot import Snapshot, SnapshotError, load_snapshot
 from cache.prefix_cache import PrefixCache
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
@@ -49,7 +51,7 @@ def saved(tiny_engine, tmp_path_factory):
 # ---- round trip -----------------------------------------------------------------------------------------
 def test_round_trip_is_bitwise(tiny_engine, saved):
     path, P, cold_P = saved
-    snap = load_snapshot(path, disk.identity(tiny_engine), P)
+    snap = load_snapshot(path, snapshot.identity(tiny_engine), P)
     assert snap.tokens == tuple(P + cold_P.output_ids) and sorted(snap.logits) == [90, 94]
     assert not snap.k.flags.writeable and snap.k.dtype == np.float32
     assert np.array_equal(snap.logits[90], cold_P.prompt_logits)
@@ -84,7 +86,7 @@ def test_partial_prefix_and_bfloat16_round_trip(tiny_engine, saved, tmp_path):
 
     k = np.arange(2 * 1 * 3 * 2 * 4, dtype=np.float32).reshape(2, 1, 3, 2, 4).astype(ml_dtypes.bfloat16)
     snap = Snapshot((5, 6, 7), k, -k, {3: np.ones(8, np.float32)}, salt="tenant")
-    disk.save_snapshot(tmp_path / "b.safetensors", snap, TINY)
+    snapshot.save_snapshot(tmp_path / "b.safetensors", snap, TINY)
     back = load_snapshot(tmp_path / "b.safetensors", TINY)
     assert back.k.dtype == k.dtype and np.array_equal(back.k.view(np.uint16), k.view(np.uint16))
     assert back.salt == "tenant" and back.tokens == (5, 6, 7) and np.array_equal(back.logits[3], np.ones(8))
@@ -103,10 +105,10 @@ def _case(name: str, src: Path, dst: Path, P: list[int], monkeypatch):
     data = src.read_bytes()
     dst.write_bytes(data)
     if name == "other model":
-        disk.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "model": "another"})
+        snapshot.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "model": "another"})
         words = "another model"
     elif name == "other tokenizer":
-        disk.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "tokenizer": "0123456789abcdef"})
+        snapshot.save_snapshot(dst, load_snapshot(src, TINY), {**TINY, "tokenizer": "0123456789abcdef"})
         words = "another tokenizer"
     elif name == "flipped byte":
         _flip(dst, len(data) - 1000)  # inside the tensor bytes
@@ -121,8 +123,8 @@ def _case(name: str, src: Path, dst: Path, P: list[int], monkeypatch):
         words = "truncated"
     elif name == "wrong version":
         snap = load_snapshot(src, TINY)
-        monkeypatch.setattr(disk, "FORMAT_VERSION", 99)
-        disk.save_snapshot(dst, snap, TINY)
+        monkeypatch.setattr(snapshot, "FORMAT_VERSION", 99)
+        snapshot.save_snapshot(dst, snap, TINY)
         monkeypatch.undo()
         words = "format version 99"
     elif name == "foreign tokens":
@@ -157,6 +159,132 @@ def test_refusals_then_the_cold_path_answers(tiny_engine, saved, tmp_path, monke
     assert load_prompt_cache(PrefixCache(tiny_engine), tmp_path / "absent", P).refused is None
 
 
+def _rewrite_manifest(path: Path, **changes) -> None:
+    """Change manifest fields of a snapshot file and re-sign it with a valid checksum (the algorithm the
+    format documents), as a crafted file would be."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(path, framework="np") as f:
+        manifest = json.loads(f.metadata()["jaxsmol"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    manifest.update(changes)
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    h = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=32)
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"\0{name}\0{a.dtype.name}\0{a.shape}\0".encode())
+        h.update(memoryview(a).cast("B"))
+    manifest["checksum"] = "blake2b:" + h.hexdigest()
+    save_file(tensors, path, metadata={"jaxsmol": json.dumps(manifest)})
+
+
+def test_dims_and_dtypes_are_checked_against_the_engine(tiny_engine, saved, tmp_path):
+    """A file may carry this model's fingerprint (it is no secret) and arrays the engine cannot use."""
+    src, P, _ = saved
+    ident = snapshot.identity(tiny_engine)
+    good = load_snapshot(src, ident)
+    k = np.asarray(good.k)
+    cases = {
+        "other layers": (Snapshot(good.tokens, k[:1], k[:1]), "this engine needs float32 [2, 1, 94, 2, 16]"),
+        "other dtype": (Snapshot(good.tokens, k.astype(np.float16), k.astype(np.float16)), "float16"),
+        "other vocab": (Snapshot(good.tokens, k, k, {90: np.zeros(7, np.float32)}), "float32 [256]"),
+        "logits dtype": (Snapshot(good.tokens, k, k, {90: np.zeros(256, np.float64)}), "logits float64"),
+    }
+    for name, (snap, words) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        snapshot.save_snapshot(path, snap, TINY)  # the right fingerprint, the wrong arrays
+        with pytest.raises(SnapshotError, match=re.escape(words)):
+            load_snapshot(path, ident)
+    # an unknown dtype name is a refusal too, at daemon start as well (it was an AttributeError)
+    path = tmp_path / ("0" * 32 + ".safetensors")
+    path.write_bytes(src.read_bytes())
+    for bad in ("no_such_dtype", "__class__", ["f4"], 3):
+        _rewrite_manifest(path, dtypes={"k": bad, "v": "float32", "logits": "float32"})
+        with pytest.raises(SnapshotError, match="malformed"):
+            load_snapshot(path, ident)
+    odd = tmp_path / ("3" * 32 + ".safetensors")  # a manifest whose tokens are not a list of ids
+    odd.write_bytes(src.read_bytes())
+    _rewrite_manifest(odd, tokens=None)
+    store = DiskStore(tmp_path, ident)  # the directory scan skips it rather than failing
+    assert [name for name, _ in store.skipped] == [odd.name] and list(store.entries) == [path.name]
+    cache = PrefixCache(tiny_engine, disk=store)
+    assert cache.warm_from_disk() == 0 and cache.stats.disk_refused == 1
+
+
+def test_size_cap_is_checked_before_reading(tiny_engine, tmp_path):
+    ident = snapshot.identity(tiny_engine)
+    cap = snapshot.max_snapshot_bytes(tiny_engine)
+    assert ident["max_bytes"] == cap == 1024 * (tiny_engine.kv_bytes_per_token + 16) + 64 * 4 * 256 + (1 << 20)
+    # the largest snapshot the engine can make fits: ctx tokens, more logits rows than a file keeps
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 1, 1024, 2, 16)).astype(np.float32)
+    logits = {n: rng.standard_normal(256).astype(np.float32) for n in range(1, 1025, 10)}  # 103 rows
+    path = tmp_path / ("1" * 32 + ".safetensors")
+    size = snapshot.save_snapshot(path, Snapshot(tuple(range(3, 1027)), k, k, logits), ident)
+    assert size <= cap
+    back = load_snapshot(path, ident)
+    assert sorted(back.logits) == sorted(logits)[-snapshot.MAX_LOGITS_ROWS:]  # the longest prefixes' kept
+    # one byte over the cap: refused from its size alone (a sparse file: nothing in it parses)
+    big = tmp_path / ("2" * 32 + ".safetensors")
+    with open(big, "wb") as f:
+        f.truncate(cap + 1)
+    with pytest.raises(SnapshotError, match=f"is {cap + 1} bytes, more than this engine could have written"):
+        load_snapshot(big, ident)
+    store = DiskStore(tmp_path, ident)  # not indexed, not deleted (another engine may have written it)
+    assert list(store.entries) == [path.name] and big.exists()
+    assert [name for name, _ in store.skipped] == [big.name]
+
+
+def test_snapshot_files_are_private(saved, tmp_path):
+    src, _, _ = saved
+    old = os.umask(0)  # even with the most permissive umask
+    try:
+        size = snapshot.save_snapshot(tmp_path / "p.safetensors", load_snapshot(src, TINY), TINY)
+    finally:
+        os.umask(old)
+    assert size > 0 and (tmp_path / "p.safetensors").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_file_that_is_not_a_snapshot_is_never_overwritten(tiny_engine, saved, tmp_path):
+    from safetensors.numpy import save_file
+
+    src, P, _ = saved
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes: not to be lost to a typo\n")
+    weights = tmp_path / "model.safetensors"
+    save_file({"x": np.arange(3, dtype=np.float32)}, weights)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for path in (notes, weights, folder):
+        before = path.read_bytes() if path.is_file() else None
+        cache = PrefixCache(tiny_engine)
+        report = load_prompt_cache(cache, path, P)
+        assert report.foreign and "left as it is (not overwritten)" in report.refused, path
+        gen, _ = cache.generate(P, SP)
+        assert save_prompt_cache(cache, path, P + gen.output_ids, report) == 0
+        with pytest.raises(SnapshotError, match="refusing to overwrite"):  # without the report: checked again
+            save_prompt_cache(cache, path, P + gen.output_ids)
+        assert (path.read_bytes() if path.is_file() else None) == before and path.is_file() == (path != folder)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "model.safetensors", "notes.txt"]
+    # a refused file that is a snapshot (another model's, truncated data) is replaced by this one's
+    data = src.read_bytes()
+    for broken in (data[: len(data) // 2], None):
+        ours = tmp_path / "ours.safetensors"
+        if broken is None:
+            snapshot.save_snapshot(ours, load_snapshot(src, TINY), {**TINY, "model": "another"})
+        else:
+            ours.write_bytes(broken)
+        cache = PrefixCache(tiny_engine)
+        report = load_prompt_cache(cache, ours, P)
+        assert report.refused and not report.foreign
+        gen, _ = cache.generate(P, SP)
+        assert save_prompt_cache(cache, ours, P + gen.output_ids, report) == len(P) + len(gen.output_ids)
+        assert load_snapshot(ours, TINY, P).length == len(P) + len(gen.output_ids)
+
+
 @pytest.mark.real
 def test_tokenizer_fingerprint(model_dir, tmp_path):
     import shutil
@@ -185,21 +313,21 @@ def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        disk.save_snapshot(target, snap, TINY)
+        snapshot.save_snapshot(target, snap, TINY)
     assert not target.exists() and list(tmp_path.iterdir()) == []  # no file, no temporary left
     monkeypatch.undo()
-    disk.save_snapshot(target, snap, TINY)
+    snapshot.save_snapshot(target, snap, TINY)
     monkeypatch.setattr(os, "replace", boom)
     other = Snapshot(snap.tokens[:10], snap.k[:, :, :10], snap.v[:, :, :10])
     with pytest.raises(OSError):
-        disk.save_snapshot(target, other, TINY)
+        snapshot.save_snapshot(target, other, TINY)
     monkeypatch.undo()
     assert load_snapshot(target, TINY).tokens == snap.tokens  # the old one, whole
 
 
 _WRITER = """
 import sys, numpy as np
-from cache.disk import Snapshot, save_snapshot
+from cache.snapshot import Snapshot, save_snapshot
 k = np.random.default_rng(0).standard_normal((8, 1, 4096, 4, 64)).astype(np.float32)  # 32 MiB a tensor
 i = 0
 while True:
@@ -237,7 +365,7 @@ def test_sigkill_mid_write_never_leaves_a_loadable_half_file(tmp_path):
 def test_eviction_spills_to_disk_and_a_miss_brings_it_back(tiny_engine, tmp_path):
     P, R = _prompt(4, 100), _prompt(5, 100)
     budget = 120 * tiny_engine.kv_bytes_per_token  # one prompt (plus its answer) at a time
-    store = DiskStore(tmp_path, disk.identity(tiny_engine), 1 << 20)
+    store = DiskStore(tmp_path, snapshot.identity(tiny_engine), 1 << 20)
     cache = PrefixCache(tiny_engine, budget_bytes=budget, disk=store)
     first, _ = cache.generate(P, SP)
     cache.generate(R, SP)  # evicts P: written to disk
@@ -255,7 +383,7 @@ def test_eviction_spills_to_disk_and_a_miss_brings_it_back(tiny_engine, tmp_path
 
 def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
     P, R = _prompt(7, 80), _prompt(8, 60)
-    ident = disk.identity(tiny_engine)
+    ident = snapshot.identity(tiny_engine)
     cache = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
     first, _ = cache.generate(P, SP)
     cache.generate(R, SP, salt="tenant")
@@ -273,7 +401,7 @@ def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
 
 
 def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
-    ident = disk.identity(tiny_engine)
+    ident = snapshot.identity(tiny_engine)
     snaps = [Snapshot(tuple(_prompt(10 + i, 50)), np.zeros((2, 1, 50, 2, 16), np.float32),
                       np.zeros((2, 1, 50, 2, 16), np.float32)) for i in range(3)]
     store = DiskStore(tmp_path, ident, budget_bytes=int(2.5 * snaps[0].nbytes) + 4096)
@@ -312,6 +440,15 @@ def test_two_cli_runs_share_a_prompt_cache(model_dir, tmp_path):
     three = json.loads(r3.stdout)
     assert "warning: prompt cache not used:" in r3.stderr and "truncated" in three["cache"]["refused"]
     assert three["cache"]["reused"] == 0 and three["output_ids"] == one["output_ids"]
+    assert three["cache"]["saved"] > 0  # a damaged snapshot is ours: replaced by a good one
+    notes = tmp_path / "notes.txt"  # a typo naming the user's own file: one warning, the file intact
+    notes.write_text("my notes\n")
+    r4 = _cli(*args[:-1], notes)
+    assert r4.returncode == 0, r4.stderr
+    four = json.loads(r4.stdout)
+    warnings = [line for line in r4.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "not overwritten" in warnings[0] and four["cache"]["saved"] == 0
+    assert notes.read_text() == "my notes\n" and four["output_ids"] == one["output_ids"]
 
 
 def _free_port() -> int:
