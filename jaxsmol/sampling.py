@@ -25,6 +25,7 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (EOS is added by the engine)
     stop_strings: tuple[str, ...] = ()
     logprobs: int = 0  # top-K log-probabilities to report per generated position
+    ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks; as vLLM's ignore_eos)
 
     def __post_init__(self):
         checks = [

@@ -29,7 +29,7 @@ class TokenStream:
         from jaxsmol.tokenizer import IncrementalDecoder
 
         self.sp = sp
-        self.stop_ids = set(sp.stop_ids) | set(eos_ids)
+        self.stop_ids = set(sp.stop_ids) | (set() if sp.ignore_eos else set(eos_ids))
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._longest_stop = max((len(s) for s in sp.stop_strings), default=0)
         self._all_text = ""  # every decoded character; `text` is the part released (streamed)

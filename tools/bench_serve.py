@@ -1,0 +1,140 @@
+"""Serving benchmark: concurrent streaming clients against `jaxsmol serve` (and optionally a peer).
+
+    python tools/bench_serve.py [--clients 1 2 4 8 16] [--tokens 64] [--peer-url http://127.0.0.1:8090]
+
+Starts a daemon (`--max-batch`, default 16) on a free loopback port, warms it up, then for each
+client count runs that many concurrent streaming /v1/completions clients (each a different prompt,
+`--tokens` sampled tokens, ignore_eos so every answer has the same length) and prints aggregate
+decode tok/s, time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
+extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill.
+With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
+peer right after jaxsmol, in the same run, with the same client code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> dict:
+    """One streaming completion: the arrival time of every token chunk."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "seed": 1,
+            "stream": True, "ignore_eos": True}
+    t0, arrivals = time.perf_counter(), []
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    arrivals.append(time.perf_counter())
+    return {"t0": t0, "arrivals": arrivals}
+
+
+async def long_prompts(client, url, rng, stop: asyncio.Event) -> int:
+    sent = 0
+    while not stop.is_set():
+        await stream_one(client, url, text(rng, 700), 1)  # ~1000 tokens of prompt
+        sent += 1
+    return sent
+
+
+async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed: int) -> dict:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        stop = asyncio.Event()
+        background = asyncio.create_task(long_prompts(client, url, rng, stop)) if with_long else None
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(stream_one(client, url, text(rng, 40), tokens) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+        stop.set()
+        if background is not None:
+            await background
+    ttft = [r["arrivals"][0] - r["t0"] for r in runs if r["arrivals"]]
+    itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    n = sum(len(r["arrivals"]) for r in runs)
+    return {"clients": clients, "long_prompts": with_long, "tokens": n, "tok_s": n / wall,
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)), "itl_p99_ms": 1e3 * float(np.percentile(itl, 99))}
+
+
+def start_daemon(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
+           "--max-batch", str(args.max_batch)] + (["--batch-invariant"] if args.batch_invariant else [])
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the daemon did not start")
+
+
+def row(name: str, r: dict) -> str:
+    return (f"{name:9} {r['clients']:3} {'yes' if r['long_prompts'] else 'no':>5} {r['tok_s']:8.1f} "
+            f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f} {r['itl_p50_ms']:7.0f} {r['itl_p99_ms']:7.0f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--peer-url", help="also measure this OpenAI-compatible server (e.g. llama-server)")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    proc, url = start_daemon(args)
+    targets = [("jaxsmol", url)] + ([("peer", args.peer_url)] if args.peer_url else [])
+    rows = []
+    try:
+        for name, u in targets:  # warm up: compile every width on the way
+            for c in sorted(set(args.clients)):
+                asyncio.run(run_clients(u, c, 4, False, seed=0))
+        print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
+        for with_long in (False, True):
+            for c in args.clients:
+                for name, u in targets:  # alternate servers row by row: same machine state for both
+                    r = asyncio.run(run_clients(u, c, args.tokens, with_long, seed=c))
+                    rows.append({"server": name, **r})
+                    print(row(name, r), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
