@@ -1,15 +1,20 @@
-"""The lab's minimal prefix cache: one snapshot of the first `prompt_n - 1` prompt tokens.
+"""The course exercise's prefix cache: one snapshot of the first `prompt_n - 1` prompt tokens.
 
 After a prefill it keeps the KV state of all prompt tokens but the last (the last one is always
 computed, because its logits give the first generated token), with those token ids. A new request
 reuses the common prefix of its prompt and the snapshot's tokens, capped at `prompt_n - 1`.
-Like the radix store it knows nothing about the model: the snapshot is an opaque value.
+Like the radix store it knows nothing about the model: the snapshot is an opaque value (for
+jaxsmol, the {"k", "v"} segment of the KV pytree), behind the interface of cache/store.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import jax
+
+from cache.store import Hit
 
 
 def common_prefix_len(a, b) -> int:
@@ -24,13 +29,16 @@ def common_prefix_len(a, b) -> int:
 @dataclasses.dataclass
 class Snapshot:
     tokens: tuple  # the first prompt_n - 1 prompt tokens
-    value: Any  # their state (for jaxsmol: a host KVCache with pos == len(tokens))
+    value: Any  # their state (for jaxsmol: {"k", "v"} host arrays [L, 1, len(tokens), K, H])
     namespace: Any  # the model fingerprint and salt it belongs to
     nbytes: int
 
 
 class SingleSnapshotStore:
     """Holds at most one snapshot; saving replaces it."""
+    keeps_last_position = False  # the snapshot leaves out the prompt's last token
+    max_keys = 1
+    evictions = 0
 
     def __init__(self):
         self.snapshot: Snapshot | None = None
@@ -42,8 +50,31 @@ class SingleSnapshotStore:
             return 0
         return min(common_prefix_len(prompt, s.tokens), len(prompt) - 1)
 
-    def save(self, namespace, tokens, value, nbytes: int) -> None:
+    def lookup(self, namespace, tokens) -> Hit:
+        reused = self.reusable_len(namespace, tokens)
+        return Hit(matched=reused, reused=reused, value=self.snapshot.value if reused else None,
+                   nearest_len=len(self.snapshot.tokens) if self.snapshot else 0)
+
+    def release(self, lease) -> None:
+        pass  # one snapshot, replaced only by a save: nothing to pin
+
+    def insert(self, namespace, tokens, value_of, payload=None) -> int:
+        value = value_of(0, len(tokens))
+        nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(value))
         self.snapshot = Snapshot(tuple(tokens), value, namespace, nbytes)
+        return len(tokens)
+
+    def state(self, namespace, tokens):
+        s = self.snapshot
+        if s is None or s.namespace != namespace or not s.tokens:
+            return None
+        return s.tokens, s.value, {}
+
+    def add(self, namespace, tokens, value_of, payloads: dict) -> None:
+        self.insert(namespace, tokens, value_of)
+
+    def entries(self) -> list:
+        return [] if self.snapshot is None else [(self.snapshot.namespace, self.snapshot.tokens)]
 
     @property
     def bytes_held(self) -> int:

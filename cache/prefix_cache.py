@@ -31,7 +31,7 @@ import numpy as np
 
 from cache.disk import DiskStore, Snapshot, SnapshotError
 from cache.minimal import SingleSnapshotStore
-from cache.radix import RadixStore
+from cache.store import RadixPrefixStore
 from jaxsmol.engine import Engine, Generation
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import SEQ_AXIS, KVCache
@@ -95,13 +95,18 @@ class PrefixCache:
         self.save_generated, self.exact = save_generated, exact
         self.bytes_per_token = engine.kv_bytes_per_token
         self.budget_bytes = budget_bytes
-        self.radix = RadixStore(budget_bytes, seq_axis=SEQ_AXIS)
+        self.radix = RadixPrefixStore(budget_bytes, seq_axis=SEQ_AXIS)
         self.single = SingleSnapshotStore()
         self.stats = CacheStats()
         self.disk = disk if mode != "off" else None
         if self.disk is not None and mode == "radix":
             self.radix.on_evict = self._spill
         engine.fingerprint  # hash the weights now, not inside the first request's time to first token
+
+    @property
+    def store(self):
+        """The store this mode uses (cache/store.py's interface), None when off."""
+        return {"radix": self.radix, "minimal": self.single}.get(self.mode)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def namespace(self, salt: str | None = None) -> tuple:
@@ -110,7 +115,7 @@ class PrefixCache:
     @property
     def capacity_tokens(self) -> int:
         """Positions whose state fits the byte budget (radix mode also keeps a prompt's last logits)."""
-        logits_bytes = 4 * self.engine.cfg.vocab_size if self.mode == "radix" else 0
+        logits_bytes = 4 * self.engine.cfg.vocab_size if self.mode != "off" and self.store.keeps_last_position else 0
         return max(self.budget_bytes - logits_bytes, 0) // self.bytes_per_token
 
     @property
@@ -136,7 +141,7 @@ class PrefixCache:
             return "cache disabled"
         if n <= 1:
             return "prompt has at most one token"
-        stored = n - 1 if self.mode == "minimal" else n  # the lab's snapshot leaves out the last token
+        stored = n if self.store.keeps_last_position else n - 1  # a single snapshot leaves out the last token
         if stored > self.capacity_tokens:
             return f"prompt exceeds the cache capacity ({self.capacity_tokens} tokens)"
         return None
@@ -154,23 +159,14 @@ class PrefixCache:
             self.stats.bypasses[report.bypass] += 1
             return lk
         self.stats.lookups += 1
-        if self.mode == "minimal":
-            report.matched = report.reused = self.single.reusable_len(lk.ns, prompt)
-            if report.reused:
-                lk.prefix = self.single.snapshot.value
-        else:
-            match = self.radix.match(lk.ns, prompt)
-            if self.disk is not None and match.payload is None:
-                match = self._from_disk(lk.ns, prompt, match, report)
-            report.matched = match.length
-            report.exact_hit = match.payload is not None
-            report.reused = n if report.exact_hit else min(match.length, n - 1)
-            if report.reused:
-                self.radix.acquire(match)
-                lk.match = match
-                lk.prefix = KVCache.from_segment(self.radix.gather(match, report.reused))
-                lk.logits = match.payload
-            report.nearest_len = match.nearest_len
+        hit = self.store.lookup(lk.ns, prompt)
+        if self.disk is not None and hit.payload is None:
+            hit = self._from_disk(lk.ns, prompt, hit, report)
+        report.matched, report.reused, report.nearest_len = hit.matched, hit.reused, hit.nearest_len
+        report.exact_hit = hit.payload is not None
+        if report.reused:
+            lk.lease, lk.logits = hit.lease, hit.payload
+            lk.prefix = KVCache.from_segment(hit.value)
         if report.matched < n:
             report.divergence_pos = report.matched
         if report.reused:
@@ -184,9 +180,9 @@ class PrefixCache:
 
     def release(self, lk: "Lookup") -> None:
         """Unpin what `lookup` pinned (once; later calls do nothing)."""
-        if lk.match is not None:
-            self.radix.release(lk.match)
-            lk.match = None
+        if lk.lease is not None:
+            self.store.release(lk.lease)
+            lk.lease = None
 
     def finish(self, lk: "Lookup", prefilled: int) -> None:
         """Account a request whose prompt is done: `prefilled` positions were computed."""
@@ -216,30 +212,20 @@ class PrefixCache:
 
     # ---- moving snapshots in and out (files, the disk tier) ----------------------------------------
     def snapshot_of(self, tokens, salt: str | None = None) -> Snapshot | None:
-        """The stored state of the longest stored prefix of `tokens` (minimal mode: the one snapshot),
-        with the logits of every stored key along it; None if nothing is stored."""
+        """The stored state of the longest stored prefix of `tokens` (a single-snapshot store: its one
+        snapshot), with the logits of every stored key along it; None if nothing is stored."""
         ns = self.namespace(salt)
-        if self.mode == "minimal":
-            s = self.single.snapshot
-            if s is None or s.namespace != ns or not s.tokens:
-                return None
-            return Snapshot(s.tokens, np.asarray(s.value.k), np.asarray(s.value.v), salt=ns[1])
-        match = self.radix.match(ns, tokens)
-        if match.length == 0:
+        state = self.store.state(ns, tokens) if self.store is not None else None
+        if state is None:
             return None
-        seg = self.radix.gather(match)
-        return Snapshot(self.radix.tokens(match), seg["k"], seg["v"], self.radix.payloads(match), salt=ns[1])
+        stored, value, payloads = state
+        return Snapshot(stored, np.asarray(value["k"]), np.asarray(value["v"]), payloads, salt=ns[1])
 
     def add_snapshot(self, snap: Snapshot, salt: str | None = None) -> None:
         """Store `snap` (and an exact entry for each prefix it has logits for); `salt` defaults to its own."""
-        ns = self.namespace(snap.salt if salt is None else salt)
-        if self.mode == "minimal":
-            value = KVCache.from_segment(snap.segment(0, snap.length))
-            self.single.save(ns, snap.tokens, value, snap.length * self.bytes_per_token)
-        elif self.mode == "radix":
-            for n in sorted(snap.logits):  # shorter keys first: each insert stores only what is new
-                self.radix.insert(ns, snap.tokens[:n], snap.segment, payload=snap.logits[n])
-            self.radix.insert(ns, snap.tokens, snap.segment)
+        if self.store is not None:
+            self.store.add(self.namespace(snap.salt if salt is None else salt), snap.tokens, snap.segment,
+                           snap.logits)
         self._sync()
 
     def _spill(self, ns, match) -> None:
@@ -253,36 +239,33 @@ class PrefixCache:
         except OSError:  # a full or broken disk costs the entry, never the request
             pass
 
-    def _from_disk(self, ns, prompt, match, report: CacheReport):
+    def _from_disk(self, ns, prompt, hit, report: CacheReport):
         """On a memory miss or partial match: if the disk tier holds a longer usable prefix, bring it
-        into memory and match again."""
+        into memory and look up again."""
         n = len(prompt)
         entry, common = self.disk.find(ns[1], prompt)
         if entry is None:
-            return match
+            return hit
         usable = n if common == n and n in entry.logits_at else min(common, n - 1)
-        if usable <= min(match.length, n - 1):
-            return match
+        if usable <= hit.reused:
+            return hit
         try:
             snap = self.disk.load(entry, prompt)
         except SnapshotError:
             self.stats.disk_refused += 1
-            return match
+            return hit
+        self.store.release(hit.lease)
         self.add_snapshot(snap, salt=ns[1])
         self.stats.disk_loads += 1
         report.disk_loaded = usable
-        return self.radix.match(ns, prompt)
+        return self.store.lookup(ns, prompt)
 
     def persist_to_disk(self) -> int:
         """Write every stored key to the disk tier (least recently used first, so that the newest stay
         when the disk budget is short). Returns the number of keys on disk afterwards."""
         if self.disk is None:
             return 0
-        keys = []
-        if self.mode == "radix":
-            keys = [(ns, self.radix.tokens(m)) for ns, m in self.radix.keys() if ns[0] == self.engine.fingerprint]
-        elif self.single.snapshot is not None:
-            keys = [(self.single.snapshot.namespace, self.single.snapshot.tokens)]
+        keys = [(ns, tokens) for ns, tokens in self.store.entries() if ns[0] == self.engine.fingerprint]
         for ns, tokens in keys:
             snap = self.snapshot_of(tokens, salt=ns[1])
             if snap is not None:
@@ -297,7 +280,7 @@ class PrefixCache:
             return 0
         chosen, total = [], 0
         for e in self.disk.newest_first():
-            if total + e.nbytes > self.budget_bytes or (self.mode == "minimal" and chosen):
+            if total + e.nbytes > self.budget_bytes or len(chosen) == self.store.max_keys:
                 break
             chosen.append(e)
             total += e.nbytes
@@ -319,19 +302,19 @@ class PrefixCache:
             return
         ns, prompt, report = lk.ns, lk.prompt, lk.report
         n = len(prompt)
-        if self.mode == "minimal":
-            self.single.save(ns, prompt[: n - 1], kv.trim(n - 1), (n - 1) * self.bytes_per_token)
-            report.saved = n - 1
-        else:
+        if self.store.keeps_last_position:
             payload = np.array(np.asarray(logits)[0])  # [V]: answers an identical prompt with no forward
-            report.saved = self.radix.insert(ns, prompt, kv.segment, payload=payload)
+            report.saved = self.store.insert(ns, prompt, kv.segment, payload=payload)
+        else:  # the course exercise's snapshot: the first prompt_n - 1 positions
+            report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)
         self.stats.saves += 1
         self._sync()
 
     def wants_answer(self, lk: "Lookup", output_ids) -> bool:
-        """Whether prompt + answer should be stored (radix mode, the cache consulted, an answer)."""
-        return lk.report.bypass is None and self.mode == "radix" and self.save_generated and bool(output_ids)
+        """Whether prompt + answer should be stored (a store of many keys, consulted, and an answer)."""
+        return (lk.report.bypass is None and self.store.max_keys is None and self.save_generated
+                and bool(output_ids))
 
     def begin_answer(self, lk: "Lookup", output_ids) -> "AnswerSave | None":
         """Exact mode: pin the stored prompt that prompt + answer extends, for `finish_answer`.
@@ -340,23 +323,22 @@ class PrefixCache:
         it has the bits a cold prefill of the next turn would compute (see the module docstring).
         None if the prompt was evicted meanwhile (nothing to extend)."""
         tokens = list(lk.prompt) + list(output_ids)
-        match = self.radix.match(lk.ns, tokens)
-        if match.length < len(lk.prompt):
+        hit = self.store.lookup(lk.ns, tokens)
+        if hit.matched < len(lk.prompt) or hit.matched == len(tokens):
+            self.store.release(hit.lease)  # evicted meanwhile, or already stored: nothing to do
             return None
-        self.radix.acquire(match)
-        prefix = KVCache.from_segment(self.radix.gather(match, len(lk.prompt)))
-        return AnswerSave(lk, tokens, match, prefix)
+        return AnswerSave(lk, tokens, hit.lease, KVCache.from_segment(hit.value))
 
     def finish_answer(self, save: "AnswerSave", kv: KVCache | None, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
         try:
             if kv is not None:
-                added = self.radix.insert(save.lookup.ns, save.tokens, kv.segment,
+                added = self.store.insert(save.lookup.ns, save.tokens, kv.segment,
                                           payload=np.array(np.asarray(logits)[0]))
                 save.lookup.report.saved += added
                 self.stats.saves += 1
         finally:
-            self.radix.release(save.match)
+            self.store.release(save.lease)
             self._sync()
 
     def _save_generated(self, lk: "Lookup", gen: Generation) -> None:
@@ -367,14 +349,15 @@ class PrefixCache:
                 return
             kv, logits = None, None
             try:
-                kv = self.engine.restore(save.prefix, self.engine.slots_needed(len(lk.prompt), len(save.tokens), 0))
+                n = len(lk.prompt)
+                kv = self.engine.restore(save.prefix, self.engine.slots_needed(n, len(save.tokens), 0), n)
                 logits, kv = self.engine.prefill(save.tokens, kv)
             finally:
                 self.finish_answer(save, kv, logits)
             self.engine.recycle(kv)
         elif gen.kv is not None:
             tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
-            lk.report.saved += self.radix.insert(lk.ns, tokens, gen.kv.segment)
+            lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)
             self.stats.saves += 1
             self._sync()
 
@@ -385,17 +368,17 @@ class Lookup:
     ns: tuple
     prompt: list[int]
     report: CacheReport
-    match: object = None  # the radix Match pinned for this request (None once released)
+    lease: object = None  # what the store pinned for this request (None once released)
     prefix: KVCache | None = None  # host snapshot whose first report.reused positions are reused
     logits: np.ndarray | None = None  # [V] after the whole prompt, on an exact full hit
 
 
 @dataclasses.dataclass
 class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `match`)."""
+    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `lease`)."""
     lookup: Lookup
     tokens: list[int]
-    match: object
+    lease: object
     prefix: KVCache
 
 

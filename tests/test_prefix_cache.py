@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxsmol.kv import KVCache
 from cache.prefix_cache import CacheReport, PrefixCache
 from jaxsmol.config import Config
 from jaxsmol.engine import Engine
@@ -146,8 +147,8 @@ def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled, r.saved) == (0, 0, 50, 49)
     assert cache.single.snapshot.tokens == tuple(p[:49])
-    assert int(cache.single.snapshot.value.pos) == 49
-    assert cache.single.snapshot.value.k.shape[2] == 49  # trimmed to its length
+    assert int(KVCache.from_segment(cache.single.snapshot.value).pos) == 49
+    assert cache.single.snapshot.value["k"].shape[2] == 49  # trimmed to its length
     assert cache.bytes_held == 49 * bpt
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled) == (49, 49, 1)
