@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cache.prefix_cache import PrefixCache
-from cache.scheduler import Collector, Request, Scheduler, generate_many, widths_for
+from cache.requests import Collector, Request
+from cache.scheduler import Scheduler, generate_many, widths_for
 from jaxsmol import programs
 from jaxsmol.engine import capacity_for
 from jaxsmol.sampling import SamplingParams
