@@ -43,6 +43,12 @@ _load_prefix = jax.jit(load_prefix, donate_argnames=("kv",))
 _top_logprobs = jax.jit(top_logprobs, static_argnames=("k",))
 
 
+def compiled_programs(program: str = "forward") -> int:
+    """How many programs the jitted `forward` (or `sample`) has compiled in this process so far:
+    what compile_bound bounds, counted by the benchmark and the tests. jax.clear_caches() resets it."""
+    return {"forward": _forward, "sample": _sample}[program]._cache_size()
+
+
 def chunk_plan(n: int, exact: bool = True) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
     buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
