@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from jaxsmol.engine import Engine
+import dataclasses
+import time
+
+from jaxsmol.engine import Engine, Generation
 from jaxsmol.sampling import SamplingParams
 
 from cache.disk import load_prompt_cache, save_prompt_cache
-from cache.prefix_cache import PrefixCache
+from cache.prefix_cache import CacheReport, PrefixCache
 
 
 def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
@@ -58,13 +61,25 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "m
     }
 
 
-def timed_request(cache: PrefixCache, prompt_ids, sp: SamplingParams):
-    """One request through `cache`: (Generation, CacheReport, wall seconds)."""
-    import time
+@dataclasses.dataclass(frozen=True)
+class TimedRequest:
+    """One request through a prefix cache, timed as its caller sees it."""
+    gen: Generation
+    report: CacheReport
+    ttft_s: float  # from PrefixCache.start (lookup, gather, restore) to the first token
+    seconds: float  # from PrefixCache.start to the end, the saves after the last token included
 
+
+def timed_request(cache: PrefixCache, prompt_ids, sp: SamplingParams) -> TimedRequest:
+    """Run one request through `cache` to the end, timed (with no token, ttft_s is the whole time)."""
     t0 = time.perf_counter()
-    gen, report = cache.generate(prompt_ids, sp)
-    return gen, report, time.perf_counter() - t0
+    req = cache.start(prompt_ids, sp)
+    ttft = None
+    for _ in req:
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return TimedRequest(req.gen, req.report, seconds if ttft is None else ttft, seconds)
 
 
 def compare_modes(engine: Engine, workload, modes=("off", "radix")) -> dict:
@@ -77,9 +92,9 @@ def compare_modes(engine: Engine, workload, modes=("off", "radix")) -> dict:
     runs = {mode: workload(PrefixCache(engine, mode=mode)) for mode in modes}
     first = runs[modes[0]]
     identical = all(len(rs) == len(first) and all(
-        g.output_ids == g0.output_ids and np.array_equal(g.prompt_logits, g0.prompt_logits)
-        for (g, _, _), (g0, _, _) in zip(rs, first)) for rs in runs.values())
-    summary = {mode: {"prefilled": sum(r.prefilled for _, r, _ in rs), "seconds": sum(s for _, _, s in rs),
-                      "ttft": sum(g.timings.ttft_s for g, _, _ in rs)} for mode, rs in runs.items()}
+        t.gen.output_ids == t0.gen.output_ids and np.array_equal(t.gen.prompt_logits, t0.gen.prompt_logits)
+        for t, t0 in zip(rs, first)) for rs in runs.values())
+    summary = {mode: {"prefilled": sum(t.report.prefilled for t in rs), "seconds": sum(t.seconds for t in rs),
+                      "ttft": sum(t.ttft_s for t in rs)} for mode, rs in runs.items()}
     return {"runs": runs, "summary": summary, "identical": identical,
             "speedup": summary[modes[0]]["seconds"] / summary[modes[-1]]["seconds"]}

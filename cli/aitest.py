@@ -16,25 +16,8 @@ import sys
 
 from cli.common import (ArgumentParser, add_model_args, add_sampling_args, close_prompt_cache, load_engine,
                         open_prompt_cache, warn_refused, sampling_kwargs, user_errors)
-from cli.main import add_probe_args, print_probe
-
-
-def print_remote_probe(result: dict) -> None:
-    cold, warm = result["cold"], result["warm"]
-    rows = [("prompt tokens", cold["prompt_tokens"], warm["prompt_tokens"]),
-            ("cached tokens", cold["cached_tokens"], warm["cached_tokens"]),
-            ("time to first token", f"{cold['ttft_s'] * 1000:.1f} ms", f"{warm['ttft_s'] * 1000:.1f} ms"),
-            ("total time", f"{cold['total_s'] * 1000:.1f} ms", f"{warm['total_s'] * 1000:.1f} ms"),
-            ("generated ids", " ".join(map(str, cold["output_ids"])), " ".join(map(str, warm["output_ids"]))),
-            ("generated text", json.dumps(cold["text"]), json.dumps(warm["text"]))]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(str(r[1])) for r in rows)
-    print(f"cache probe against {result['url']} (predict {result['max_tokens']})")
-    print(f"{'':<{w0}}  {'cold':<{w1}}  warm")
-    for name, c, w in rows:
-        print(f"{name:<{w0}}  {str(c):<{w1}}  {w}")
-    print(f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
-          f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x")
+from cli.main import add_probe_args
+from cli.tables import format_probe
 
 
 @user_errors
@@ -56,7 +39,7 @@ def main(argv=None) -> int:
 
         if args.cacheprobe:
             result = remote_probe(args.url, args.ids, args.predict, then_ids=args.then)
-            print(json.dumps(result)) if args.json else print_remote_probe(result)
+            print(json.dumps(result) if args.json else format_probe(result))
         else:
             out = complete(args.url, args.ids, args.predict)
             print(json.dumps(out) if args.json else " ".join(map(str, out["output_ids"])))
@@ -68,7 +51,7 @@ def main(argv=None) -> int:
         result = run_probe(engine, args.ids, args.predict, mode=args.cache_mode, then_ids=args.then,
                            budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))
         warn_refused(result)
-        print(json.dumps(result)) if args.json else print_probe(result)
+        print(json.dumps(result) if args.json else format_probe(result))
         return 0
     from jaxsmol.sampling import SamplingParams
 

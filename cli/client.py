@@ -1,13 +1,35 @@
-"""A small client for the daemon (standard library only): one streamed completion, timed."""
+"""A small client for the daemon (httpx): one streamed completion, timed, and the cache probe."""
 
 from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
+
+import httpx
 
 from jaxsmol.errors import JaxsmolError
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """The message of an OpenAI error body, else the status line."""
+    try:
+        return resp.json()["error"]["message"]
+    except Exception:
+        return resp.reason_phrase or "error"
+
+
+def _events(resp: httpx.Response):
+    """The JSON objects of a server-sent event stream (its `data:` lines), up to `[DONE]`."""
+    for line in resp.iter_lines():
+        line = line.strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise JaxsmolError(f"server error: {chunk['error']['message']}")
+        yield chunk
 
 
 def complete(url: str, prompt_ids: list[int], max_tokens: int, *, salt: str | None = None, timeout: float = 600,
@@ -17,33 +39,22 @@ def complete(url: str, prompt_ids: list[int], max_tokens: int, *, salt: str | No
             "stream_options": {"include_usage": True}, "temperature": 0.0, **sampling}
     if salt is not None:
         body["cache_salt"] = salt
-    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
     ttft, text, ids, usage = None, "", [], {}
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise JaxsmolError(f"server error: {chunk['error']['message']}")
+        with httpx.stream("POST", url.rstrip("/") + "/v1/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise JaxsmolError(f"server answered {resp.status_code}: {_error_message(resp)}")
+            for chunk in _events(resp):
                 for choice in chunk.get("choices", []):
                     if ttft is None and choice.get("finish_reason") is None:
                         ttft = time.perf_counter() - t0
                     text += choice.get("text", "")
                     ids = choice.get("token_ids", ids)
                 usage = chunk.get("usage") or usage
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except Exception:
-            message = str(e)
-        raise JaxsmolError(f"server answered {e.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise JaxsmolError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as e:  # cannot connect, a bad URL, a timeout, a broken stream
+        raise JaxsmolError(f"cannot reach the daemon at {url}: {e}") from None
     total = time.perf_counter() - t0
     return {"prompt_ids": prompt_ids, "output_ids": ids, "text": text, "ttft_s": ttft or total, "total_s": total,
             "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),

@@ -7,6 +7,7 @@ import sys
 
 from cli.common import (ArgumentParser, add_model_args, add_prompt_cache_arg, add_sampling_args, close_prompt_cache,
                         load_engine, open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, user_errors)
+from cli.tables import format_probe
 
 
 def _generate(args) -> int:
@@ -75,35 +76,6 @@ def _import_gguf(args) -> int:
     return 0
 
 
-def print_probe(result: dict, tokenizer=None) -> None:
-    """The cold/warm table of a probe result (see cache.probe.run_probe)."""
-    cold, warm = result["cold"], result["warm"]
-    rows = [
-        ("prompt tokens", cold["prompt_tokens"], warm["prompt_tokens"]),
-        ("tokens reused", cold["tokens_reused"], warm["tokens_reused"]),
-        ("tokens prefilled", cold["tokens_prefilled"], warm["tokens_prefilled"]),
-        ("bypass", cold["bypass"] or "-", warm["bypass"] or "-"),
-        ("exact full hit", "yes" if cold["exact_hit"] else "no", "yes" if warm["exact_hit"] else "no"),
-        ("time to first token", f"{cold['ttft_s'] * 1000:.1f} ms", f"{warm['ttft_s'] * 1000:.1f} ms"),
-        ("total time", f"{cold['total_s'] * 1000:.1f} ms", f"{warm['total_s'] * 1000:.1f} ms"),
-        ("generated ids", " ".join(map(str, cold["output_ids"])), " ".join(map(str, warm["output_ids"]))),
-        ("generated text", json.dumps(cold["text"]), json.dumps(warm["text"])),
-        ("snapshot bytes", cold["snapshot_bytes"], warm["snapshot_bytes"]),
-    ]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(str(r[1])) for r in rows + [("", "cold", "")])
-    print(f"cache probe (mode {result['mode']}, predict {result['max_tokens']})")
-    print(f"{'':<{w0}}  {'cold':<{w1}}  warm")
-    for name, c, w in rows:
-        print(f"{name:<{w0}}  {str(c):<{w1}}  {w}")
-    print(f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
-          f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x")
-    pc = result.get("prompt_cache")
-    if pc:
-        used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"
-        print(f"prompt cache {pc['file']}: {used}; {pc['saved']} tokens saved")
-
-
 def _cacheprobe(args) -> int:
     from cache.probe import run_probe
 
@@ -115,7 +87,7 @@ def _cacheprobe(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_probe(result)
+        print(format_probe(result))
     return 0
 
 
@@ -132,7 +104,7 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
-    from cli.bench import run_bench
+    from cli.bench.run import run_bench
 
     return run_bench(args)
 

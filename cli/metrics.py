@@ -1,84 +1,105 @@
-"""Prometheus text metrics for the daemon (a few counters and one histogram, no extra library)."""
+"""Prometheus metrics of the daemon, on `prometheus_client` with a registry of its own per app.
+
+Requests are counted by route template: a path that is not one of the daemon's routes counts as
+`other`, so a client cannot create series (each distinct label value is a series kept forever).
+What this module observes (requests, tokens, time to first token) lives in the library's counters
+and histogram; what is counted elsewhere (the worker's cancellations and refusals, the prefix
+cache's stats, the queue) is read when /metrics is rendered.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/cache/flush", "/v1/completions", "/v1/chat/completions")
+OTHER = "other"  # the endpoint label of every path that is not a route
+
+# (key of PrefixCache.stats.as_dict(), help) for the counters jaxsmol_cache_<key>_total
+CACHE_COUNTERS = (
+    ("lookups", "Prefix cache lookups."), ("hits", "Lookups that reused a prefix."),
+    ("exact_hits", "Lookups answered with no forward."), ("misses", "Lookups with no reuse."),
+    ("saves", "Snapshots saved."), ("restores", "Snapshots restored."),
+    ("tokens_reused", "Prompt positions restored instead of prefilled."),
+    ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
+    ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
+    ("disk_writes", "Entries written to the disk tier."),
+)
 
 
 class Metrics:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests = Counter()  # (endpoint, status code) -> count
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_tokens = 0
+    """The daemon's metrics. `cancelled` and `rejected_queue_full` are plain counts that the worker
+    and the handlers increment; `render` gives the Prometheus text format."""
+
+    def __init__(self, routes: Iterable[str] = ROUTES):
+        self.routes = frozenset(routes)
         self.cancelled = 0
         self.rejected_queue_full = 0
-        self.ttft_counts = [0] * len(TTFT_BUCKETS)
-        self.ttft_sum = 0.0
-        self.ttft_n = 0
+        self.registry = CollectorRegistry()
+        self._requests = Counter("jaxsmol_requests", "HTTP requests by endpoint and status.",
+                                 ["endpoint", "status"], registry=self.registry)
+        self._prompt_tokens = Counter("jaxsmol_prompt_tokens", "Prompt tokens of finished generations.",
+                                      registry=self.registry)
+        self._completion_tokens = Counter("jaxsmol_completion_tokens", "Generated tokens.", registry=self.registry)
+        self._ttft = Histogram("jaxsmol_time_to_first_token_seconds", "Time to first token of each generation.",
+                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self._lock = threading.Lock()  # one render at a time: the collector reads the values it was given
+        self._scrape = _ScrapeTime(self)
+        self.registry.register(self._scrape)
 
-    def request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            self.requests[(endpoint, status)] += 1
+    def endpoint(self, path: str) -> str:
+        """The label of a request path: its route, or OTHER."""
+        return path if path in self.routes else OTHER
 
-    def observe(self, gen, report, queue_s: float) -> None:
-        with self.lock:
-            self.prompt_tokens += len(gen.prompt_ids)
-            self.completion_tokens += len(gen.output_ids)
-            self.cached_tokens += report.reused
-            if gen.output_ids:
-                t = gen.timings.ttft_s
-                self.ttft_sum += t
-                self.ttft_n += 1
-                for i, le in enumerate(TTFT_BUCKETS):
-                    if t <= le:
-                        self.ttft_counts[i] += 1
+    def request(self, path: str, status: int) -> None:
+        self._requests.labels(self.endpoint(path), str(int(status))).inc()
+
+    def observe(self, gen, report, **_unused) -> None:
+        """Count a finished generation. (Extra keywords, such as the worker's dead `queue_s=`, are ignored.)"""
+        self._prompt_tokens.inc(len(gen.prompt_ids))
+        self._completion_tokens.inc(len(gen.output_ids))
+        if gen.output_ids:
+            self._ttft.observe(gen.timings.ttft_s)
 
     def render(self, cache_stats: dict, queue_depth: int) -> str:
-        lines = []
+        """Every metric in the Prometheus text format, with the cache's stats and the queue depth given."""
+        with self._lock:
+            self._scrape.values = (cache_stats, queue_depth)
+            try:
+                return generate_latest(self.registry).decode()
+            finally:
+                self._scrape.values = None
 
-        def metric(name, kind, help_, samples):
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{labels} {value}")
 
-        with self.lock:
-            metric("jaxsmol_requests_total", "counter", "HTTP requests by endpoint and status.",
-                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
-            metric("jaxsmol_prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
-                   [("", self.prompt_tokens)])
-            metric("jaxsmol_completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)])
-            metric("jaxsmol_cancelled_total", "counter", "Generations stopped because the client left.",
-                   [("", self.cancelled)])
-            metric("jaxsmol_rejected_total", "counter", "Requests refused with 503 (queue full).",
-                   [("", self.rejected_queue_full)])
-            metric("jaxsmol_queue_depth", "gauge", "Requests waiting for the model.", [("", queue_depth)])
-            buckets = []
-            for le, c in zip(TTFT_BUCKETS, self.ttft_counts):
-                buckets.append((f'_bucket{{le="{le}"}}', c))
-            buckets.append(('_bucket{le="+Inf"}', self.ttft_n))
-            lines.append("# HELP jaxsmol_time_to_first_token_seconds Time to first token of each generation.")
-            lines.append("# TYPE jaxsmol_time_to_first_token_seconds histogram")
-            for suffix, c in buckets:
-                lines.append(f"jaxsmol_time_to_first_token_seconds{suffix} {c}")
-            lines.append(f"jaxsmol_time_to_first_token_seconds_sum {self.ttft_sum}")
-            lines.append(f"jaxsmol_time_to_first_token_seconds_count {self.ttft_n}")
-        s = cache_stats
-        for key, help_ in (("lookups", "Prefix cache lookups."), ("hits", "Lookups that reused a prefix."),
-                           ("exact_hits", "Lookups answered with no forward."), ("misses", "Lookups with no reuse."),
-                           ("saves", "Snapshots saved."), ("restores", "Snapshots restored."),
-                           ("tokens_reused", "Prompt positions restored instead of prefilled."),
-                           ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
-                           ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
-                           ("disk_writes", "Entries written to the disk tier.")):
-            metric(f"jaxsmol_cache_{key}_total", "counter", help_, [("", s[key])])
-        metric("jaxsmol_cache_bypasses_total", "counter", "Requests that bypassed the cache, by reason.",
-               [(f'{{reason="{r}"}}', n) for r, n in sorted(s["bypasses"].items())])
-        metric("jaxsmol_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", s["bytes_held"])])
-        metric("jaxsmol_cache_disk_bytes", "gauge", "Bytes held by the disk tier.", [("", s["disk_bytes"])])
-        return "\n".join(lines) + "\n"
+class _ScrapeTime:
+    """A collector of the values read at render time: the worker's counts, the cache's stats, the queue."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.values = metrics, None
+
+    def describe(self):
+        return []  # names known only when collected; nothing to check at registration
+
+    def collect(self):
+        m = self.metrics
+        yield CounterMetricFamily("jaxsmol_cancelled", "Generations stopped because the client left.",
+                                  value=m.cancelled)
+        yield CounterMetricFamily("jaxsmol_rejected", "Requests refused with 503 (queue full).",
+                                  value=m.rejected_queue_full)
+        if self.values is None:
+            return
+        stats, queue_depth = self.values
+        yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
+        for key, help_ in CACHE_COUNTERS:
+            yield CounterMetricFamily(f"jaxsmol_cache_{key}", help_, value=stats[key])
+        bypasses = CounterMetricFamily("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(stats["bypasses"].items()):
+            bypasses.add_metric([reason], n)
+        yield bypasses
+        yield GaugeMetricFamily("jaxsmol_cache_bytes", "Bytes held by the prefix cache.", value=stats["bytes_held"])
+        yield GaugeMetricFamily("jaxsmol_cache_disk_bytes", "Bytes held by the disk tier.", value=stats["disk_bytes"])

@@ -37,6 +37,13 @@ PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefi
 FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
 MIN_CAPACITY = 2 * ATTN_BLOCK
 
+def compiled_programs(program: str = "forward") -> int:
+    """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
+    process so far: what compile_bound bounds, counted by the benchmark and the tests.
+    jax.clear_caches() resets it."""
+    return programs.compiled_count(program)
+
+
 def chunk_plan(n: int, exact: bool = True) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
     buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS

@@ -1,0 +1,90 @@
+"""`--plot`: the benchmark's results drawn into one PNG of six panels (matplotlib)."""
+
+from __future__ import annotations
+
+
+def _prefill(ax, res: dict) -> None:
+    if "prefill" in res:
+        ax.plot([r["tokens"] for r in res["prefill"]], [r["tok_s"] for r in res["prefill"]], "o-", label="jaxsmol")
+    for r in res.get("hf", {}).get("rows", []):
+        if r["metric"].startswith("prefill"):
+            n = int(r["metric"].split()[1])
+            ax.plot([n], [r["jaxsmol"]], "D", color="C0", mfc="none", label="jaxsmol (alternating with HF)")
+            ax.plot([n], [r["hf"]], "s", color="C1", label="HF")
+    ax.set(title="prefill (cold)", xlabel="tokens", ylabel="tok/s", xscale="log")
+    ax.set_ylim(bottom=0)
+    handles, names = ax.get_legend_handles_labels()
+    if handles:
+        keep = {n: h for h, n in zip(handles, names)}  # one entry per label
+        ax.legend(keep.values(), keep.keys())
+
+
+def _decode(ax, res: dict) -> None:
+    if "decode" in res:
+        ax.bar([str(r["position"]) for r in res["decode"]], [r["tok_s"] for r in res["decode"]])
+    ax.set(title="decode", xlabel="position", ylabel="tok/s")
+
+
+def _ttft(ax, res: dict) -> None:
+    if "ttft" not in res:
+        return
+    rows = res["ttft"]["grid"] + res["ttft"]["modes"]
+    labels = [f"{r['prefix']}+{r['suffix']}" + ("" if r in res["ttft"]["grid"] else f"\n{r['mode']}")
+              + ("" if r["exact"] else "\nexact=False") for r in rows]
+    xs = range(len(rows))
+    w = 0.28
+    ax.bar([x - w for x in xs], [r["cold_ttft_s"] * 1000 for r in rows], w, label="cold")
+    ax.bar(list(xs), [r["warm_ttft_s"] * 1000 for r in rows], w, label="warm (prefix)")
+    ax.bar([x + w for x in xs], [r["exact_hit_ttft_s"] * 1000 for r in rows], w, label="exact hit")
+    ax.set_xticks(list(xs), labels, rotation=60, fontsize=7)
+    ax.set(title="time to first token", ylabel="ms", yscale="log")
+    ax.legend(fontsize=8)
+
+
+def _snapshot(ax, res: dict) -> None:
+    if "snapshot" not in res:
+        return
+    rows = res["snapshot"]["rows"]
+    ax.plot([r["n"] for r in rows], [r["bytes_held"] / 2**20 for r in rows], "o-", label="radix (shared trunk)")
+    ax.plot([r["n"] for r in rows], [r["full_copies_bytes"] / 2**20 for r in rows], "s--", label="n full copies")
+    ax.set(title="snapshot memory", xlabel="branches", ylabel="MiB")
+    ax.legend()
+
+
+def _cli(ax, res: dict) -> None:
+    if "cli" not in res:
+        return
+    c = res["cli"]
+    ax.bar(["ttft\nwithout", "ttft\nwith", "wall\nwithout", "wall\nwith"],
+           [c["without_cache"]["ttft_s"], c["with_cache"]["ttft_s"], c["without_cache"]["wall_s"],
+            c["with_cache"]["wall_s"]], color=["C3", "C2", "C3", "C2"])
+    ax.set(title="fresh process: persistent compilation cache", ylabel="s")
+
+
+def _hf_or_compilations(ax, res: dict) -> None:
+    if "hf" in res:
+        rows = [r for r in res["hf"]["rows"] if not r["metric"].startswith("warm/cold")]
+        ax.barh([r["metric"] for r in rows],
+                [r["jaxsmol_over_hf"] if r["higher_is_better"] else 1 / r["jaxsmol_over_hf"] for r in rows])
+        ax.axvline(1, color="k", lw=0.8)
+        ax.set(title="jaxsmol speed / HF speed (>1: jaxsmol faster)")
+        ax.tick_params(axis="y", labelsize=7)
+    elif "compilations" in res:
+        c = res["compilations"]
+        ax.bar(["programs", "bound"], [c["forward_programs"], c["bound"]])
+        ax.set(title=f"forward programs over {c['requests']} mixed requests")
+
+
+def write_plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    for ax, draw in zip(axes.flat, (_prefill, _decode, _ttft, _snapshot, _cli, _hf_or_compilations)):
+        draw(ax, res)
+    m = res["meta"]
+    fig.suptitle(f"jaxsmol bench: {m['model']} ({m['dtype']}), {m['cpus']} CPUs, load {m['loadavg_start']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""The entry point of `jaxsmol bench` (cli/main.py): checks, the sections in order, the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from cli.bench.hf import hf_available
+from cli.bench.measure import Warmup, log, loadavg, now
+from cli.bench.plans import FULL, QUICK, SECTIONS
+
+
+def _meta(args, engine, plan, sections, load0) -> dict:
+    import jax
+
+    from jaxsmol.engine import compile_bound
+
+    return {
+        "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
+        "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
+        "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx),
+        "compile_bound_fast": compile_bound(engine.ctx, exact=False),
+        "sections": sections + (["hf"] if args.compare == "hf" else []),
+        "plan": dict(plan),
+    }
+
+
+def _run_sections(args, engine, plan, rng, sections, res: dict) -> None:
+    """Run the chosen sections in their fixed order into res, timing each."""
+    from cli.bench import sections as s
+    from cli.bench.hf import section_hf
+
+    warm = Warmup(engine)
+    calls = {"compilations": (s.section_compilations, engine, plan, rng),  # first: counts from a process
+             "prefill": (s.section_prefill, engine, plan, rng, warm),      # that has compiled nothing yet
+             "decode": (s.section_decode, engine, plan, warm),
+             "ttft": (s.section_ttft, engine, plan, rng, warm),
+             "snapshot": (s.section_snapshot, engine, plan, rng, warm),
+             "cli": (s.section_cli, args, engine, plan, rng),
+             "hf": (section_hf, engine, plan, rng, warm)}
+    timings = res["meta"]["section_wall_s"] = {}
+    for name in [n for n in SECTIONS if n in sections] + (["hf"] if args.compare == "hf" else []):
+        if name == "compilations":
+            log("compilations: mixed workload")
+        fn, *a = calls[name]
+        t0 = now()
+        res[name] = fn(*a)
+        timings[name] = round(now() - t0, 2)
+
+
+def run_bench(args) -> int:
+    from jaxsmol.errors import JaxsmolError
+
+    if args.compare == "hf" and not hf_available():
+        raise JaxsmolError("--compare hf needs torch and transformers: pip install -e '.[hf]'")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise JaxsmolError("--plot needs matplotlib: pip install matplotlib")
+    sections = list(args.only or SECTIONS)
+
+    import numpy as np
+
+    from cli.bench.report import format_results
+    from cli.common import load_engine
+    from jaxsmol.engine import compiled_programs
+
+    plan = QUICK if args.quick else FULL
+    rng = np.random.default_rng(args.seed)
+    load0 = loadavg()
+    t_start = now()
+    engine = load_engine(args)
+    engine.fingerprint  # hashed once, outside every timing
+    res: dict = {"meta": _meta(args, engine, plan, sections, load0)}
+    _run_sections(args, engine, plan, rng, sections, res)
+    res["forward_programs_total"] = compiled_programs()
+    res["meta"]["loadavg_end"] = loadavg()
+    res["meta"]["wall_s"] = now() - t_start
+
+    print(format_results(res))
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    print(f"\nwrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from cli.bench.plot import write_plot
+
+        write_plot(res, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,59 @@
+"""ASCII tables for the command line: the one table printer, and the cache probe's cold/warm table."""
+
+from __future__ import annotations
+
+import json
+
+
+def format_table(header: list, rows: list[list], *, title: str | None = None, numbers: bool = True,
+                 rule: bool = True) -> str:
+    """Columns joined by two spaces. The first column is left-aligned; the others are right-aligned
+    (numbers=True) or left-aligned; `rule` draws dashes under the header. No trailing spaces."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [] if title is None else [title]
+    for k, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i and numbers else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if k == 0 and rule:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+# (label, key of a run's dict, how to show it): a row is shown when the runs have that key, so the
+# same table serves a local probe (cache.probe.run_probe) and a remote one (cli.client.remote_probe).
+_PROBE_ROWS = (
+    ("prompt tokens", "prompt_tokens", str),
+    ("tokens reused", "tokens_reused", str),
+    ("cached tokens", "cached_tokens", str),
+    ("tokens prefilled", "tokens_prefilled", str),
+    ("bypass", "bypass", lambda v: v or "-"),
+    ("exact full hit", "exact_hit", lambda v: "yes" if v else "no"),
+    ("time to first token", "ttft_s", _ms),
+    ("total time", "total_s", _ms),
+    ("generated ids", "output_ids", lambda v: " ".join(map(str, v))),
+    ("generated text", "text", json.dumps),
+    ("snapshot bytes", "snapshot_bytes", str),
+)
+
+
+def format_probe(result: dict) -> str:
+    """The cold/warm table of a probe result, local or against a daemon (result has a `url`)."""
+    cold, warm = result["cold"], result["warm"]
+    if "url" in result:
+        title = f"cache probe against {result['url']} (predict {result['max_tokens']})"
+    else:
+        title = f"cache probe (mode {result['mode']}, predict {result['max_tokens']})"
+    rows = [[label, show(cold[key]), show(warm[key])] for label, key, show in _PROBE_ROWS if key in cold]
+    lines = [format_table(["", "cold", "warm"], rows, title=title, numbers=False, rule=False),
+             f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
+             f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x"]
+    pc = result.get("prompt_cache")
+    if pc:
+        used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"
+        lines.append(f"prompt cache {pc['file']}: {used}; {pc['saved']} tokens saved")
+    return "\n".join(lines)
