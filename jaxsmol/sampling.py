@@ -25,6 +25,8 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (EOS is added by the engine)
     stop_strings: tuple[str, ...] = ()
     logprobs: int = 0  # top-K log-probabilities to report per generated position
+    # structured output: the canonical JSON of a spec (jaxsmol.structured.canonical_spec), None = free text
+    structured: str | None = None
 
     def __post_init__(self):
         checks = [
@@ -34,6 +36,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (0 <= self.seed < 2**63, f"seed must be a non-negative integer, got {self.seed}"),
+            (self.structured is None or isinstance(self.structured, str),
+             "structured must be None or a canonical spec string (jaxsmol.structured.canonical_spec)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -45,14 +49,36 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
+# What a disallowed id's logit becomes: large but finite, so a row with nothing allowed still yields an
+# id (not NaN); after any temperature it stays far below every allowed logit.
+MASKED_LOGIT = -1e30
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """Packed bitmask [B, W] int32 -> allowed [B, vocab_size] bool: bit j of word w allows id 32*w + j.
+
+    Ids past 32*W are not allowed (W may be shorter than the model's vocabulary)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).astype(bool)[:, :vocab_size]
+    return jnp.pad(allowed, ((0, 0), (0, vocab_size - allowed.shape[1])))
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
+           top_p: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32. Scalars are traced (no recompiles per setting).
+
+    `allowed` (structured output): None, or a packed bitmask [B, W] int32 (see unpack_bitmask, the
+    layout llguidance fills); ids it leaves out get MASKED_LOGIT before greedy, temperature, top-k and
+    top-p, so every decoding mode respects it. None vs an array is the argument's pytree structure, so
+    jit keeps the unconstrained program unchanged and compiles one more for masked sampling.
 
     `lax.cond` runs only the branch taken, so greedy decoding costs an argmax, and plain
     temperature sampling skips the sort that top-k / top-p need (a full sort of 49,152 logits
     takes ~12 ms on these cores, a third of a decode step).
     """
+    if allowed is not None:  # static: pytree structure, not a traced value
+        logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
+
     def greedy(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
