@@ -90,8 +90,15 @@ def _grammar(spec_json: str) -> str:
             raise JaxsmolError(f"invalid {fmt}: {e}") from None
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
-        raise JaxsmolError(f"invalid {'schema' if fmt == 'json_schema' else fmt}: {error.strip()}")
+        raise JaxsmolError(f"invalid {'schema' if fmt == 'json_schema' else fmt}: {_one_line(error)}")
     return grammar
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line parse errors (with a caret picture) -> its first line plus the cause lines."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    causes = [line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")]
+    return " ".join([lines[0].rstrip(":") + (":" if causes else "")] + causes) if lines else message
 
 
 def canonical_spec(spec) -> str | None:

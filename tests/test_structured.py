@@ -264,3 +264,46 @@ def test_real_prefix_cache_cold_and_warm(real_engine):
     gen, report = cache.generate(other, SamplingParams(max_tokens=MAX_TOKENS, structured=spec))
     assert 0 < report.reused < len(other)
     _assert_complete(real_engine, gen, schema)
+
+
+# ---- the command line -------------------------------------------------------------------------------
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.real
+def test_cli_json_schema(tmp_path):
+    prompt, schema = SCHEMAS["enums"]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    r = _cli("generate", "--chat", prompt, "--json-schema", path, "--max-tokens", 32, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), schema)
+    r = _cli("generate", "--chat", "Return a JSON object with the keys city and temperature for Paris.",
+             "--json-object", "--max-tokens", 48, "--no-stream")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), dict)
+
+
+def test_cli_bad_schema_is_one_error_line(tmp_path):
+    """Refused before the model loads: one `error:` line, exit status 2."""
+    bad, broken = tmp_path / "bad.json", tmp_path / "broken.json"
+    bad.write_text('{"type": "objectx"}')
+    broken.write_text('{"type": ')
+    for args, message in [(("--json-schema", bad), "invalid schema: Invalid type"),
+                          (("--json-schema", broken), "is not valid JSON"),
+                          (("--json-schema", tmp_path / "missing.json"), "cannot read schema file"),
+                          (("--regex", "[a-"), "invalid regex"),
+                          (("--json-object", "--regex", "a"), "not allowed with")]:
+        r = _cli("generate", "hello", *args)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
