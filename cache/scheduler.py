@@ -42,6 +42,7 @@ from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.sampling import SamplingParams, split_seed
 from jaxsmol.stream import TokenStream
+from jaxsmol.structured import Constraint, all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
 MAX_PENDING_SAVES = 64  # answers waiting to be stored for the next turn; older ones are dropped
@@ -53,6 +54,7 @@ class _Prefill:
     request: Request
     lookup: Lookup
     kv: KVCache
+    constraints: list  # per choice: its structured-output Constraint, or None
 
 
 @dataclasses.dataclass
@@ -63,6 +65,7 @@ class _Row:
     index: int
     stream: TokenStream
     ttft_s: float
+    constraint: Constraint | None = None
 
 
 @dataclasses.dataclass
@@ -178,6 +181,9 @@ class Scheduler:
         return next((w for w in self.widths if w >= rows), self.widths[-1])
 
     def _begin(self, req: Request) -> None:
+        cfg = self.engine.cfg
+        constraints = [constraint_for(self.engine.tokenizer, cfg.eos_ids, cfg.vocab_size, sp.structured)
+                       for sp in req.samplings]  # a bad spec fails here, before any model work
         lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
                                salt=req.salt, bypass=req.bypass)
         self.stats.admitted += 1
@@ -191,7 +197,7 @@ class Scheduler:
         except BaseException:
             self.cache.release(lk)
             raise
-        self.prefilling = _Prefill(req, lk, kv)
+        self.prefilling = _Prefill(req, lk, kv, constraints)
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
             self._prompt_done(jnp.asarray(lk.logits, jnp.float32)[None])
 
@@ -232,10 +238,11 @@ class Scheduler:
         m = len(req.samplings)
         out = jax.device_get(programs.sample_first(
             jnp.broadcast_to(logits, (m, logits.shape[-1])),
-            self._sampling_arrays(req.samplings, [0] * m, m), logprobs=want > 0))
+            self._sampling_arrays(req.samplings, [0] * m, p.constraints), logprobs=want > 0))
         going_on = []
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
-            row = _Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft)
+            row = _Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
+                       p.constraints[i])
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 self._push(row, out, i)
             if row.stream.done or sp.max_tokens == 0:
@@ -296,10 +303,11 @@ class Scheduler:
             tokens[i], active[i] = r.stream.output_ids[-1], True
         samplings = [r.stream.sp if r is not None else SamplingParams() for r in self.rows]
         steps = [len(r.stream.output_ids) if r is not None else 0 for r in self.rows]
+        constraints = [r.constraint if r is not None else None for r in self.rows]
         want = any(r.stream.sp.logprobs for _, r in live)
         try:
             out, self.batch = programs.decode_step(self.engine.params, jnp.asarray(tokens), self.batch,
-                                                   jnp.asarray(active), self._sampling_arrays(samplings, steps, W),
+                                                   jnp.asarray(active), self._sampling_arrays(samplings, steps, constraints),
                                                    self.engine.cfg, logprobs=want)
             out = jax.device_get(out)
         except Exception as e:  # the batch is lost: fail its requests, keep serving
@@ -322,7 +330,10 @@ class Scheduler:
         if k:
             logprob = float(out["logprob"][i])
             top = [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
-        step = row.stream.push(int(out["tokens"][i]), logprob, top)
+        token = int(out["tokens"][i])
+        if row.constraint is not None:
+            row.constraint.advance(token)
+        step = row.stream.push(token, logprob, top)
         row.request.sink.token(row.index, step)
 
     def _finish(self, row: _Row) -> None:
@@ -345,16 +356,23 @@ class Scheduler:
         if self.prefilling is not None and self.prefilling.request.sink.cancelled():
             self._abort_prefill(None)
 
-    def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], width: int) -> dict:
+    def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], constraints: list) -> dict:
+        """The per-row arrays `sample_rows` takes (rows without a request sample greedily, unused)."""
         seeds = [split_seed(sp.seed) for sp in samplings]
-        if width not in self._all_allowed:
-            self._all_allowed[width] = jnp.ones((width, self.engine.cfg.vocab_size), bool)
+        width, V = len(samplings), self.engine.cfg.vocab_size
+        if any(c is not None for c in constraints):
+            free = all_allowed(1, V)[0]
+            allowed = np.stack([free if c is None else c.bitmask() for c in constraints])
+        else:  # the common case: one all-allowed mask per width, kept on the device
+            if width not in self._all_allowed:
+                self._all_allowed[width] = jnp.asarray(all_allowed(width, V))
+            allowed = self._all_allowed[width]
         return {"temperature": np.array([sp.temperature for sp in samplings], np.float32),
                 "top_k": np.array([sp.top_k for sp in samplings], np.int32),
                 "top_p": np.array([sp.top_p for sp in samplings], np.float32),
                 "seed_lo": np.array([lo for lo, _ in seeds], np.uint32),
                 "seed_hi": np.array([hi for _, hi in seeds], np.uint32),
-                "step": np.array(steps, np.int32), "allowed": self._all_allowed[width]}
+                "step": np.array(steps, np.int32), "allowed": allowed}
 
     # ---- storing answers for the next turn ---------------------------------------------------------------
     def _save_chunk(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -31,6 +32,36 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching the JSON schema in FILE "
+                   "(enforced token by token)")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+
+
+def structured_spec(args) -> str | None:
+    """SamplingParams.structured from --json-schema / --json-object / --regex (checked, before the model loads)."""
+    from jaxsmol.errors import JaxsmolError
+    from jaxsmol.structured import canonical_spec
+
+    if getattr(args, "json_object", False):
+        return canonical_spec({"type": "json_object"})
+    if getattr(args, "regex", None) is not None:
+        return canonical_spec({"type": "regex", "regex": args.regex})
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise JaxsmolError(f"cannot read schema file {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise JaxsmolError(f"schema file {path} is not valid JSON: {e}") from None
+    return canonical_spec({"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}})
 
 
 def sampling_kwargs(args) -> dict:

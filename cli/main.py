@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import sys
 
-from cli.common import (ArgumentParser, add_model_args, add_prompt_cache_arg, add_sampling_args, close_prompt_cache,
-                        load_engine, open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, user_errors)
+from cli.common import (ArgumentParser, add_model_args, add_prompt_cache_arg, add_sampling_args, add_structured_args,
+                        close_prompt_cache, load_engine, open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs,
+                        structured_spec, user_errors)
 from cli.tables import format_probe
 
 
 def _generate(args) -> int:
     from jaxsmol.sampling import SamplingParams
 
+    structured = structured_spec(args)  # a bad schema fails before the model loads
     engine = load_engine(args)
     ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
-                        logprobs=args.logprobs, **sampling_kwargs(args))
+                        logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     if args.prompt_cache:
         cache, pc = open_prompt_cache(engine, args.prompt_cache, ids)
         req = cache.start(ids, sp)
@@ -133,6 +135,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end")
     add_prompt_cache_arg(g)
+    add_structured_args(g)
     add_sampling_args(g)
     add_model_args(g)
     g.set_defaults(func=_generate)

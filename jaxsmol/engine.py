@@ -30,6 +30,7 @@ from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, seed_key
 from jaxsmol.sharding import describe, kv_sharding, shard_params
 from jaxsmol.stream import Step, TokenStream
+from jaxsmol.structured import all_allowed, constraint_for
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
 # The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
@@ -257,8 +258,9 @@ class Engine:
                 if T <= cap:
                     kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
                     programs.forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
-        programs.sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
-                jnp.float32(1)).block_until_ready()
+        for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
+            programs.sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                            jnp.float32(1), allowed).block_until_ready()
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""
@@ -309,6 +311,8 @@ class Generation:
         # None after an exact full hit that needed no decode step, or once recycled
         self.pos = 0  # positions computed for this request at the end (prompt + generated - 1)
         self.prompt_logits: np.ndarray | None = None  # [V] logits after the last prompt token
+        # structured output (sp.structured): built here so a bad spec fails before any model work
+        self.constraint = constraint_for(engine.tokenizer, engine.cfg.eos_ids, engine.cfg.vocab_size, sp.structured)
 
     def __iter__(self) -> Iterator[Step]:
         eng, sp, cfg = self.engine, self.sp, self.engine.cfg
@@ -342,8 +346,10 @@ class Generation:
                     kv = eng.restore(self._prefix, slots, self._prefix_len)
                 logits, kv = eng.decode(self.output_ids[-1], kv)
             token_arr = programs.sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
-                                        jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+                                        jnp.int32(sp.top_k), jnp.float32(sp.top_p), self._allowed())
             token = int(token_arr[0])
+            if self.constraint is not None:
+                self.constraint.advance(token)
             if i == 0:
                 self.timings.ttft_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
@@ -364,3 +370,6 @@ class Generation:
         self.timings.decode_s = time.perf_counter() - t_decode
         self.timings.total_s = time.perf_counter() - t0
 
+    def _allowed(self) -> np.ndarray | None:
+        """The structured-output mask for the next token: [1, ceil(V / 32)] int32, or None (free text)."""
+        return None if self.constraint is None else self.constraint.bitmask()[None]

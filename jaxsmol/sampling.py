@@ -26,6 +26,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     logprobs: int = 0  # top-K log-probabilities to report per generated position
     ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks; as vLLM's ignore_eos)
+    # structured output: the canonical JSON of a spec (jaxsmol.structured.canonical_spec), None = free text
+    structured: str | None = None
 
     def __post_init__(self):
         checks = [
@@ -35,6 +37,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (0 <= self.seed < 2**63, f"seed must be a non-negative integer, got {self.seed}"),
+            (self.structured is None or isinstance(self.structured, str),
+             "structured must be None or a canonical spec string (jaxsmol.structured.canonical_spec)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -46,14 +50,36 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
+# What a disallowed id's logit becomes: large but finite, so a row with nothing allowed still yields an
+# id (not NaN); after any temperature it stays far below every allowed logit.
+MASKED_LOGIT = -1e30
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """Packed bitmask [B, W] int32 -> allowed [B, vocab_size] bool: bit j of word w allows id 32*w + j.
+
+    Ids past 32*W are not allowed (W may be shorter than the model's vocabulary)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).astype(bool)[:, :vocab_size]
+    return jnp.pad(allowed, ((0, 0), (0, vocab_size - allowed.shape[1])))
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
+           top_p: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32. Scalars are traced (no recompiles per setting).
+
+    `allowed` (structured output): None, or a packed bitmask [B, W] int32 (see unpack_bitmask, the
+    layout llguidance fills); ids it leaves out get MASKED_LOGIT before greedy, temperature, top-k and
+    top-p, so every decoding mode respects it. None vs an array is the argument's pytree structure, so
+    jit keeps the unconstrained program unchanged and compiles one more for masked sampling.
 
     `lax.cond` runs only the branch taken, so greedy decoding costs an argmax, and plain
     temperature sampling skips the sort that top-k / top-p need (a full sort of 49,152 logits
     takes ~12 ms on these cores, a third of a decode step).
     """
+    if allowed is not None:  # static: pytree structure, not a traced value
+        logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
+
     def greedy(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -89,7 +115,6 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (logits / 1e-38 would overflow)
-MASKED = -1e30  # a token outside `allowed`: large, finite and negative, so never NaN
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -97,11 +122,12 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     """Each row with its own settings: logits [W, V] -> token ids [W] int32.
 
     temperature, top_p [W] float32; top_k, step [W] int32; seed_lo, seed_hi [W] uint32 (a 63-bit seed
-    split in two); allowed [W, V] bool. Row i draws with `fold_in(seed_key(seed_i), step_i)`, the key
+    split in two); allowed [W, ceil(V / 32)] int32, a packed bitmask as `sample` takes (all ones for a
+    row without structured output). Row i draws with `fold_in(seed_key(seed_i), step_i)`, the key
     `Generation` uses, so a seed gives the same tokens alone or in a batch (given the same logits).
     The sort that top-k / top-p need runs only when some row asks for it; greedy rows cost an argmax.
     """
-    logits = jnp.where(allowed, logits, MASKED)
+    logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
     greedy_rows = temperature < GREEDY_BELOW
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -175,3 +175,35 @@ def test_too_many_choices_is_a_clear_error(tiny_engine):
     sched.submit(Request([1, 2, 999], [SamplingParams()], sink))
     sched.run()
     assert "outside" in str(sink.errors[0]) and not sched.has_work
+
+
+@pytest.mark.real
+def test_structured_output_rows_beside_free_rows(real_engine):
+    """Rows with a JSON schema (greedy and sampled) and a free row decode in one batch: the masked
+    rows' outputs parse and validate, the free row is unaffected by their masks."""
+    import json
+
+    import jsonschema
+
+    from jaxsmol.structured import canonical_spec
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 16},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    spec = canonical_spec({"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    tok = real_engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Invent a person; answer in JSON."}]))
+    sched = Scheduler(PrefixCache(real_engine), max_batch=4)
+    settings = [SamplingParams(max_tokens=40, structured=spec),
+                SamplingParams(max_tokens=40, temperature=0.9, seed=3, structured=spec),
+                SamplingParams(max_tokens=12)]
+    sinks = [Collector() for _ in settings]
+    for sp, sink in zip(settings, sinks):
+        sched.submit(Request(prompt, [sp], sink))
+    sched.run()
+    for sink in sinks[:2]:
+        result = sink.results[0]
+        assert result.finish_reason == "stop", result.text
+        jsonschema.validate(json.loads(result.text), schema)
+    [[free]] = generate_many(PrefixCache(real_engine, mode="off"), [prompt], settings[2])
+    assert sinks[2].results[0].output_ids == free.output_ids
