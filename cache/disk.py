@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from cache.minimal import common_prefix_len
+from cache.radix import common_prefix_len
 from cache.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
                             save_snapshot)
 from jaxsmol.errors import JaxsmolError

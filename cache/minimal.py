@@ -11,18 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-def common_prefix_len(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from cache.radix import common_prefix_len
 
 
 @dataclasses.dataclass
-class Snapshot:
+class SavedPrefix:
+    """The one saved prefix (not a cache/snapshot.py Snapshot: its value is opaque to this store)."""
     tokens: tuple  # the first prompt_n - 1 prompt tokens
     value: Any  # their state (for jaxsmol: a host KVCache with pos == len(tokens))
     namespace: Any  # the model fingerprint and salt it belongs to
@@ -33,7 +27,7 @@ class SingleSnapshotStore:
     """Holds at most one snapshot; saving replaces it."""
 
     def __init__(self):
-        self.snapshot: Snapshot | None = None
+        self.snapshot: SavedPrefix | None = None
 
     def reusable_len(self, namespace, prompt) -> int:
         """Tokens of `prompt` whose state the snapshot holds, capped at len(prompt) - 1."""
@@ -43,7 +37,7 @@ class SingleSnapshotStore:
         return min(common_prefix_len(prompt, s.tokens), len(prompt) - 1)
 
     def save(self, namespace, tokens, value, nbytes: int) -> None:
-        self.snapshot = Snapshot(tuple(tokens), value, namespace, nbytes)
+        self.snapshot = SavedPrefix(tuple(tokens), value, namespace, nbytes)
 
     @property
     def bytes_held(self) -> int:

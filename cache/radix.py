@@ -28,6 +28,15 @@ import jax
 import numpy as np
 
 
+def common_prefix_len(a, b, start: int = 0) -> int:
+    """How many leading items of `a` equal the items of `b` from index `start` on (the one
+    common-prefix helper of cache/)."""
+    n, limit = 0, min(len(a), len(b) - start)
+    while n < limit and a[n] == b[start + n]:
+        n += 1
+    return n
+
+
 def _nbytes(tree) -> int:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
@@ -100,13 +109,6 @@ class RadixStore:
         for node in path:
             node.last_used = now
 
-    @staticmethod
-    def _common(a: tuple, b, start: int) -> int:
-        n = 0
-        while n < len(a) and start + n < len(b) and a[n] == b[start + n]:
-            n += 1
-        return n
-
     # ---- lookup ------------------------------------------------------------------------------
     def match(self, namespace, tokens) -> Match:
         """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it."""
@@ -117,7 +119,7 @@ class RadixStore:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            n = self._common(child.tokens, tokens, depth)
+            n = common_prefix_len(child.tokens, tokens, depth)
             path.append(child)
             depth += n
             at_node_end = n == len(child.tokens)
@@ -190,7 +192,7 @@ class RadixStore:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            n = self._common(child.tokens, tokens, depth)
+            n = common_prefix_len(child.tokens, tokens, depth)
             if n < len(child.tokens):
                 child = self._split(child, n)
             path.append(child)
@@ -264,5 +266,6 @@ class RadixStore:
         self.bytes_held = 0
 
     def __len__(self) -> int:
-        """Number of stored keys (nodes holding a payload or ending a branch)."""
+        """Number of leaves: stored keys that no other stored key extends (a key that is a prefix of
+        another, e.g. a prompt whose answer was stored after it, is not counted)."""
         return sum(1 for _ in self._leaves())
