@@ -368,7 +368,7 @@ TINY_BF16_NATS = 0.2
 REAL_BF16_NATS = 0.75  # among tokens with float32 log-prob > -10
 
 
-def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine):
+def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_path):
     from cache.prefix_cache import PrefixCache
     from jaxsmol.engine import Engine
     from jaxsmol.sampling import SamplingParams
@@ -392,6 +392,15 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine):
     assert np.array_equal(warm.prompt_logits, ref.prompt_logits)
     seg = cache.snapshot_of(ids)
     assert seg.k.dtype == jnp.bfloat16 and seg.logits[100].dtype == np.float32
+    # a bfloat16 snapshot file passes the engine's dtype check and restores exactly
+    from cache.disk import load_prompt_cache, save_prompt_cache
+
+    save_prompt_cache(cache, tmp_path / "bf16.safetensors", ids)
+    loaded = PrefixCache(e16)
+    report = load_prompt_cache(loaded, tmp_path / "bf16.safetensors", ids)
+    assert report.refused is None and report.loaded == 100
+    again, r = loaded.generate(ids, sp)
+    assert r.exact_hit and again.output_ids == cold.output_ids
 
 
 @pytest.mark.real
