@@ -11,11 +11,12 @@ the matched tokens provides the value of the match (the first `length` positions
 depend on those positions' tokens, which is what a causal model's KV state is).
 
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
-nodes on the path of a lease (an entry in use) are never evicted. Every stored segment and payload owns
-its memory (a NumPy view given to `insert` is copied, a split copies both halves), so the bytes
-counted are the bytes held and evicting a node frees what it counted. A namespace's root goes when
-its last key does. `on_evict(namespace, match)`, when
-set, is called with a victim's whole key before it goes (a second tier may keep it).
+nodes on the path of a lease (an entry in use) are never evicted. `on_evict(namespace, match)`, when
+set, is called with a victim's whole key before it goes (a second tier may keep it). A namespace's
+root goes when its last key does.
+
+Every stored segment and payload owns its memory (a NumPy view given to `insert` is copied, a split
+copies both halves), so the bytes counted are the bytes held, and evicting a node frees what it counted.
 """
 
 from __future__ import annotations
