@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from cache.minimal import common_prefix_len
+from cache.radix import common_prefix_len
 from cache.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
                             save_snapshot)
 from jaxsmol.errors import JaxsmolError
@@ -122,7 +122,10 @@ class DiskStore:
                 self._index(p)
 
     def _index(self, p: Path) -> None:
-        st = p.stat()
+        try:
+            st = p.stat()
+        except OSError:  # gone meanwhile (another process shares the directory)
+            return
         if st.st_size > self.ident.get("max_bytes", st.st_size):  # e.g. written with a longer context: kept
             self.skipped.append((p.name, f"{st.st_size} bytes, over this engine's cap of {self.ident['max_bytes']}"))
             return

@@ -14,20 +14,13 @@ from typing import Any
 
 import jax
 
+from cache.radix import common_prefix_len
 from cache.store import Hit
 
 
-def common_prefix_len(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclasses.dataclass
-class Snapshot:
+class SavedPrefix:
+    """The one saved prefix (not a cache/snapshot.py Snapshot: its value is opaque to this store)."""
     tokens: tuple  # the first prompt_n - 1 prompt tokens
     value: Any  # their state (for jaxsmol: {"k", "v"} host arrays [L, 1, len(tokens), K, H])
     namespace: Any  # the model fingerprint and salt it belongs to
@@ -41,7 +34,7 @@ class SingleSnapshotStore:
     evictions = 0
 
     def __init__(self):
-        self.snapshot: Snapshot | None = None
+        self.snapshot: SavedPrefix | None = None
 
     def reusable_len(self, namespace, prompt) -> int:
         """Tokens of `prompt` whose state the snapshot holds, capped at len(prompt) - 1."""
@@ -61,7 +54,7 @@ class SingleSnapshotStore:
     def insert(self, namespace, tokens, value_of, payload=None) -> int:
         value = value_of(0, len(tokens))
         nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(value))
-        self.snapshot = Snapshot(tuple(tokens), value, namespace, nbytes)
+        self.snapshot = SavedPrefix(tuple(tokens), value, namespace, nbytes)
         return len(tokens)
 
     def state(self, namespace, tokens):

@@ -11,11 +11,12 @@ the matched tokens provides the value of the match (the first `length` positions
 depend on those positions' tokens, which is what a causal model's KV state is).
 
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
-nodes on the path of a lease (an entry in use) are never evicted. Every stored segment and payload owns
-its memory (a NumPy view given to `insert` is copied, a split copies both halves), so the bytes
-counted are the bytes held and evicting a node frees what it counted. A namespace's root goes when
-its last key does. `on_evict(namespace, match)`, when
-set, is called with a victim's whole key before it goes (a second tier may keep it).
+nodes on the path of a lease (an entry in use) are never evicted. `on_evict(namespace, match)`, when
+set, is called with a victim's whole key before it goes (a second tier may keep it). A namespace's
+root goes when its last key does.
+
+Every stored segment and payload owns its memory (a NumPy view given to `insert` is copied, a split
+copies both halves), so the bytes counted are the bytes held, and evicting a node frees what it counted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from typing import Any, Hashable
 
 import jax
 import numpy as np
+
+
+def common_prefix_len(a, b, start: int = 0) -> int:
+    """How many leading items of `a` equal the items of `b` from index `start` on (the one
+    common-prefix helper of cache/)."""
+    n, limit = 0, min(len(a), len(b) - start)
+    while n < limit and a[n] == b[start + n]:
+        n += 1
+    return n
 
 
 def _nbytes(tree) -> int:
@@ -100,13 +110,6 @@ class RadixStore:
         for node in path:
             node.last_used = now
 
-    @staticmethod
-    def _common(a: tuple, b, start: int) -> int:
-        n = 0
-        while n < len(a) and start + n < len(b) and a[n] == b[start + n]:
-            n += 1
-        return n
-
     # ---- lookup ------------------------------------------------------------------------------
     def match(self, namespace, tokens) -> Match:
         """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it."""
@@ -117,7 +120,7 @@ class RadixStore:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            n = self._common(child.tokens, tokens, depth)
+            n = common_prefix_len(child.tokens, tokens, depth)
             path.append(child)
             depth += n
             at_node_end = n == len(child.tokens)
@@ -190,7 +193,7 @@ class RadixStore:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            n = self._common(child.tokens, tokens, depth)
+            n = common_prefix_len(child.tokens, tokens, depth)
             if n < len(child.tokens):
                 child = self._split(child, n)
             path.append(child)
@@ -264,5 +267,6 @@ class RadixStore:
         self.bytes_held = 0
 
     def __len__(self) -> int:
-        """Number of stored keys (nodes holding a payload or ending a branch)."""
+        """Number of leaves: stored keys that no other stored key extends (a key that is a prefix of
+        another, e.g. a prompt whose answer was stored after it, is not counted)."""
         return sum(1 for _ in self._leaves())

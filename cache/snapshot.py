@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache.minimal import common_prefix_len
+from cache.radix import common_prefix_len
 from jaxsmol.errors import JaxsmolError
 
 FORMAT = "jaxsmol.prefix-snapshot"

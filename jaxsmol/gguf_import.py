@@ -3,15 +3,24 @@
 The output (`config.json`, float32 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`,
 `generation_config.json`) is what `transformers` would save for a `LlamaForCausalLM`, so the rest of
 jaxsmol only ever reads one format. Quantized tensors are dequantized to float32 with `gguf`.
+
+A GGUF file is untrusted input: every size in its metadata is checked against the tensors the file
+really holds before anything is sized from it (`_check_sizes`). The output is written into a temporary
+sibling directory (`.NAME.PID.*.tmp`), fsynced, and renamed into place; one left by an import that was
+killed is removed by the next import into the same parent directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +28,7 @@ import numpy as np
 from jaxsmol.errors import JaxsmolError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types registered as added tokens
+_MAX_CONTEXT = 1 << 21  # context_length backs no tensor: a sanity bound (Llama 3.1 has 131,072)
 
 # Per-layer GGUF tensor name -> HF name.
 _LAYER_NAMES = {
@@ -81,6 +91,9 @@ def _read_config(reader, path: Path) -> tuple[dict, dict]:
 
     dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
+    if min(dim, n_heads, n_kv) <= 0 or n_heads % n_kv:
+        raise JaxsmolError(f"GGUF file {path} has invalid sizes: embedding_length={dim}, head_count={n_heads}, "
+                           f"head_count_kv={n_kv}")
     head_dim = int(_field(reader, "llama.attention.key_length", dim // n_heads))
     rot = int(_field(reader, "llama.rope.dimension_count", head_dim))
     if rot != head_dim:
@@ -117,6 +130,31 @@ def _read_config(reader, path: Path) -> tuple[dict, dict]:
     if tok["model"] != "gpt2":
         raise JaxsmolError(f"unsupported GGUF tokenizer model {tok['model']!r} (only byte-level BPE 'gpt2')")
     return cfg, tok
+
+
+def _check_sizes(reader, cfg: dict, path: Path) -> dict[str, tuple[int, ...]]:
+    """The HF shapes the config implies, once every size in it is backed by the file's tensors (names
+    and shapes of the tensors present, checked before any tensor data is read or anything allocated;
+    a crafted block_count of 2^40 would otherwise be 9 x 2^40 expected names)."""
+    L, ctx = cfg["num_hidden_layers"], cfg["max_position_embeddings"]
+    n_tensors = 2 + 9 * L + (0 if cfg["tie_word_embeddings"] else 1)
+    if L <= 0 or n_tensors != len(reader.tensors):
+        raise JaxsmolError(f"GGUF file {path} declares block_count {L}, which its {len(reader.tensors)} tensors "
+                           "do not match (a plain Llama block has 9)")
+    if not 0 < ctx <= _MAX_CONTEXT:
+        raise JaxsmolError(f"GGUF file {path} declares context_length {ctx}, outside [1, {_MAX_CONTEXT}]")
+    sizes = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "head_dim")}
+    if min(sizes.values()) <= 0:
+        raise JaxsmolError(f"GGUF file {path} has invalid sizes: {sizes}")
+    expected = _expected_shapes(cfg)
+    for t in reader.tensors:
+        name, shape = _hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
+        if name not in expected:
+            raise JaxsmolError(f"GGUF tensor {t.name} is not part of the model its metadata describes")
+        if shape != expected[name]:
+            raise JaxsmolError(f"GGUF tensor {t.name} has shape {shape}, but the metadata ({sizes}) "
+                               f"implies {expected[name]}")
+    return expected
 
 
 def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -174,6 +212,8 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool) -> None:
             if w.shape != expected[name]:
                 raise JaxsmolError(f"tensor {t.name} has shape {w.shape}, expected {expected[name]}")
             f.write(w.astype("<f4", copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # the data is on disk before the directory is renamed into place
 
 
 def _pre_tokenizer(pre: str) -> dict:
@@ -220,7 +260,41 @@ def _tokenizer_config(tok: dict, cfg: dict) -> dict:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user's
+        return True
+    return True
+
+
+def _remove_stale_temporaries(out_dir: Path, max_age_s: float = 3600) -> None:
+    """Delete what imports into `out_dir` that were killed left behind: temporary directories of a
+    process that is gone (or, without a readable pid in the name, older than `max_age_s`)."""
+    for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*.tmp"):
+        rest = p.name[len(out_dir.name) + 2:]  # PID.RANDOM.tmp, or RANDOM.tmp before pids were recorded
+        ours, old = re.fullmatch(r"(\d+)\.\w{8}\.tmp", rest), re.fullmatch(r"\w{8}\.tmp", rest)
+        with contextlib.suppress(OSError):
+            stale = (ours and not _alive(int(ours[1]))) or (old and time.time() - p.stat().st_mtime > max_age_s)
+            if stale and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
@@ -233,11 +307,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open(gguf_path)
     cfg, tok = _read_config(reader, gguf_path)
+    _check_sizes(reader, cfg, gguf_path)
     tokenizer = _build_tokenizer(tok)  # fail on a bad tokenizer before the slow tensor pass
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise JaxsmolError(f"output directory {out_dir} already exists and is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    _remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp", dir=out_dir.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model directory should be readable like any other
         _write_json(tmp / "config.json", cfg)
@@ -246,6 +322,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
         _write_json(tmp / "tokenizer.json", tokenizer)
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(tok, cfg))
         _write_safetensors(reader, cfg, tmp / "model.safetensors", progress)
+        _fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)  # atomic; fails if another process completed out_dir meanwhile
         except OSError as e:
@@ -253,4 +330,5 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _fsync_dir(out_dir.parent)
     return out_dir

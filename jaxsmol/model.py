@@ -9,6 +9,11 @@ in use (a `fori_loop` with a traced trip count), so a decode step costs O(pos), 
 Block boundaries are absolute slot indices, so a row's attention is computed the same way whatever
 chunk it arrives in: extra, fully masked blocks leave the running softmax bit-for-bit unchanged
 (the max is unchanged, exp(0) = 1, and the masked probabilities are exactly 0).
+
+Dtypes: the matrix products run in the weights' dtype (float32 or bfloat16) and the cache holds that
+dtype too, while the residual stream, RoPE, the softmax and the logits are float32 whatever the weights
+(so the layer scan's carry keeps one dtype, and bfloat16 loses precision only where it saves memory).
+With float32 weights every cast is a no-op.
 """
 
 from __future__ import annotations
@@ -108,13 +113,14 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     B, T = tokens.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     pos = kv.pos
+    dt = params.embed.dtype  # the dtype of the matrix products' inputs (see the module docstring)
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), H, cfg.rope_theta)  # [T, H] or [B, T, H]
-    x = params.embed[tokens]  # [B, T, D]
+    x = params.embed[tokens].astype(jnp.float32)  # [B, T, D], the residual stream
 
     def layer(carry, inputs):
         x, k_all, v_all = carry
         w, i = inputs  # LayerParams of layer i (leading L axis scanned away)
-        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps).astype(dt)
         q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, K * G, H)
         k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, K, H)
         v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, K, H)
@@ -123,16 +129,16 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
         k_all = _write(k_all, k.astype(k_all.dtype), i, pos)
         v_all = _write(v_all, v.astype(v_all.dtype), i, pos)
         a = attention(q.reshape(B, T, K, G, H), k_all, v_all, i, pos).reshape(B, T, K * G * H)
-        x = x + jnp.einsum("btn,nd->btd", a, w.wo)
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        x = x + jnp.einsum("btn,nd->btd", a.astype(dt), w.wo, preferred_element_type=jnp.float32)
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps).astype(dt)
         gate = jnp.einsum("btd,df->btf", h, w.w_gate)
         up = jnp.einsum("btd,df->btf", h, w.w_up)
-        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down)
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, preferred_element_type=jnp.float32)
         return (x, k_all, v_all), None
 
     (x, k_all, v_all), _ = lax.scan(layer, (x, kv.k, kv.v), (params.layers, jnp.arange(cfg.n_layers)))
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    logits = jnp.einsum("...d,dv->...v", x, params.unembed).astype(jnp.float32)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(dt)
+    logits = jnp.einsum("...d,dv->...v", x, params.unembed, preferred_element_type=jnp.float32)
     return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

@@ -46,7 +46,8 @@ class Params:
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
 
-# HF name suffix under `model.layers.{i}.` -> (our field, HF shape as a function of cfg, transpose?)
+# HF name suffix under `model.layers.{i}.` -> (our field, its HF shape for cfg). The loader transposes
+# the 2-D ones (HF's [out, in] -> our [in, out]) and keeps the 1-D norms as they are.
 def _layer_specs(cfg: Config):
     D, F, NH, KH = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return {

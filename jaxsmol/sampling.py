@@ -2,6 +2,10 @@
 
 A request's randomness is `fold_in(key(seed), step)`: the same seed gives the same tokens, and a
 token does not depend on how many other requests ran before it.
+
+A temperature below MIN_TEMPERATURE is greedy (as in vLLM): logits / 2e-38 overflow float32 to inf,
+and sampling from infinities is garbage; at 1e-5 the scaled logits stay far inside float32's range
+(|logits| < 1e4 gives < 1e9), and a distribution that sharp is the argmax anyway.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from jax import lax
 
 from jaxsmol.errors import JaxsmolError
 
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (see the module docstring)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below MIN_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0  # 1 means off
     seed: int = 0
@@ -88,7 +94,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
         filtered = lax.cond((top_k > 0) | (top_p < 1), _top_k_top_p, lambda a: a[0], (scaled, top_k, top_p))
         return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
-    return lax.cond(temperature > 0, draw, greedy, None)
+    return lax.cond(temperature >= MIN_TEMPERATURE, draw, greedy, None)
 
 
 def _top_k_top_p(args) -> jax.Array:

@@ -6,13 +6,16 @@ chat template the way `transformers` does it; `IncrementalDecoder` turns streame
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from jaxsmol.errors import JaxsmolError
 
 _REPLACEMENT = "\ufffd"  # what a decode of an incomplete UTF-8 sequence ends with
+_SURROGATE = re.compile("[\ud800-\udfff]")  # never valid alone in text (JSON "\\ud800" can make one)
 
 
 def _token_content(tok) -> str | None:
@@ -34,6 +37,7 @@ class Tokenizer:
             self.chat_template = named.get("default")
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
+        self._compiled = None  # (template source, compiled template): compiled once, not per request
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -91,6 +95,10 @@ class Tokenizer:
         """Token ids of `text`; no BOS is added (SmolLM2 adds none). Special tokens in the text map to their ids."""
         if not isinstance(text, str):
             raise JaxsmolError(f"cannot tokenize a {type(text).__name__}: expected a string")
+        bad = _SURROGATE.search(text)
+        if bad:
+            raise JaxsmolError(f"the text holds a lone surrogate (U+{ord(bad.group()):04X} at character "
+                               f"{bad.start()}), which is not valid Unicode")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -108,18 +116,28 @@ class Tokenizer:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise JaxsmolError("messages must be a list of {'role': str, 'content': str} dicts")
-        import jinja2
-
+        template = self._template()
         try:
-            template = _jinja_env().from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.TemplateError as e:
+        except Exception as e:  # raise_exception(), a sandbox refusal, or any error of the template's own code
             raise JaxsmolError(f"chat template error: {e}") from None
 
+    def _template(self):
+        """The compiled chat template, compiled on first use (and again only if chat_template changes)."""
+        import jinja2
 
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            try:
+                self._compiled = (self.chat_template, _jinja_env().from_string(self.chat_template))
+            except jinja2.TemplateError as e:
+                raise JaxsmolError(f"chat template error: {e}") from None
+        return self._compiled[1]
+
+
+@functools.lru_cache(maxsize=1)
 def _jinja_env():
-    """A sandboxed Jinja environment configured as in transformers' chat-template rendering."""
+    """A sandboxed Jinja environment configured as in transformers' chat-template rendering (one for all)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

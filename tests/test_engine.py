@@ -47,6 +47,20 @@ def test_greedy_is_argmax():
         np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
 
 
+def test_temperature_below_the_minimum_is_greedy(tiny_engine):
+    """logits / 2e-38 overflow to inf: such a temperature is greedy, as vLLM does below 1e-5."""
+    from jaxsmol.sampling import MIN_TEMPERATURE
+
+    logits = (np.random.default_rng(2).standard_normal((4, 256)) * 10).astype(np.float32)
+    for t in (2e-38, 1e-30, 1e-6, MIN_TEMPERATURE / 2):
+        got = _draws(logits[0], 50, temperature=t)
+        assert (got == logits[0].argmax()).all(), t
+    greedy = _gen(tiny_engine, max_tokens=8).output_ids
+    assert _gen(tiny_engine, temperature=2e-38, seed=3, max_tokens=8).output_ids == greedy
+    # just above the minimum it samples, and the scaled logits stay finite: still the clear argmax here
+    assert (_draws(logits[0], 50, temperature=2 * MIN_TEMPERATURE) == logits[0].argmax()).all()
+
+
 def test_sampling_follows_the_distribution():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(probs).astype(np.float32)

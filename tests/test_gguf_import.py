@@ -43,11 +43,14 @@ def _tiny_hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False) -> dict[str, np.ndarray]:
-    """Write a tiny Llama GGUF the way llama.cpp's converter would (Q/K permuted); return the HF weights."""
+def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, sizes=None) -> dict[str, np.ndarray]:
+    """Write a tiny Llama GGUF the way llama.cpp's converter would (Q/K permuted); return the HF weights.
+    `sizes` overrides size fields of the metadata (not the tensors), as a crafted file would."""
     import gguf
 
     V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
+    m = {**dict(block_count=L, context_length=256, embedding_length=D, feed_forward_length=F, head_count=N,
+                head_count_kv=K, vocab_size=V), **(sizes or {})}
     hf = _tiny_hf_weights(tied)
     tokens = SPECIALS + _byte_chars()
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
@@ -55,9 +58,9 @@ def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False) -> d
     tokens += [f"<extra_{i}>" for i in range(V - len(tokens))]
     types = [3] * len(SPECIALS) + [1] * (V - len(SPECIALS))
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(L); w.add_context_length(256); w.add_embedding_length(D); w.add_feed_forward_length(F)
-    w.add_head_count(N); w.add_head_count_kv(K); w.add_rope_dimension_count(H)
-    w.add_rope_freq_base(100000.0); w.add_layer_norm_rms_eps(1e-5); w.add_vocab_size(V)
+    for field, value in m.items():
+        getattr(w, f"add_{field}")(value)
+    w.add_rope_dimension_count(H); w.add_rope_freq_base(100000.0); w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm"); w.add_token_list(tokens)
     w.add_token_types(types); w.add_token_merges(merges)
     w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_pad_token_id(2); w.add_unk_token_id(0)
@@ -212,6 +215,96 @@ def test_bad_tensor_shape_is_refused(tiny_gguf, tmp_path, monkeypatch):
     with pytest.raises(JaxsmolError, match="has shape"):
         import_gguf(tiny_gguf[0], tmp_path / "m", progress=False)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("sizes, words", [
+    (dict(block_count=2**32 - 1), "block_count 4294967295"), (dict(block_count=3), "block_count 3"),
+    (dict(context_length=2**32 - 1), "context_length"), (dict(vocab_size=2**32 - 1), "has shape"),
+    (dict(embedding_length=2**31), "partial RoPE"), (dict(feed_forward_length=10**9), "has shape"),
+    (dict(head_count=0), "invalid sizes"), (dict(head_count_kv=3), "invalid sizes")])
+def test_crafted_sizes_are_refused_before_allocating(tmp_path, sizes, words):
+    """Metadata sizes that the file's tensors do not back: refused from the headers, nothing sized from them
+    (block_count 2^32 - 1 used to build 9 x 2^32 expected tensor names and exhaust memory)."""
+    import tracemalloc
+
+    path = tmp_path / "crafted.gguf"
+    write_tiny_gguf(path, sizes=sizes)
+    tracemalloc.start()
+    try:
+        with pytest.raises(JaxsmolError, match=words):
+            import_gguf(path, tmp_path / "m", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak  # the tiny file's own size, not the declared model's
+    assert not (tmp_path / "m").exists() and _leftovers(tmp_path) == []
+
+
+_KILLED_IMPORT = """
+import sys, time
+from jaxsmol import gguf_import
+real = gguf_import._dequantize
+def stuck(t, cfg):
+    print("writing", flush=True)
+    time.sleep(600)
+gguf_import._dequantize = stuck
+gguf_import.import_gguf(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_import_leaves_no_temporary_after_the_next(tiny_gguf, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = tmp_path / "models"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_IMPORT, str(tiny_gguf[0]), str(parent / "m")],
+                            stdout=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        assert proc.stdout.readline() == b"writing\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    killed = _leftovers(parent)
+    assert len(killed) == 1 and killed[0].startswith(f".m.{proc.pid}.")  # what a kill leaves
+    old = parent / ".m.abcdefgh.tmp"  # an older jaxsmol's temporary (no pid): removed once over an hour old
+    old.mkdir()
+    os.utime(old, (time.time() - 7200,) * 2)
+    fresh = parent / ".m.ijklmnop.tmp"  # ... and kept while recent (an import may be running)
+    fresh.mkdir()
+    running = parent / f".m.{os.getpid()}.qrstuvwx.tmp"  # a live process's import is left alone
+    running.mkdir()
+    other = parent / ".m.1.1.abcdefgh.tmp"  # model "m.1"'s temporary is no business of "m"'s import
+    other.mkdir()
+    assert import_gguf(tiny_gguf[0], parent / "m", progress=False) == parent / "m"
+    assert sorted(_leftovers(parent)) == sorted([fresh.name, running.name, other.name])
+    assert {p.name for p in (parent / "m").iterdir()} == MODEL_FILES
+
+
+def test_files_are_fsynced_before_the_rename(tiny_gguf, tmp_path, monkeypatch):
+    import os
+
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", str(a)))
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    out = import_gguf(tiny_gguf[0], tmp_path / "m", progress=False)
+    at = events.index(next(e for e in events if e[0] == "rename"))
+    tmp = events[at][1]
+    synced = {path for kind, path in events[:at] if kind == "fsync"}
+    assert {f"{tmp}/{name}" for name in MODEL_FILES} | {tmp} <= synced
+    assert ("fsync", str(out.parent)) in events[at:]  # and the rename itself
 
 
 # --- default model location --------------------------------------------------------------------------

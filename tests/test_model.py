@@ -347,3 +347,78 @@ def test_config_defaults_and_loading(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(JaxsmolError, match="cannot read"):
         Config.load(tmp_path)
+
+
+# ---- bfloat16 against float32 -----------------------------------------------------------------------
+
+def _logprobs(logits) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+
+
+# Why these bounds: bfloat16 keeps 8 significant bits, so every weight, activation and cached key or
+# value fed to a product is off by up to 2^-9 relative. The logits come out of 2 (tiny) or 30 (real)
+# layers of such roundings; a log-prob moves by at most twice its logits' largest move (the log-sum-exp
+# moves by at most that much). Measured: tiny 0.05 nats at most over the whole vocabulary; real
+# (SmolLM2-135M) 0.29 nats at most among tokens the float32 model gives log-prob > -10 (0.45 over the
+# whole vocabulary, in the far tail) on three prompts. A dtype bug (float32 state rounded through
+# bfloat16 twice, RoPE or softmax in bfloat16, a cache of the wrong dtype) moves them by whole nats.
+# The bounds leave about 4x (tiny) and 2.5x (real) the measured moves for other prompts.
+TINY_BF16_NATS = 0.2
+REAL_BF16_NATS = 0.75  # among tokens with float32 log-prob > -10
+
+
+def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_path):
+    from cache.prefix_cache import PrefixCache
+    from jaxsmol.engine import Engine
+    from jaxsmol.sampling import SamplingParams
+
+    e16 = Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None, ctx=1024)
+    e16._fingerprint = "tiny-bf16"
+    ids = [int(t) for t in _ids(100, seed=3, vocab=253) + 3]
+    assert e16.new_cache(128).k.dtype == jnp.bfloat16  # weights and cache in bfloat16
+    a, b = tiny_engine.logits_all(ids), e16.logits_all(ids)
+    assert b.dtype == np.float32
+    assert np.abs(_logprobs(a) - _logprobs(b)).max() <= TINY_BF16_NATS
+    sp = SamplingParams(max_tokens=8)
+    cold = e16.generate(ids, sp)
+    assert cold.output_ids == tiny_engine.generate(ids, sp).output_ids
+    # the prefix cache holds bfloat16 segments, and a warm run has the bits of the cold one
+    cache = PrefixCache(e16)
+    cache.generate(ids, sp)
+    warm, report = cache.generate(ids + cold.output_ids[:3] + [7, 8], sp)
+    ref = e16.generate(ids + cold.output_ids[:3] + [7, 8], sp)
+    assert report.reused >= 100 and warm.output_ids == ref.output_ids
+    assert np.array_equal(warm.prompt_logits, ref.prompt_logits)
+    seg = cache.snapshot_of(ids)
+    assert seg.k.dtype == jnp.bfloat16 and seg.logits[100].dtype == np.float32
+    # a bfloat16 snapshot file passes the engine's dtype check and restores exactly
+    from cache.disk import load_prompt_cache, save_prompt_cache
+
+    save_prompt_cache(cache, tmp_path / "bf16.safetensors", ids)
+    loaded = PrefixCache(e16)
+    report = load_prompt_cache(loaded, tmp_path / "bf16.safetensors", ids)
+    assert report.refused is None and report.loaded == 100
+    again, r = loaded.generate(ids, sp)
+    assert r.exact_hit and again.output_ids == cold.output_ids
+
+
+@pytest.mark.real
+def test_bfloat16_real_model_parity(model_dir, real_engine):
+    from jaxsmol.engine import Engine
+    from jaxsmol.sampling import SamplingParams
+
+    e16 = Engine.load(model_dir, ctx=2048, dtype="bfloat16", progress=False)
+    tok = real_engine.tokenizer
+    for text in ["The capital of France is", "Once upon a time, there was a little girl who"]:
+        ids = tok.encode(text)
+        a, b = _logprobs(real_engine.logits_all(ids)), _logprobs(e16.logits_all(ids))
+        plausible = a > -10
+        assert np.abs(a - b)[plausible].max() <= REAL_BF16_NATS, text
+        margin = np.sort(a, axis=-1)[:, -1] - np.sort(a, axis=-1)[:, -2]
+        clear = margin > 2 * REAL_BF16_NATS  # a top pick that no move within the bound can change
+        assert (a.argmax(-1) == b.argmax(-1))[clear].all(), text
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    sp = SamplingParams(max_tokens=12)
+    g32, g16 = real_engine.generate(tok.encode(chat), sp), e16.generate(tok.encode(chat), sp)
+    assert "Paris" in g16.text and g16.output_ids == g32.output_ids

@@ -358,6 +358,24 @@ def test_lease_is_fully_released_after_its_node_was_split():
     assert s.match("ns", (1, 2, 3, 4)).length == 0
 
 
+def test_len_counts_keys_no_other_extends():
+    s = RadixStore(BIG)
+    put(s, "ns", (1, 2, 3))
+    put(s, "ns", (1, 2, 3, 4, 5))  # extends (1, 2, 3): that one is no longer counted
+    put(s, "ns", (1, 2, 9))
+    put(s, "other", (1, 2, 3))
+    assert len(s) == 3
+
+
+def test_common_prefix_len():
+    from cache.radix import common_prefix_len
+
+    assert common_prefix_len((1, 2, 3), [1, 2, 4]) == 2
+    assert common_prefix_len((1, 2), [1, 2, 3]) == 2 and common_prefix_len((1, 2, 3), (1, 2)) == 2
+    assert common_prefix_len((2, 3, 9), [1, 2, 3, 4], start=1) == 2
+    assert common_prefix_len((5,), [1, 2], start=2) == 0 and common_prefix_len((), [1]) == 0
+
+
 # ---- bytes counted are bytes held ------------------------------------------------------------------
 
 SLACK = 1 << 20  # tree nodes, token tuples and dicts: tens of KiB here; 1 MiB leaves room for allocator noise

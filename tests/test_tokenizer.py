@@ -102,6 +102,41 @@ def test_chat_template_raise_exception_and_no_template(tok):
         Tokenizer(tok._tok, {}).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_chat_template_errors_of_its_own_code(tok):
+    for source in ("{{ 1 + 'a' }}", "{{ messages[5].content }}", "{% if %}", "{{ messages | no_such_filter }}"):
+        with pytest.raises(JaxsmolError, match="chat template error"):
+            Tokenizer(tok._tok, {"chat_template": source}).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_is_compiled_once(tok, monkeypatch):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    compiles = []
+    compile_ = ImmutableSandboxedEnvironment.from_string
+
+    def counting(self, source, *a, **kw):
+        compiles.append(source)
+        return compile_(self, source, *a, **kw)
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", counting)
+    t = Tokenizer(tok._tok, {"chat_template": tok.chat_template})
+    texts = {t.apply_chat_template([{"role": "user", "content": f"question {i}"}]) for i in range(5)}
+    assert len(texts) == 5 and len(compiles) == 1
+    t.chat_template = "{{ messages[0].content }}"  # a changed template is compiled again
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "x" and len(compiles) == 2
+
+
+@pytest.mark.parametrize("text, at, code", [("\ud800", 0, "D800"), ("ok \udfff", 3, "DFFF"),
+                                            ("pair as two code points: \ud83d\ude00", 25, "D83D")])
+def test_lone_surrogate_is_named(tok, text, at, code):
+    with pytest.raises(JaxsmolError, match=f"lone surrogate \\(U\\+{code} at character {at}\\)"):
+        tok.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}])  # rendering keeps it; encoding refuses
+    with pytest.raises(JaxsmolError, match="lone surrogate"):
+        tok.encode(chat)
+    assert tok.encode("\U0001F600") == tok.encode("😀")  # a real astral character is fine
+
+
 def test_template_variables_and_sandbox(tok):
     t = Tokenizer(tok._tok, {"chat_template": "{{ bos_token }}|{{ eos_token }}|{{ messages|length }}",
                              "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}})
