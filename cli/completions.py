@@ -93,7 +93,8 @@ class Completions:
         return specs, View(chat=False, n=body.n, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
                            prompt_texts=tuple(texts))
 
-    def chat_plan(self, body: P.ChatRequest, messages: list[dict]) -> tuple[list[ChoiceSpec], View]:
+    def chat_plan(self, body: P.ChatRequest) -> tuple[list[ChoiceSpec], View]:
+        messages = P.template_messages(body.messages)
         ids = self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompt = self._checked(ids, max_tokens, "chat", "messages")

@@ -159,8 +159,7 @@ class Daemon:
     async def chat(self, body: P.ChatRequest, request: Request):
         tenant = self._auth(request)
         P.refuse_unsupported(body)
-        messages = P.template_messages(body.messages)
-        specs, view = await asyncio.to_thread(self.runner.chat_plan, body, messages)
+        specs, view = await asyncio.to_thread(self.runner.chat_plan, body)
         return await self.runner.answer(request, body, tenant, specs, view)
 
 
