@@ -108,7 +108,8 @@ class Job:
 
     def emit(self, event: Event) -> bool:
         """Queue `event` for the client (worker thread only). Waits while the queue is full, up to
-        write_timeout_s; then cancels the job. Returns False when the job is (now) cancelled.
+        write_timeout_s; then cancels the job. Returns whether the event was queued for a live job
+        (False: the job was cancelled before, or is now, for not being read).
 
         A cancelled job's events are queued only if there is room: nobody may be reading them."""
         if self.cancelled.is_set():
@@ -121,7 +122,7 @@ class Job:
             return False
         try:
             future.result(timeout=self.write_timeout_s)
-            return not self.cancelled.is_set()
+            return True
         except concurrent.futures.TimeoutError:
             future.cancel()
             self.cancelled.set()

@@ -97,16 +97,19 @@ class Worker(threading.Thread):
                     # Answer now: what the cache does after the last token (saving the answer
                     # for the next turn) need not delay this client.
                     reported = True
-                    if not self._done(job, spec, req, prompt_lp):
-                        return False
+                    self._done(job, spec, req, prompt_lp)
+                if job.cancelled.is_set() and not reported:
+                    return False
         finally:
             steps.close()  # runs the cache's bookkeeping (lease release) even when cancelled
-        return True if reported else self._done(job, spec, req, prompt_lp)
+        if not reported:  # max_tokens 0: no token, no step
+            self._done(job, spec, req, prompt_lp)
+        return True
 
-    def _done(self, job: Job, spec: ChoiceSpec, req, prompt_lp) -> bool:
+    def _done(self, job: Job, spec: ChoiceSpec, req, prompt_lp) -> None:
         self.metrics.observe(req.gen, req.report, queue_s=0.0)
         gen = req.gen
         result = ChoiceResult(index=spec.index, prompt_tokens=len(gen.prompt_ids), cached_tokens=req.report.reused,
                               output_ids=list(gen.output_ids), text=gen.text, finish_reason=gen.finish_reason,
                               logprobs=list(gen.logprobs), prompt_logprobs=prompt_lp)
-        return job.emit(ChoiceDone(result))
+        job.emit(ChoiceDone(result))  # a client that left meanwhile is noticed before the next choice
