@@ -1,4 +1,4 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, serve, bench, import-gguf."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, bench, import-gguf."""
 
 from __future__ import annotations
 
@@ -95,13 +95,49 @@ def _cacheprobe(args) -> int:
 
 def _serve(args) -> int:
     from cli.serve import serve
+    from cli.tenants import Tenants
+    from jaxsmol.errors import JaxsmolError
 
+    tenants = Tenants.from_options(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
+    if args.max_connections is not None and args.max_connections < 1:
+        raise JaxsmolError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if args.write_timeout <= 0:
+        raise JaxsmolError(f"--write-timeout must be > 0 seconds, got {args.write_timeout}")
+    if not tenants.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
+              "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
     engine = load_engine(args)
     engine.warmup(512)  # compile the common programs before the first request arrives
     print(f"jaxsmol serving {engine.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
-          disk_cache_bytes=args.disk_cache_bytes)
+          disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
+          write_timeout_s=args.write_timeout)
+    return 0
+
+
+def _score(args) -> int:
+    from jaxsmol.scoring import score
+
+    engine = load_engine(args)
+    ids = prompt_ids(args, engine)
+    scores = score(engine, ids, args.top_k)
+    tok = engine.tokenizer
+    total = sum(s.logprob for s in scores[1:])
+    if args.json:
+        print(json.dumps({"ids": ids, "tokens": [tok.decode([i]) for i in ids],
+                          "token_logprobs": [s.logprob for s in scores],
+                          "ranks": [s.rank for s in scores],
+                          "top_logprobs": [None if s.top is None else
+                                           [{"id": i, "token": tok.decode([i]), "logprob": lp} for i, lp in s.top]
+                                           for s in scores],
+                          "sum_logprob": total}))
+        return 0
+    for pos, s in enumerate(scores):
+        lp = "-" if s.logprob is None else f"{s.logprob:.4f}"
+        top = "" if not s.top else "  top: " + ", ".join(f"{json.dumps(tok.decode([i]))} {v:.3f}" for i, v in s.top)
+        print(f"{pos:>5}  {s.token:>6}  {lp:>9}  {json.dumps(tok.decode([s.token]))}{top}")
+    print(f"sum of log-probabilities: {total:.4f} over {len(scores) - 1} scored tokens")
     return 0
 
 
@@ -167,8 +203,26 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
                    "memory, and all of them at shutdown; loaded back at start and on a memory miss")
     s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require Authorization: Bearer KEY (repeatable; these are admin keys, each with its own "
+                        "cache namespace)")
+    s.add_argument("--api-keys", metavar="FILE", help="API keys, one a line: 'KEY [NAMESPACE] [admin]' (keys naming "
+                   "the same NAMESPACE share cache entries; '-' or none: a namespace of the key's own)")
+    s.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections served at once; more get 503 (default: no limit)")
+    s.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="cancel a request whose client has not read its output for S seconds (default 30)")
     add_model_args(s)
     s.set_defaults(func=_serve)
+
+    sc = sub.add_parser("score", help="the log-probability of every token of a text given the tokens before it")
+    sc.add_argument("prompt", nargs="?", help="the text to score")
+    sc.add_argument("--ids", type=int, nargs="+", metavar="ID", help="the tokens to score, as ids")
+    sc.add_argument("--chat", action="store_true", help="apply the model's chat template to the text")
+    sc.add_argument("--top-k", type=int, default=0, metavar="K", help="also the K most likely tokens at each position")
+    sc.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(sc)
+    sc.set_defaults(func=_score)
 
     b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations")
     b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under 2 minutes)")

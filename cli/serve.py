@@ -1,7 +1,10 @@
 """`jaxsmol serve`: an OpenAI-compatible HTTP daemon that keeps the prefix cache across requests.
 
-FastAPI validates requests; uvicorn serves them. One worker thread runs the model (cli/worker.py);
-handlers enqueue a job and relay its tokens, as one JSON body or as server-sent events.
+FastAPI validates requests (models in cli/protocol.py); uvicorn serves them. `Daemon` holds the
+engine, cache, worker, metrics and API keys, with one method per route: a handler turns a request
+into a `Job` (cli/events.py), submits it to the worker thread (cli/worker.py) and relays its events
+as one JSON body or as server-sent events (shapes in cli/responses.py). Tokenizing, chat templates,
+prompt checks and logprob JSON run off the event loop (`asyncio.to_thread`).
 With `cache_dir`, the prefix cache has a second tier on disk (cache/disk.py): warmed from it before
 the first request, written to it at shutdown (and on eviction).
 """
@@ -10,76 +13,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import sys
-import time
-import uuid
-from typing import Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache.prefix_cache import PrefixCache
+from cli import protocol as P
+from cli.completions import Completions
+from cli.events import DEFAULT_WRITE_TIMEOUT_S
 from cli.metrics import Metrics
-from cli.worker import Job, QueueFull, Worker
+from cli.tenants import Tenants
+from cli.worker import Worker
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams
 
-MAX_N = 8
 MAX_BODY_BYTES = 4 << 20
-RETRY_AFTER_S = 1
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, lt=2**31)  # the sampler takes it as an int32 (>= vocab = off)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: dict | None = None
-    cache_salt: str | None = Field(default=None, max_length=256)  # tenants never share cache entries
-    use_prefix_cache: bool = True  # false: this request bypasses the cache
-    return_token_ids: bool = False  # add `token_ids` (generated ids) to each choice, as vLLM does
-
-
-class CompletionRequest(_Common):
-    prompt: Union[str, list[StrictInt]]  # StrictInt: true/false are not token ids
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-
-
-class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
+          "/tokenize", "/detokenize")
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
                    headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+    return JSONResponse(P.error_body(status, message, type_, param), status_code=status, headers=headers)
 
 
 class _LimitsAndCounts:
-    """ASGI middleware: counts requests by endpoint and status, and refuses bodies over `limit` bytes
+    """ASGI middleware: counts requests by route and status, and refuses bodies over `limit` bytes
     with 413: at once from the Content-Length, else (a chunked body) when the read passes the limit.
 
     Plain ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hides the
     client's disconnect from `Request.is_disconnected()`, which the handlers rely on to cancel jobs.
+    A path that is no route is counted as "other": clients cannot add label values.
     """
 
     def __init__(self, app, limit: int, metrics: Metrics):
@@ -112,12 +79,123 @@ class _LimitsAndCounts:
             else:
                 await self.app(scope, limited_receive, counted_send)
         finally:
-            self.metrics.request(scope["path"], status)
+            self.metrics.request(scope["path"] if scope["path"] in ROUTES else "other", status)
+
+
+class Daemon:
+    """The daemon's state and its routes (one method each); `create_app` wires them to FastAPI."""
+
+    def __init__(self, engine, cache: PrefixCache, worker: Worker, metrics: Metrics, tenants: Tenants,
+                 model_name: str, write_timeout_s: float):
+        self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
+        self.tenants, self.model_name = tenants, model_name
+        self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
+
+    def _auth(self, request: Request, admin: bool = False):
+        return self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
+
+    # ---- lifespan --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        cache, worker = self.cache, self.worker
+        if cache.disk is not None:
+            n = await asyncio.to_thread(cache.warm_from_disk)
+            print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
+        worker.start()
+        yield
+        worker.stop()  # queued jobs finish first (SIGTERM drains)
+        await asyncio.to_thread(worker.join, 120)
+        if cache.disk is not None:
+            n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
+            print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
+
+    def _locked(self, fn):
+        with self.worker.lock:  # not while a request is using the model or the cache
+            return fn()
+
+    # ---- routes ----------------------------------------------------------------------------------
+    async def health(self):
+        return {"status": "ok", "model": self.model_name, "busy": self.worker.busy,
+                "queued": self.worker.jobs.qsize()}
+
+    async def models(self, request: Request):
+        self._auth(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxsmol", "max_model_len": self.engine.ctx}]}
+
+    async def prometheus(self, request: Request):
+        self._auth(request, admin=True)
+        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def flush(self, request: Request):
+        self._auth(request, admin=True)
+        await asyncio.to_thread(self._locked, self.cache.flush)
+        return {"flushed": True}
+
+    async def tokenize(self, body: P.TokenizeRequest, request: Request):
+        self._auth(request)
+        if (body.prompt is None) == (body.messages is None):
+            raise P.ProtocolError("give either prompt or messages", param="prompt")
+        ids = await asyncio.to_thread(self.runner.tokenize, body)
+        out = {"count": len(ids), "max_model_len": self.engine.ctx, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = await asyncio.to_thread(lambda: [self.runner.decode_one(i) for i in ids])
+        return out
+
+    async def detokenize(self, body: P.DetokenizeRequest, request: Request):
+        self._auth(request)
+        return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, body.tokens)}
+
+    async def completions(self, body: P.CompletionRequest, request: Request):
+        tenant = self._auth(request)
+        P.refuse_unsupported(body)
+        if body.stream and (body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)):
+            raise P.ProtocolError("stream: prompt log-probabilities (echo with logprobs, prompt_logprobs) are "
+                                  "not streamed; send the request without stream", param="stream")
+        specs, view = await asyncio.to_thread(self.runner.completion_plan, body)
+        return await self.runner.answer(request, body, tenant, specs, view)
+
+    async def chat(self, body: P.ChatRequest, request: Request):
+        tenant = self._auth(request)
+        P.refuse_unsupported(body)
+        specs, view = await asyncio.to_thread(self.runner.chat_plan, body)
+        return await self.runner.answer(request, body, tenant, specs, view)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if err.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
+        if not where and err.get("type") in ("model_attributes_type", "dict_type"):
+            return error_response(400, "the request body must be a JSON object")
+        return error_response(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(P.ProtocolError)
+    async def _protocol(request: Request, exc: P.ProtocolError):
+        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param)
+
+    @app.exception_handler(JaxsmolError)
+    async def _user_error(request: Request, exc: JaxsmolError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), type_=kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
 
 
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
-               disk_cache_bytes: int = 4 << 30) -> FastAPI:
+               disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
+               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.disk import DiskStore, identity
@@ -129,254 +207,24 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     metrics = Metrics()
     worker = Worker(cache, max_queue, metrics)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
-    default_max_tokens = 16
+    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        loop = asyncio.get_running_loop()
-        if cache.disk is not None:
-            n = await loop.run_in_executor(None, cache.warm_from_disk)
-            print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
-        worker.start()
-        yield
-        worker.stop()  # queued jobs finish first (SIGTERM drains)
-        await loop.run_in_executor(None, worker.join, 120)
-        if cache.disk is not None:
-            def _persist():
-                with worker.lock:
-                    return cache.persist_to_disk()
-            n = await loop.run_in_executor(None, _persist)
-            print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
-
-    app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.cache, app.state.worker, app.state.metrics = cache, worker, metrics
-
+    app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=d.lifespan)
+    app.state.daemon, app.state.cache, app.state.worker, app.state.metrics = d, cache, worker, metrics
     app.add_middleware(_LimitsAndCounts, limit=MAX_BODY_BYTES, metrics=metrics)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        if err.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON")
-        if not where and err.get("type") in ("model_attributes_type", "dict_type"):
-            return error_response(400, "the request body must be a JSON object")
-        return error_response(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", param=where or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, str(exc.detail), type_=kind)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-
-    # ---- endpoints ------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "busy": worker.busy, "queued": worker.jobs.qsize()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "jaxsmol", "max_model_len": engine.ctx}]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(cache.stats.as_dict(), worker.jobs.qsize()),
-                                 media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/cache/flush")
-    async def flush():
-        loop = asyncio.get_running_loop()
-
-        def _flush():
-            with worker.lock:  # not while a request is using the cache
-                cache.flush()
-        await loop.run_in_executor(None, _flush)
-        return {"flushed": True}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if isinstance(body.prompt, str):
-            if body.prompt == "":
-                return error_response(400, "prompt: the prompt is empty", param="prompt")
-            # tokenizing a long text takes a while: off the event loop, so other requests go on
-            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
-        else:
-            ids = body.prompt
-        return await _serve(request, body, ids, chat=False, max_tokens=body.max_tokens,
-                            logprobs=body.logprobs or 0)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        text = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        ids = await asyncio.to_thread(engine.tokenizer.encode, text)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        k = (body.top_logprobs or 1) if body.logprobs else 0
-        return await _serve(request, body, ids, chat=True, max_tokens=max_tokens, logprobs=k)
-
-    async def _serve(request: Request, body: _Common, ids: list[int], *, chat: bool, max_tokens, logprobs: int):
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens if not chat else 256, max(engine.ctx - len(ids), 0))
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
-        try:
-            engine.check_prompt(ids, max_tokens)
-            sampling = [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                       top_p=body.top_p, seed=(seed + i) % 2**63, stop_strings=tuple(stop),
-                                       logprobs=logprobs) for i in range(body.n)]
-        except JaxsmolError as e:
-            return error_response(400, str(e))
-        job = Job(prompt_ids=ids, sampling=sampling, salt=body.cache_salt, bypass=not body.use_prefix_cache,
-                  loop=asyncio.get_running_loop(), return_token_ids=body.return_token_ids)
-        try:
-            worker.submit(job)
-        except QueueFull:
-            metrics.rejected_queue_full += 1
-            return error_response(503, "the server is busy: request queue full", type_="server_error",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})
-        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": model_name}
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_sse(request, job, meta, chat, include_usage, len(ids)),
-                                     media_type="text/event-stream")
-        return await _collect(request, job, meta, chat, len(ids))
-
-    async def _next_event(request: Request, job: Job):
-        """The job's next event; cancels the job (and returns None) if the client has gone.
-
-        The client is checked before every event, not only while none comes: tokens arriving faster
-        than the wait below must not keep a job alive after its client left."""
-        while True:
-            if await request.is_disconnected():
-                job.cancelled.set()
-                return None
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _collect(request, job, meta, chat, n_prompt):
-        choices, usage = {}, _usage(n_prompt)
-        while (event := await _next_event(request, job)) is not None:
-            kind = event[0]
-            if kind == "error":
-                return _job_error(event[1])
-            if kind == "done":
-                _, index, gen, report = event
-                choices[index] = _choice(index, gen, chat)
-                if job.return_token_ids:
-                    choices[index]["token_ids"] = gen.output_ids
-                _add_usage(usage, gen, report)
-            if kind == "end" or len(choices) == len(job.sampling):
-                break
-        if event is None:
-            return error_response(499, "client closed the request")
-        obj = {**meta, "object": "chat.completion" if chat else "text_completion",
-               "choices": [choices[i] for i in sorted(choices)], "usage": usage}
-        return JSONResponse(obj)
-
-    async def _sse(request, job, meta, chat, include_usage, n_prompt):
-        obj_type = "chat.completion.chunk" if chat else "text_completion"
-        usage = _usage(n_prompt)
-        started, finished = set(), 0
-        try:
-            while (event := await _next_event(request, job)) is not None:
-                kind = event[0]
-                if kind == "end":
-                    break
-                if kind == "error":
-                    yield f"data: {json.dumps(json.loads(_job_error(event[1]).body))}\n\n"
-                    break
-                index = event[1]
-                if kind == "token":
-                    step = event[2]
-                    if chat:
-                        delta = {"content": step.text}
-                        if index not in started:
-                            delta = {"role": "assistant", **delta}
-                            started.add(index)
-                        choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs_steps([step]),
-                                  "finish_reason": None}
-                    else:
-                        choice = {"index": index, "text": step.text,
-                                  "logprobs": _completion_logprobs_steps([step]), "finish_reason": None}
-                    yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [choice]})}\n\n"
-                elif kind == "done":
-                    gen, report = event[2], event[3]
-                    _add_usage(usage, gen, report)
-                    choice = ({"index": index, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason}
-                              if chat else {"index": index, "text": "", "logprobs": None,
-                                            "finish_reason": gen.finish_reason})
-                    if job.return_token_ids:
-                        choice["token_ids"] = gen.output_ids
-                    yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [choice]})}\n\n"
-                    finished += 1
-                    if finished == len(job.sampling):
-                        break
-            if include_usage:
-                yield f"data: {json.dumps({**meta, 'object': obj_type, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled.set()  # a no-op when finished; stops generation when the stream is dropped
-
-    def _token_str(token_id: int) -> str:
-        return engine.tokenizer.decode([token_id])
-
-    def _completion_logprobs_steps(steps):
-        if not steps or steps[0].top_logprobs is None:
-            return None
-        return {"tokens": [_token_str(s.token) for s in steps], "token_logprobs": [s.logprob for s in steps],
-                "top_logprobs": [{_token_str(i): lp for i, lp in s.top_logprobs} for s in steps]}
-
-    def _chat_logprobs_steps(steps):
-        if not steps or steps[0].top_logprobs is None:
-            return None
-
-        def entry(i, lp):
-            s = _token_str(i)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(i, lp) for i, lp in s.top_logprobs]}
-                            for s in steps]}
-
-    def _choice(index, gen, chat):
-        from jaxsmol.engine import Step
-        steps = [Step(token=p["token"], text="", top_logprobs=p["top"], logprob=p["logprob"]) for p in gen.logprobs]
-        if chat:
-            return {"index": index, "message": {"role": "assistant", "content": gen.text},
-                    "logprobs": _chat_logprobs_steps(steps), "finish_reason": gen.finish_reason}
-        lp = _completion_logprobs_steps(steps)
-        if lp is not None:
-            offsets, pos = [], 0
-            for t in lp["tokens"]:
-                offsets.append(pos)
-                pos += len(t)
-            lp["text_offset"] = offsets
-        return {"index": index, "text": gen.text, "logprobs": lp, "finish_reason": gen.finish_reason}
-
-    def _usage(n_prompt):
-        return {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt,
-                "prompt_tokens_details": {"cached_tokens": 0}}
-
-    def _add_usage(usage, gen, report):
-        usage["completion_tokens"] += len(gen.output_ids)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        # for n > 1 report the first choice's reuse: the prompt is counted once
-        if usage["prompt_tokens_details"]["cached_tokens"] == 0:
-            usage["prompt_tokens_details"]["cached_tokens"] = report.reused
-
-    def _job_error(exc):
-        if isinstance(exc, JaxsmolError):
-            return error_response(400, str(exc))
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-
+    _install_error_handlers(app)
+    app.get("/health")(d.health)
+    app.get("/v1/models")(d.models)
+    app.get("/metrics")(d.prometheus)
+    app.post("/v1/cache/flush")(d.flush)
+    app.post("/tokenize")(d.tokenize)
+    app.post("/detokenize")(d.detokenize)
+    app.post("/v1/completions")(d.completions)
+    app.post("/v1/chat/completions")(d.chat)
     return app
 
 
-def serve(engine, host: str, port: int, **kw) -> None:
+def serve(engine, host: str, port: int, max_connections: int | None = None, **kw) -> None:
     import uvicorn
 
     app = create_app(engine, **kw)
@@ -384,6 +232,7 @@ def serve(engine, host: str, port: int, **kw) -> None:
     # with the default handler that kills the drained process (exit status -15). A drained stop is a clean exit.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120,
+                    limit_concurrency=max_connections)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -1,4 +1,5 @@
-"""End-to-end tests of `jaxsmol serve` (cli/serve.py, cli/worker.py, cli/metrics.py, cli/client.py, cli/aitest.py).
+"""End-to-end tests of `jaxsmol serve` (cli/serve.py, cli/completions.py, cli/worker.py, cli/metrics.py, cli/client.py,
+cli/aitest.py); the OpenAI API in depth and tenants are in tests/test_openai_api.py.
 
 Every test talks to a REAL server process (`python -m cli.main serve`) over loopback, mostly through
 the official `openai` client, else through httpx. Servers start two at a time, so that their
@@ -459,7 +460,14 @@ BAD_REQUESTS = [
     ("missing-prompt", "POST", _C, {"max_tokens": 1}, 400),
     ("prompt-is-a-number", "POST", _C, {"prompt": 5}, 400),
     ("prompt-is-an-object", "POST", _C, {"prompt": {"text": "hi"}}, 400),
-    ("prompt-list-of-strings", "POST", _C, {"prompt": ["a", "b"]}, 400),
+    ("prompt-list-of-strings-and-ids", "POST", _C, {"prompt": ["a", 1]}, 400),
+    ("prompt-empty-in-a-list", "POST", _C, {"prompt": ["a", ""]}, 400),
+    ("lone-surrogate", "POST", _C, b'{"prompt": "hi \\ud800", "max_tokens": 1}', 400),
+    ("chat-lone-surrogate", "POST", _CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
+    ("chat-image-part", "POST", _CHAT,
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("too-many-stops", "POST", _C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("work-over-cap", "POST", _C, {"prompt": ["a", "b"], "n": 8, "max_tokens": 1100}, 400),
     ("token-id-too-large", "POST", _C, {"prompt": [1, 10**6]}, 400),
     ("token-id-huge", "POST", _C, {"prompt": [10**30]}, 400),
     ("token-id-negative", "POST", _C, {"prompt": [1, -1]}, 400),

@@ -1,0 +1,75 @@
+"""Prompt scoring: the log-probability the model gives each token of a sequence, given those before it.
+
+This is what evaluation harnesses need (the log-likelihood of a continuation) and what `echo` with
+`logprobs` and `prompt_logprobs` return on the daemon. It is exact by construction: one cold forward
+over the whole sequence (`Engine.logits_all`), never a state restored from the prefix cache, so a
+score is the same whether or not the prompt (or a prefix of it) was cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxsmol.errors import JaxsmolError
+
+MAX_TOP_K = 20  # as SamplingParams.logprobs
+_ROWS = 256  # positions normalised at once: bounds the float64 scratch to _ROWS x V
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenScore:
+    """One position: its token, log P(token | tokens before it) (None for the first token, which has
+    no context), its rank there (1 = most likely), and the `top_k` most likely tokens there as
+    (id, logprob), best first (None at the first position)."""
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None
+    rank: int | None = None
+
+    def as_dict(self) -> dict | None:
+        """{"token", "logprob", "top": [(id, logprob)], "rank"}, the shape of Generation.logprobs
+        entries (plus the rank); None for the first position."""
+        if self.logprob is None:
+            return None
+        return {"token": self.token, "logprob": self.logprob, "top": list(self.top), "rank": self.rank}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """[N, V] float32 logits -> [N, V] log-probabilities (computed in float64, returned as float64)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def top_k_rows(logp: np.ndarray, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """[N, V] -> for each row its k largest entries as ((id, value), ...), best first (ties: lower id)."""
+    if k == 0:
+        return [()] * len(logp)
+    part = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    out = []
+    for row, ids in zip(logp, part):
+        order = sorted(ids.tolist(), key=lambda i: (-row[i], i))
+        out.append(tuple((int(i), float(row[i])) for i in order))
+    return out
+
+
+def score(engine, ids, top_k: int = 0) -> list[TokenScore]:
+    """Score `ids` (a list of token ids, at least one) with one cold forward.
+
+    Returns len(ids) TokenScores: position 0 has logprob None and top None; position p > 0 has
+    log P(ids[p] | ids[:p]) and the top_k most likely tokens at p (an empty tuple for top_k 0).
+    """
+    if not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise JaxsmolError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {top_k!r}")
+    ids = engine.check_prompt(ids)
+    logits = engine.logits_all(ids)  # [T, V]: row p predicts ids[p + 1]
+    out = [TokenScore(ids[0], None, None)]
+    for start in range(0, len(ids) - 1, _ROWS):
+        rows = log_softmax(logits[start:min(start + _ROWS, len(ids) - 1)])
+        tops = top_k_rows(rows, top_k)
+        for r, (row, top) in enumerate(zip(rows, tops)):
+            token = ids[start + r + 1]
+            out.append(TokenScore(token, float(row[token]), top, rank=int((row > row[token]).sum()) + 1))
+    return out

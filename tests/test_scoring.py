@@ -1,0 +1,161 @@
+"""Prompt scoring (jaxsmol/scoring.py, `jaxsmol score`) and the daemon's worker (cli/worker.py) on the tiny
+config: per-choice cache use, plain-data results, prompt log-probabilities equal cold and warm. The real
+model's scores are checked against the Hugging Face reference fixture."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.sampling import SamplingParams
+from jaxsmol.scoring import log_softmax, score
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).parent / "fixtures" / "hf_reference.json"
+TOL = 1e-3
+
+
+def test_score_is_the_log_softmax_of_the_previous_position(tiny_engine):
+    ids = [5, 17, 3, 250, 9, 9, 40]
+    scores = score(tiny_engine, ids, top_k=4)
+    lp = log_softmax(tiny_engine.logits_all(ids))
+    assert len(scores) == len(ids) and [s.token for s in scores] == ids
+    assert scores[0].logprob is None and scores[0].top is None and scores[0].as_dict() is None
+    for p in range(1, len(ids)):
+        s = scores[p]
+        assert s.logprob == pytest.approx(lp[p - 1, ids[p]], abs=1e-9)
+        want = np.argsort(-lp[p - 1], kind="stable")[:4]
+        assert [i for i, _ in s.top] == want.tolist()
+        assert [v for _, v in s.top] == pytest.approx(lp[p - 1, want].tolist(), abs=1e-9)
+        assert s.rank == 1 + int((lp[p - 1] > lp[p - 1, ids[p]]).sum())
+    assert score(tiny_engine, ids)[3].top == ()
+
+
+@pytest.mark.parametrize("ids,top_k", [([], 0), ([1, 300], 0), ([1, 2], 21), ([1, 2], -1)])
+def test_score_refuses_bad_input(tiny_engine, ids, top_k):
+    with pytest.raises(JaxsmolError):
+        score(tiny_engine, ids, top_k)
+
+
+# ---- the worker, on the tiny engine --------------------------------------------------------------------
+@pytest.fixture
+def run_job(tiny_engine):
+    """run_job(cache, choices, salt=None) -> the job's events, in order (the worker thread runs it)."""
+    from cli.events import Job, JobEnd
+    from cli.metrics import Metrics
+    from cli.worker import Worker
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    workers = []
+
+    def run(cache, choices, salt=None):
+        worker = Worker(cache, 4, Metrics())
+        worker.start()
+        workers.append(worker)
+
+        async def go():
+            job = Job(choices=choices, salt=salt, bypass=False, loop=loop)
+            worker.submit(job)
+            events = []
+            while not isinstance(events[-1:] and events[-1], JobEnd):
+                events.append(await asyncio.wait_for(job.events.get(), 60))
+            return events
+        return asyncio.run_coroutine_threadsafe(go(), loop).result(120)
+
+    yield run
+    for w in workers:
+        w.stop()
+        w.join(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, run_job):
+    from cache.prefix_cache import PrefixCache
+    from cli.events import ChoiceDone, ChoiceResult, ChoiceSpec, JobEnd, TokenEvent
+
+    cache = PrefixCache(tiny_engine)
+    prompt = list(range(3, 40))
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    events = run_job(cache, [ChoiceSpec(0, prompt, sp, prompt_logprobs=2), ChoiceSpec(1, prompt, sp)])
+    assert isinstance(events[-1], JobEnd)
+    done = [e.result for e in events if isinstance(e, ChoiceDone)]
+    assert [r.index for r in done] == [0, 1]
+    for r in done:
+        assert type(r) is ChoiceResult  # plain data: no Generation, no cache state
+        assert all(isinstance(getattr(r, f), (int, str, list, type(None))) for f in r.__dataclass_fields__)
+        assert r.output_ids == [e.step.token for e in events if isinstance(e, TokenEvent) and e.index == r.index]
+    # the first choice ran cold; the second reused the first's prompt (an exact hit)
+    assert (done[0].cached_tokens, done[1].cached_tokens) == (0, len(prompt))
+    assert done[0].output_ids == done[1].output_ids
+    assert done[1].prompt_logprobs is None
+    cold = done[0].prompt_logprobs
+    assert cold[0] is None and len(cold) == len(prompt)
+    want = score(tiny_engine, prompt, 2)
+    assert [e["logprob"] for e in cold[1:]] == [s.logprob for s in want[1:]]
+
+    # prompt log-probabilities are the same whatever the cache holds: here a prefix of the prompt is cached
+    warm = run_job(cache, [ChoiceSpec(0, prompt + [7, 8], sp, prompt_logprobs=2)])
+    result = next(e.result for e in warm if isinstance(e, ChoiceDone))
+    assert result.cached_tokens == len(prompt)
+    fresh = run_job(PrefixCache(tiny_engine, mode="off"), [ChoiceSpec(0, prompt + [7, 8], sp, prompt_logprobs=2)])
+    assert result.prompt_logprobs == next(e.result for e in fresh if isinstance(e, ChoiceDone)).prompt_logprobs
+    assert result.prompt_logprobs[:len(prompt)] == cold
+
+
+def test_worker_reports_bad_input_on_the_job(tiny_engine, run_job):
+    from cache.prefix_cache import PrefixCache
+    from cli.events import ChoiceSpec, JobEnd, JobError
+
+    events = run_job(PrefixCache(tiny_engine), [ChoiceSpec(0, [1, 10**6], SamplingParams(max_tokens=1))])
+    assert isinstance(events[0], JobError) and isinstance(events[0].error, JaxsmolError)
+    assert isinstance(events[-1], JobEnd)
+
+
+# ---- the real model against transformers ---------------------------------------------------------------
+@pytest.mark.real
+def test_scores_match_hf_reference(real_engine):
+    ref = json.loads(FIXTURE.read_text(encoding="utf-8"))
+    worst = 0.0
+    for case in ref["cases"]:
+        ids = case["prompt_ids"] + case["greedy_ids"]
+        scores = score(real_engine, ids, top_k=ref["top_k"])
+        for p in range(1, len(ids)):
+            top = case["full_top"][p - 1]  # the reference's distribution after ids[:p]
+            mine = dict(scores[p].top)
+            for i, v in zip(top["ids"], top["logprobs"]):
+                if i in mine:
+                    worst = max(worst, abs(mine[i] - v))
+            if ids[p] in top["ids"]:
+                worst = max(worst, abs(scores[p].logprob - top["logprobs"][top["ids"].index(ids[p])]))
+            # the top-5 values agree in order even where near-ties swap ids
+            assert np.abs(np.array([v for _, v in scores[p].top]) - np.array(top["logprobs"])).max() <= TOL
+    assert worst <= TOL, worst
+
+
+@pytest.mark.real
+def test_score_cli(model_dir):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", "score", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    p = run("--ids", "504", "3575", "282", "4649", "314", "--top-k", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["ids"] == [504, 3575, 282, 4649, 314] and out["token_logprobs"][0] is None
+    assert len(out["top_logprobs"][1]) == 2 and out["sum_logprob"] == pytest.approx(sum(out["token_logprobs"][1:]))
+    p = run("The capital of France is")
+    assert p.returncode == 0 and "sum of log-probabilities" in p.stdout, p.stderr
+    for bad in (["--ids", "1", "999999"], ["hi", "--top-k", "99"], []):
+        p = run(*bad)
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.splitlines()) == 1, p.stderr
