@@ -133,6 +133,12 @@ class Scheduler:
     def kv_bytes_held(self) -> int:
         return 0 if self.batch is None else self.batch.nbytes
 
+    def figures(self) -> dict:
+        """What /metrics shows of the batch (see cli/metrics.py)."""
+        return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
+                "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
+                "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
+
     def step(self) -> None:
         """One round: admit, one prefill (or answer-saving) chunk, one decode step of all rows."""
         self._drop_cancelled()

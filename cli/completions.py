@@ -132,9 +132,9 @@ class Completions:
                 job.cancelled.set()
                 return None
             try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.25)
+                return await asyncio.wait_for(job.next_event(), timeout=0.25)
             except asyncio.TimeoutError:
-                if job.cancelled.is_set() and job.events.empty():
+                if job.cancelled.is_set() and job.idle():
                     return None
 
     async def _collect(self, request: Request, job: Job, meta: dict, view: View):

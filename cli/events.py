@@ -6,18 +6,20 @@ a `JobError` for a failure; always one `JobEnd` last. Events are plain data: a `
 `ChoiceResult`, never the `Generation` (which would keep its restored prefix alive for as long as a
 slow client leaves the event unread).
 
-Back-pressure: `Job.emit` (called on the worker thread) waits while the queue is full, up to the job's
-write timeout; a client that does not drain its queue for that long has its job cancelled. The event
-queue belongs to the HTTP side's event loop; the worker reaches it only through `emit`.
+Back-pressure: `Job.emit` (called on the worker thread) never waits; events past the queue's room
+wait in a bounded backlog, and a client that leaves them unread for the job's write timeout has its
+job cancelled by the worker (`Job.stalled`). The event queue belongs to the HTTP side's event loop;
+the worker reaches it only through `emit`, the HTTP side reads it with `next_event`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import dataclasses
 import itertools
 import threading
+import time
 from typing import Union
 
 from jaxsmol.engine import Step
@@ -25,6 +27,7 @@ from jaxsmol.sampling import SamplingParams
 
 DEFAULT_MAX_EVENTS = 256  # events a job may hold unread (one token each: ~a few KB in all)
 DEFAULT_WRITE_TIMEOUT_S = 30.0
+MAX_BACKLOG = 4096  # events waiting behind a full queue; beyond them the job is cancelled at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,39 +108,48 @@ class Job:
 
     def __post_init__(self):
         self.events = asyncio.Queue(maxsize=self.max_events)
+        self._backlog: collections.deque = collections.deque()  # events past the queue's room
+        self._stalled_since: float | None = None  # when the backlog started waiting for a read
 
     def emit(self, event: Event) -> bool:
-        """Queue `event` for the client (worker thread only). Waits while the queue is full, up to
-        write_timeout_s; then cancels the job. Returns whether the event was queued for a live job
-        (False: the job was cancelled before, or is now, for not being read).
-
-        A cancelled job's events are queued only if there is room: nobody may be reading them."""
+        """Queue `event` for the client (worker thread only). Never waits: the worker decodes many
+        jobs at once, and one slow reader must not stall the others. Events past the queue's room
+        wait in a backlog on the event loop's side; `stalled()` tells the worker when the client has
+        not read for write_timeout_s, and the worker then cancels the job. Returns False once the
+        job is cancelled (its events are dropped: nobody is reading them)."""
         if self.cancelled.is_set():
-            self._offer(event)
             return False
         try:
-            future = asyncio.run_coroutine_threadsafe(self.events.put(event), self.loop)
+            self.loop.call_soon_threadsafe(self._put, event)
         except RuntimeError:  # the event loop is closed: nobody is listening
             self.cancelled.set()
             return False
-        try:
-            future.result(timeout=self.write_timeout_s)
-            return True
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            self.cancelled.set()
-            return False
-        except concurrent.futures.CancelledError:
-            self.cancelled.set()
-            return False
+        return True
 
-    def _offer(self, event: Event) -> None:
-        def put():
-            try:
-                self.events.put_nowait(event)
-            except asyncio.QueueFull:
-                pass
-        try:
-            self.loop.call_soon_threadsafe(put)
-        except RuntimeError:
-            pass
+    def _put(self, event: Event) -> None:  # on the event loop
+        if self._backlog or self.events.full():
+            self._backlog.append(event)
+            if self._stalled_since is None:
+                self._stalled_since = time.monotonic()
+            if len(self._backlog) > MAX_BACKLOG:
+                self.cancelled.set()
+        else:
+            self.events.put_nowait(event)
+
+    async def next_event(self) -> Event:
+        """The next event (HTTP side). Each read refills the queue from the backlog and restarts
+        the write timeout."""
+        event = await self.events.get()
+        while self._backlog and not self.events.full():
+            self.events.put_nowait(self._backlog.popleft())
+        self._stalled_since = time.monotonic() if self._backlog else None
+        return event
+
+    def idle(self) -> bool:
+        """No event is waiting (queue and backlog empty)."""
+        return self.events.empty() and not self._backlog
+
+    def stalled(self) -> bool:
+        """Has the client left events unread for longer than write_timeout_s? (any thread)"""
+        since = self._stalled_since
+        return since is not None and time.monotonic() - since > self.write_timeout_s

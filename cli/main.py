@@ -103,6 +103,10 @@ def _serve(args) -> int:
         raise JaxsmolError(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.write_timeout <= 0:
         raise JaxsmolError(f"--write-timeout must be > 0 seconds, got {args.write_timeout}")
+    if not 1 <= args.max_batch <= 256:
+        raise JaxsmolError(f"--max-batch must be in [1, 256], got {args.max_batch}")
+    if args.kv_cache_bytes <= 0:
+        raise JaxsmolError(f"--kv-cache-bytes must be > 0, got {args.kv_cache_bytes}")
     if not tenants.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
@@ -112,7 +116,8 @@ def _serve(args) -> int:
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
-          write_timeout_s=args.write_timeout)
+          write_timeout_s=args.write_timeout, max_batch=args.max_batch, kv_cache_bytes=args.kv_cache_bytes,
+          batch_invariant=args.batch_invariant)
     return 0
 
 
@@ -212,6 +217,14 @@ def build_parser() -> ArgumentParser:
                    help="connections served at once; more get 503 (default: no limit)")
     s.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
                    help="cancel a request whose client has not read its output for S seconds (default 30)")
+    s.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="decode rows: requests (and choices) decoded together in one step (default 16)")
+    s.add_argument("--kv-cache-bytes", type=int, default=4 << 30, metavar="BYTES",
+                   help="device memory for the decode rows' KV cache (default 4 GiB; one request alone is "
+                        "always admitted)")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="decode always at the full --max-batch width, so a request's tokens and logprobs "
+                        "do not depend on the other requests (slower when few are in flight)")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

@@ -31,6 +31,14 @@ CACHE_COUNTERS = (
 )
 
 
+# (key of Scheduler.figures(), help): the continuous batch
+BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
+                ("pending", "Requests waiting for admission."),
+                ("kv_bytes", "Bytes of the decode batch's KV cache (bounded by --kv-cache-bytes)."))
+BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
+                  ("prefilled_tokens", "Prompt positions computed by the scheduler."))
+
+
 class Metrics:
     """The daemon's metrics. `cancelled` and `rejected_queue_full` are plain counts that the worker
     and the handlers increment; `render` gives the Prometheus text format."""
@@ -58,17 +66,18 @@ class Metrics:
     def request(self, path: str, status: int) -> None:
         self._requests.labels(self.endpoint(path), str(int(status))).inc()
 
-    def observe(self, gen, report, **_unused) -> None:
-        """Count a finished generation. (Extra keywords, such as the worker's dead `queue_s=`, are ignored.)"""
-        self._prompt_tokens.inc(len(gen.prompt_ids))
-        self._completion_tokens.inc(len(gen.output_ids))
-        if gen.output_ids:
-            self._ttft.observe(gen.timings.ttft_s)
+    def observe(self, prompt_tokens: int, completion_tokens: int, ttft_s: float) -> None:
+        """Count a finished choice."""
+        self._prompt_tokens.inc(prompt_tokens)
+        self._completion_tokens.inc(completion_tokens)
+        if completion_tokens:
+            self._ttft.observe(ttft_s)
 
-    def render(self, cache_stats: dict, queue_depth: int) -> str:
-        """Every metric in the Prometheus text format, with the cache's stats and the queue depth given."""
+    def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None) -> str:
+        """Every metric in the Prometheus text format, with the cache's stats, the queue depth and the
+        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens)."""
         with self._lock:
-            self._scrape.values = (cache_stats, queue_depth)
+            self._scrape.values = (cache_stats, queue_depth, batch or {})
             try:
                 return generate_latest(self.registry).decode()
             finally:
@@ -92,8 +101,14 @@ class _ScrapeTime:
                                   value=m.rejected_queue_full)
         if self.values is None:
             return
-        stats, queue_depth = self.values
+        stats, queue_depth, batch = self.values
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
+        for key, help_ in BATCH_GAUGES:
+            if key in batch:
+                yield GaugeMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
+        for key, help_ in BATCH_COUNTERS:
+            if key in batch:
+                yield CounterMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
         for key, help_ in CACHE_COUNTERS:
             yield CounterMetricFamily(f"jaxsmol_cache_{key}", help_, value=stats[key])
         bypasses = CounterMetricFamily("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.",

@@ -125,7 +125,7 @@ class Daemon:
 
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
-        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize())
+        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize(), self.worker.scheduler.figures())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def flush(self, request: Request):
@@ -195,7 +195,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
-               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> FastAPI:
+               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, max_batch: int = 16,
+               kv_cache_bytes: int = 4 << 30, batch_invariant: bool = False) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.disk import DiskStore, identity
@@ -205,7 +206,8 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
     metrics = Metrics()
-    worker = Worker(cache, max_queue, metrics)
+    worker = Worker(cache, max_queue, metrics, max_batch=max_batch, kv_bytes=kv_cache_bytes,
+                    batch_invariant=batch_invariant)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
     d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s)
 

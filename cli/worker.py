@@ -1,34 +1,89 @@
-"""The daemon's model worker: one thread runs jobs one at a time from a bounded FIFO queue.
+"""The daemon's model worker: one thread drives the continuous-batching scheduler (cache/scheduler.py).
 
-The model runs one request at a time, as in the lab's synchronous path; the HTTP side only submits
-jobs and relays their events (the contract is in cli/events.py). A job whose client went away, or
-stopped reading, is cancelled between tokens. Nothing a request does can stop the worker: every
+The HTTP side submits `Job`s (cli/events.py); the worker turns each into scheduler requests (the
+choices of one prompt become forks of one request: prefilled once, one decode row each) and relays
+the scheduler's events to the job. Between scheduler steps it takes the jobs that arrived, so
+requests join and leave the running batch as they come. `Job.emit` never waits: a client that stops
+reading is cancelled once its events have waited for the write timeout (`Job.stalled`), and a
+cancelled job's rows are freed at the next step. Nothing a request does can stop the worker: every
 failure is reported on the job's own channel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
 from cache.prefix_cache import PrefixCache
+from cache.requests import Finished, Request
+from cache.scheduler import Scheduler
 from cli.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.scoring import score
+from jaxsmol.stream import Step
 
 
 class QueueFull(Exception):
     pass
 
 
+@dataclasses.dataclass(eq=False)
+class JobSink:
+    """The scheduler's sink for one job: relays its events and ends the job after its last choice."""
+    job: Job
+    metrics: object
+    remaining: int  # choices not finished yet
+    prompt_logprobs: dict  # ChoiceSpec.index -> the prompt's log-probabilities, when asked
+    ended: bool = False
+
+    def token(self, index: int, step: Step) -> None:
+        self.job.emit(TokenEvent(index, step))
+
+    def done(self, r: Finished) -> None:
+        self.metrics.observe(r.prompt_tokens, len(r.output_ids), r.ttft_s)
+        self.job.emit(ChoiceDone(ChoiceResult(
+            index=r.index, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+            output_ids=r.output_ids, text=r.text, finish_reason=r.finish_reason, logprobs=r.logprobs,
+            prompt_logprobs=self.prompt_logprobs.get(r.index))))
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._end()
+
+    def error(self, error: Exception) -> None:
+        if not self.ended:
+            self.job.emit(JobError(error))
+            self._end()
+            self.job.cancelled.set()  # the job's other choices stop too
+
+    def cancelled(self) -> bool:
+        if self.job.stalled():  # its client has not read for the write timeout
+            self.job.cancelled.set()
+        if self.job.cancelled.is_set() and not self.ended:
+            self.ended = True
+            self.metrics.cancelled += 1
+        return self.job.cancelled.is_set()
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.job.emit(JobEnd())
+
+
 class Worker(threading.Thread):
-    def __init__(self, cache: PrefixCache, max_queue: int, metrics):
+    def __init__(self, cache: PrefixCache, max_queue: int, metrics, *, max_batch: int = 16,
+                 kv_bytes: int = 4 << 30, batch_invariant: bool = False):
         super().__init__(name="jaxsmol-worker", daemon=True)
         self.cache, self.metrics = cache, metrics
+        self._settings = dict(max_batch=max_batch, kv_bytes=kv_bytes, batch_invariant=batch_invariant)
+        self.scheduler = Scheduler(cache, **self._settings)
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.lock = threading.Lock()  # held while the model or the cache is in use
-        self.busy = False
+        self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)
         self.stopping = threading.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work
 
     def submit(self, job: Job) -> None:
         try:
@@ -37,79 +92,75 @@ class Worker(threading.Thread):
             raise QueueFull from None
 
     def stop(self) -> None:
-        """Finish the queued jobs, then exit (never blocks, even with a full queue)."""
+        """Finish the queued and running jobs, then exit (never blocks, even with a full queue)."""
         self.stopping.set()
 
     def run(self) -> None:
         while True:
+            self._take_jobs(wait=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                try:
+                    with self.lock:
+                        self.scheduler.step()
+                except BaseException as e:  # never let a failure take the worker down
+                    self._fail_all(e)
+            elif self.stopping.is_set() and self.jobs.empty():
+                return
+
+    def _take_jobs(self, wait: bool) -> None:
+        """Submit every job that has arrived (waiting up to 0.1 s for one when idle)."""
+        while True:
             try:
-                job = self.jobs.get(timeout=0.1)
+                job = self.jobs.get(timeout=0.1) if wait else self.jobs.get_nowait()
             except queue.Empty:
-                if self.stopping.is_set():
-                    return
-                continue
-            if job.cancelled.is_set():  # its client left while it waited
-                self.metrics.cancelled += 1
-                job.emit(JobEnd())
-                continue
-            self.busy = True
+                return
+            wait = False
             try:
                 with self.lock:
-                    self._execute(job)
-            except BaseException as e:  # never let one request take the worker down
-                job.emit(JobError(e))
-            finally:
-                self.busy = False
+                    self._start(job)
+            except BaseException as e:
+                job.emit(JobError(e if isinstance(e, Exception) else RuntimeError(repr(e))))
                 job.emit(JobEnd())
 
-    def _execute(self, job: Job) -> None:
-        scores: dict = {}  # (prompt, k) -> prompt logprobs: n choices of one prompt score it once
-        for spec in job.choices:
-            if job.cancelled.is_set():
-                self.metrics.cancelled += 1
-                return
-            try:
-                prompt_lp = self._prompt_logprobs(spec, scores)
-                if not self._run_choice(job, spec, prompt_lp):
-                    self.metrics.cancelled += 1
-                    return
-            except JaxsmolError as e:
-                job.emit(JobError(e))
-                return
-
-    def _prompt_logprobs(self, spec: ChoiceSpec, scores: dict) -> list | None:
-        if spec.prompt_logprobs is None:
-            return None
-        key = (tuple(spec.prompt_ids), spec.prompt_logprobs)
-        if key not in scores:
-            scores[key] = [s.as_dict() for s in score(self.cache.engine, spec.prompt_ids, spec.prompt_logprobs)]
-        return scores[key]
-
-    def _run_choice(self, job: Job, spec: ChoiceSpec, prompt_lp) -> bool:
-        """Generate one choice, emitting its tokens and its result; False if the job was cancelled."""
-        req = self.cache.start(spec.prompt_ids, spec.sampling, salt=job.salt, bypass=job.bypass)
-        steps, reported = iter(req), False
+    def _start(self, job: Job) -> None:
+        """Group the job's choices by prompt (n samples of one prompt are forks) and submit them."""
+        if job.cancelled.is_set():  # its client left while it waited
+            self.metrics.cancelled += 1
+            job.emit(JobEnd())
+            return
         try:
-            for step in steps:
-                if not job.emit(TokenEvent(spec.index, step)):
-                    return False
-                if req.gen.finish_reason and not reported:
-                    # Answer now: what the cache does after the last token (saving the answer
-                    # for the next turn) need not delay this client.
-                    reported = True
-                    self._done(job, spec, req, prompt_lp)
-                if job.cancelled.is_set() and not reported:
-                    return False
-        finally:
-            steps.close()  # runs the cache's bookkeeping (lease release) even when cancelled
-        if not reported:  # max_tokens 0: no token, no step
-            self._done(job, spec, req, prompt_lp)
-        return True
+            prompt_lp = self._prompt_logprobs(job.choices)
+        except JaxsmolError as e:
+            job.emit(JobError(e))
+            job.emit(JobEnd())
+            return
+        groups: dict[tuple, list[ChoiceSpec]] = {}
+        for spec in job.choices:
+            groups.setdefault(tuple(spec.prompt_ids), []).append(spec)
+        sink = JobSink(job, self.metrics, len(job.choices), prompt_lp)
+        for prompt, specs in groups.items():
+            self.scheduler.submit(Request(list(prompt), [s.sampling for s in specs], sink,
+                                          indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass))
 
-    def _done(self, job: Job, spec: ChoiceSpec, req, prompt_lp) -> None:
-        self.metrics.observe(req.gen, req.report, queue_s=0.0)
-        gen = req.gen
-        result = ChoiceResult(index=spec.index, prompt_tokens=len(gen.prompt_ids), cached_tokens=req.report.reused,
-                              output_ids=list(gen.output_ids), text=gen.text, finish_reason=gen.finish_reason,
-                              logprobs=list(gen.logprobs), prompt_logprobs=prompt_lp)
-        job.emit(ChoiceDone(result))  # a client that left meanwhile is noticed before the next choice
+    def _prompt_logprobs(self, choices: list[ChoiceSpec]) -> dict:
+        """ChoiceSpec.index -> prompt log-probabilities (jaxsmol/scoring.py: one cold forward per
+        distinct prompt, exact whatever the cache holds), for the choices that ask."""
+        scores, out = {}, {}
+        for spec in choices:
+            if spec.prompt_logprobs is None:
+                continue
+            key = (tuple(spec.prompt_ids), spec.prompt_logprobs)
+            if key not in scores:
+                scores[key] = [s.as_dict() for s in score(self.cache.engine, spec.prompt_ids, spec.prompt_logprobs)]
+            out[spec.index] = scores[key]
+        return out
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A step failed outside any one request: tell every request in flight, start afresh."""
+        s = self.scheduler
+        sinks = [r.request.sink for r in s.rows if r is not None] + [r.sink for r in s.pending]
+        if s.prefilling is not None:
+            sinks.append(s.prefilling.request.sink)
+        for sink in {id(k): k for k in sinks}.values():
+            sink.error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        self.scheduler = Scheduler(self.cache, **self._settings)

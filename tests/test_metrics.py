@@ -60,7 +60,7 @@ def test_counts(served):
     m.cancelled += 2
     m.rejected_queue_full += 1
     for gen, report in runs:
-        m.observe(gen, report, queue_s=0.0)  # the worker's dead keyword is accepted and ignored
+        m.observe(len(gen.prompt_ids), len(gen.output_ids), gen.timings.ttft_s)
     s = _render(m, cache)
     assert s[("jaxsmol_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 3
     assert s[("jaxsmol_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
@@ -86,7 +86,8 @@ def test_render_types_and_independent_registries(served):
     cache, (run, _) = served
     a, b = Metrics(), Metrics()  # each app has its own registry: no clash, no shared counts
     a.request("/health", 200)
-    a.observe(*run)
+    gen, _ = run
+    a.observe(len(gen.prompt_ids), len(gen.output_ids), gen.timings.ttft_s)
     stats = dict(cache.stats.as_dict(), bypasses={"prompt has at most one token": 4})
     families = {f.name: f for f in text_string_to_metric_families(a.render(stats, 0))}
     for name, kind in (("jaxsmol_requests", "counter"), ("jaxsmol_cache_bytes", "gauge"),

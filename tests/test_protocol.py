@@ -268,10 +268,20 @@ def test_emit_delivers_in_order(loop):
 
 
 def test_a_client_that_stops_reading_is_cancelled(loop):
-    """The queue holds max_events; the next emit waits write_timeout_s, then cancels the job."""
+    """Emits never wait: past max_events they wait in a backlog; a client that leaves them unread for
+    write_timeout_s is `stalled` (the worker then cancels the job); each read restarts the clock."""
+    import time
+
     job = _job(loop, max_events=2, write_timeout_s=0.2)
-    assert job.emit(TokenEvent(0, Step(token=1, text="a"))) and job.emit(TokenEvent(0, Step(token=2, text="b")))
-    assert not job.emit(TokenEvent(0, Step(token=3, text="c")))
-    assert job.cancelled.is_set()
-    assert not job.emit(JobEnd())  # never blocks once cancelled
-    assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0, job.events.qsize()), loop).result(10) == 2
+    assert all(job.emit(TokenEvent(0, Step(token=i, text=str(i)))) for i in range(5))
+    time.sleep(0.05)
+    assert not job.stalled()
+    time.sleep(0.3)
+    assert job.stalled()
+
+    async def read_all():
+        return [(await job.next_event()).step.token for _ in range(5)]
+    assert asyncio.run_coroutine_threadsafe(read_all(), loop).result(10) == [0, 1, 2, 3, 4]
+    assert not job.stalled() and asyncio.run_coroutine_threadsafe(asyncio.sleep(0, job.idle()), loop).result(10)
+    job.cancelled.set()
+    assert not job.emit(JobEnd())  # a cancelled job's events are dropped
