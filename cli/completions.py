@@ -71,9 +71,10 @@ class Completions:
         """One ChoiceSpec per prompt x n (index p * n + j, seed + j)."""
         P.check_work(len(prompts), body.n, max(m for _, m in prompts))
         stops = P.stop_strings(body.stop)
+        structured = P.structured_spec(body)
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
         return [ChoiceSpec(index=p * body.n + j, prompt_ids=ids, echo=echo, prompt_logprobs=prompt_logprobs,
-                           sampling=P.sampling_for(body, max_tokens, logprobs, seed, j, stops))
+                           sampling=P.sampling_for(body, max_tokens, logprobs, seed, j, stops, structured))
                 for p, (ids, max_tokens) in enumerate(prompts) for j in range(body.n)]
 
     def completion_plan(self, body: P.CompletionRequest) -> tuple[list[ChoiceSpec], View]:

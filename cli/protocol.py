@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from cli.structured_request import GUIDED_FIELDS, structured_from_request
+from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
 
 # Per-request limits (each stated in the README).
@@ -80,7 +82,12 @@ class _Common(BaseModel):
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: Any = None  # structured output (jaxsmol/structured.py), as are the guided_* fields
+    guided_json: Any = None  # vLLM's extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    ignore_eos: bool = False  # vLLM's extension: keep generating past end-of-sequence (benchmarks)
     audio: Any = None
     modalities: list | None = None
 
@@ -118,7 +125,6 @@ class DetokenizeRequest(BaseModel):
 # ---- what is refused ---------------------------------------------------------------------------------
 def refuse_unsupported(body: _Common) -> None:
     """Raise a ProtocolError naming the first standard field set to a value the daemon does not implement."""
-    rf = body.response_format
     checks = [
         ("best_of", body.best_of not in (None, 1), "values other than 1 are not supported"),
         ("logit_bias", bool(body.logit_bias), "not supported"),
@@ -129,8 +135,6 @@ def refuse_unsupported(body: _Common) -> None:
         ("tool_choice", body.tool_choice not in (None, "none"), "function calling is not supported"),
         ("functions", bool(body.functions), "function calling is not supported"),
         ("function_call", body.function_call not in (None, "none"), "function calling is not supported"),
-        ("response_format", rf is not None and rf != {"type": "text"},
-         'only {"type": "text"} is supported; json modes are not supported yet'),
         ("audio", body.audio is not None, "audio output is not supported"),
         ("modalities", body.modalities not in (None, ["text"]), "only the text modality is supported"),
     ]
@@ -229,9 +233,21 @@ def check_work(n_prompts: int, n: int, max_tokens: int) -> None:
                             f"{MAX_WORK_TOKENS} generated tokens per request", param="max_tokens")
 
 
+def structured_spec(body: _Common) -> str | None:
+    """The structured-output spec of `response_format` or a guided_* field (None: free text), or a
+    ProtocolError naming the field."""
+    fields = ("response_format",) + GUIDED_FIELDS
+    try:
+        return structured_from_request({f: getattr(body, f) for f in fields})
+    except JaxsmolError as e:
+        field = next((f for f in fields if f in str(e)), "response_format")
+        raise ProtocolError(f"{e}", param=field) from None
+
+
 def sampling_for(body: _Common, max_tokens: int, logprobs: int, seed: int, sample: int,
-                 stops: tuple[str, ...]) -> SamplingParams:
+                 stops: tuple[str, ...], structured: str | None = None) -> SamplingParams:
     """The sampling settings of a prompt's `sample`-th choice (seed + sample: n choices differ, and a
     request with one choice and seed s + i repeats choice i)."""
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                          seed=(seed + sample) % 2**63, stop_strings=stops, logprobs=logprobs)
+                          seed=(seed + sample) % 2**63, stop_strings=stops, logprobs=logprobs,
+                          structured=structured, ignore_eos=body.ignore_eos)

@@ -108,8 +108,10 @@ class Worker(threading.Thread):
                 return
 
     def _take_jobs(self, wait: bool) -> None:
-        """Submit every job that has arrived (waiting up to 0.1 s for one when idle)."""
-        while True:
+        """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle) while the scheduler
+        has nothing waiting for admission: jobs beyond that wait in the bounded queue (--max-queue),
+        so a full batch and a full queue answer 503."""
+        while not self.scheduler.pending:
             try:
                 job = self.jobs.get(timeout=0.1) if wait else self.jobs.get_nowait()
             except queue.Empty:

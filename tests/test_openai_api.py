@@ -17,7 +17,10 @@ import httpx
 import openai
 import pytest
 
-from test_serve import REQUEST_TIMEOUT_S, _assert_error_body, _assert_healthy, _Server
+from daemon import REQUEST_TIMEOUT_S
+from daemon import Server as _Server
+from daemon import assert_error_body as _assert_error_body
+from daemon import assert_healthy as _assert_healthy
 
 pytestmark = pytest.mark.real
 
@@ -195,8 +198,7 @@ def test_streamed_echo(api):
 # ---- refused fields and limits -------------------------------------------------------------------------
 REFUSED = [("best_of", 2), ("logit_bias", {"50256": -100}), ("suffix", " the end"), ("presence_penalty", 0.5),
            ("frequency_penalty", 1.0), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-           ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("response_format", {"type": "json_object"}),
-           ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})]
+           ("tool_choice", "required"), ("functions", [{"name": "f"}])]
 
 
 @pytest.mark.parametrize("field,value", REFUSED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(REFUSED)])
@@ -206,6 +208,30 @@ def test_unsupported_fields_are_400_naming_them(api, path, field, value):
     r = _post(api, path, {**body, "max_tokens": 1, field: value})
     _assert_error_body(r, 400)
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+def test_json_schema_output_parses_and_validates(api):
+    """response_format json_schema through the official client, streamed and not: the text parses and
+    matches the schema; a bad schema is a 400 naming response_format."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"type": "string", "enum": ["France", "Italy", "Spain"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    messages = [{"role": "user", "content": "Name a city in Europe, as JSON."}]
+    client = openai.OpenAI(base_url=api + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0.8,
+                                            seed=3, response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    bad = _post(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}})
+    _assert_error_body(bad, 400)
+    assert bad.json()["error"]["param"] == "response_format"
 
 
 def test_neutral_values_and_unknown_extensions_are_accepted(api):

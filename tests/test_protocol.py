@@ -111,7 +111,7 @@ def test_work_cap():
 
 UNSUPPORTED = [("best_of", 2), ("logit_bias", {"50": 1}), ("suffix", "end"), ("presence_penalty", 0.5),
                ("frequency_penalty", -1), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-               ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+               ("functions", [{"name": "f"}]), ("function_call", "auto"),
                ("audio", {"voice": "x"}), ("modalities", ["text", "audio"])]
 
 
@@ -121,10 +121,16 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     assert err.param == field and field in err.message
 
 
-def test_json_modes_refused_until_supported():
-    err = _refused(P.refuse_unsupported, P.ChatRequest(messages=[{"role": "user", "content": "hi"}],
-                                                       response_format={"type": "json_schema", "json_schema": {}}))
-    assert "json modes are not supported yet" in err.message
+def test_structured_output_fields_become_a_spec():
+    chat = P.ChatRequest(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"})
+    assert P.structured_spec(chat) is not None
+    assert P.structured_spec(P.CompletionRequest(prompt="hi", response_format={"type": "text"})) is None
+    assert P.structured_spec(P.CompletionRequest(prompt="hi", guided_regex="[0-9]+")) is not None
+    bad = P.CompletionRequest(prompt="hi", response_format={"type": "json_schema",
+                                                             "json_schema": {"schema": {"type": "objectx"}}})
+    assert _refused(P.structured_spec, bad).param == "response_format"
+    both = P.CompletionRequest(prompt="hi", response_format={"type": "json_object"}, guided_regex="a")
+    assert "only one of" in _refused(P.structured_spec, both).message
 
 
 def test_neutral_values_and_unknown_fields_are_accepted():

@@ -1,0 +1,109 @@
+"""Helpers for tests that run real `jaxsmol serve` daemons (tests/test_serve.py, test_openai_api.py,
+test_serve_batching.py): a daemon subprocess on a free loopback port, requests, /metrics, checks."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CTX = 2048
+START_TIMEOUT_S = 180  # two servers start at once on a small, shared machine
+REQUEST_TIMEOUT_S = 120
+
+
+# ---- servers ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `jaxsmol serve` subprocess on a free loopback port; its stdout+stderr go to a temporary file."""
+
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        self.cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--ctx", str(CTX), *extra]
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.ready = False
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            rc = self.proc.poll()
+            if rc is not None:
+                pytest.fail(f"server {self.cmd} exited with {rc} before it was ready:\n{self.output()}")
+            try:
+                self.ready = httpx.get(self.url + "/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                pass
+            if not self.ready:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"server {self.cmd} not healthy after {timeout} s:\n{self.output()}")
+                time.sleep(0.25)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if not self.log.closed:
+            self.log.close()
+
+
+def post(url: str, path: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> "httpx.Response":
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}; fails on a line that is not a valid sample or comment."""
+    r = httpx.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not a Prometheus sample line: {line!r}"
+        out[m[1] + (m[2] or "")] = float(m[3])
+    return out
+
+
+def assert_healthy(url: str) -> None:
+    r = httpx.get(url + "/health", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+
+
+def assert_error_body(r: "httpx.Response", status: int) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err.get("type"), str), err
