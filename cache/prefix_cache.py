@@ -1,7 +1,7 @@
 """The prefix cache in front of the engine: bypass, lookup, restore, continue, save.
 
 Modes:
-  "minimal"  the lab's cache: one snapshot of the first prompt_n - 1 tokens (cache/minimal.py)
+  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens (cache/minimal.py)
   "radix"    many prefixes in a radix tree (cache/radix.py), longest match at token granularity,
              the last prompt position's logits kept for an exact full hit (no forward at all),
              generated tokens saved too (the next chat turn repeats them), LRU under a byte budget

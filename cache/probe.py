@@ -1,4 +1,4 @@
-"""The lab's cache probe: one request cold (empty cache), then warm, side by side, in one process."""
+"""The course exercise's cache probe: one request cold (empty cache), then warm, side by side, in one process."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""`aitest`: the lab's client.
+"""`aitest`: the course exercise's client.
 
     aitest --cacheprobe --predict N ID...       cold run, then warm run, side by side
     aitest --predict N ID...                    one request; prints the generated ids
     aitest --url http://127.0.0.1:8000 ...      the same against a running `jaxsmol serve`
 
-Without --url the model runs in this process. The lab's daemon keeps one snapshot of the first
+Without --url the model runs in this process. The course exercise's daemon keeps one snapshot of the first
 prompt_n - 1 tokens, so the in-process default cache mode is `minimal`; `--cache-mode radix`
 uses the full prefix store.
 """
@@ -22,7 +22,7 @@ from cli.tables import format_probe
 
 @user_errors
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="aitest", description="The prefix-cache lab's test client.")
+    p = ArgumentParser(prog="aitest", description="The test client of the prefix-cache course exercise.")
     p.add_argument("ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
     p.add_argument("--cacheprobe", action="store_true", help="run the request cold, then warm, and compare")
     p.add_argument("--url", help="send the requests to a running `jaxsmol serve` at this address")

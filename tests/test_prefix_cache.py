@@ -1,4 +1,4 @@
-"""The prefix cache in front of the tiny engine: the lab's behaviours one by one, then radix mode.
+"""The prefix cache in front of the tiny engine: the course exercise's behaviours one by one, then radix mode.
 
 Every warm result is also compared with a cold run of the bare engine (bit for bit): a cache that
 reports the right numbers but changes the answer is wrong.
@@ -70,7 +70,7 @@ def test_bad_settings_are_refused(eng):
         PrefixCache(eng, budget_bytes=-1)
 
 
-# ---- the lab: bypasses ------------------------------------------------------------------------------
+# ---- the course exercise: bypasses ------------------------------------------------------------------------------
 
 def test_bypass_mode_off(eng):
     cache = PrefixCache(eng, mode="off")
@@ -139,7 +139,7 @@ def test_bypass_reasons_counted_separately(eng, bpt):
     assert cache.stats.lookups == 1
 
 
-# ---- the lab: the prompt_n - 1 cap, match length, restore position ---------------------------
+# ---- the course exercise: the prompt_n - 1 cap, match length, restore position ---------------------------
 
 def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
     cache = PrefixCache(eng, mode="minimal")
@@ -153,7 +153,7 @@ def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled) == (49, 49, 1)
     assert gen.timings.reused_tokens == 49 and gen.timings.prefilled_tokens == 1
-    assert not r.exact_hit  # the lab never skips the last prompt token
+    assert not r.exact_hit  # the course exercise never skips the last prompt token
     assert r.snapshot_bytes == 49 * bpt
 
 
@@ -206,7 +206,7 @@ def test_miss_when_the_first_token_differs(eng, mode):
     assert r.divergence_pos == 0
 
 
-# ---- the lab: stale entries ignored -----------------------------------------------------------
+# ---- the course exercise: stale entries ignored -----------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["minimal", "radix"])
 def test_stale_entries_from_a_longer_sequence_are_ignored(eng, mode):
@@ -236,7 +236,7 @@ def test_stale_slots_beyond_pos_in_a_device_cache_never_matter(eng):
     assert np.array_equal(np.asarray(logits[0]), cold.prompt_logits)
 
 
-# ---- the lab: statistics ---------------------------------------------------------------------------
+# ---- the course exercise: statistics ---------------------------------------------------------------------------
 
 def test_statistics_minimal(eng, bpt):
     cache = PrefixCache(eng, mode="minimal")

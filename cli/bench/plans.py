@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")
-HEADLINE = (1008, 16)  # the lab's question: a 1008-token shared prefix, then 16 new tokens
+HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
     prefill=(128, 512, 1024, 2048), prefill_repeats=3,
