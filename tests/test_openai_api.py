@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from test_serve import REQUEST_TIMEOUT_S, assert_error_body, assert_healthy, Server
+from test_serve import REQUEST_TIMEOUT_S, _assert_error_body, _assert_healthy, _Server
 
 pytestmark = pytest.mark.real
 
@@ -34,7 +34,7 @@ def servers(tmp_path_factory):
     default_model_dir(progress=False)  # imported once here, not raced by the servers
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEYS)
-    started = {"api": Server(), "keyed": Server("--api-keys", str(keys))}
+    started = {"api": _Server(), "keyed": _Server("--api-keys", str(keys))}
     try:
         yield {name: s.wait_ready() for name, s in started.items()}
     finally:
@@ -96,7 +96,7 @@ def test_tool_and_named_messages(api):
     [{"role": "user"}],
 ])
 def test_bad_messages_are_400(api, messages):
-    assert_error_body(_post(api, "/v1/chat/completions", {"messages": messages}), 400)
+    _assert_error_body(_post(api, "/v1/chat/completions", {"messages": messages}), 400)
 
 
 # ---- prompts -----------------------------------------------------------------------------------------
@@ -131,9 +131,9 @@ def test_tokenize_and_detokenize(api):
     chat = _ok(_post(api, "/tokenize", {"messages": msgs}))
     usage = _client(api).chat.completions.create(model="m", messages=msgs, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens
-    assert_error_body(_post(api, "/detokenize", {"tokens": [10**7]}), 400)
-    assert_error_body(_post(api, "/tokenize", {}), 400)
-    assert_error_body(_post(api, "/tokenize", {"prompt": "\ud800"}), 400)
+    _assert_error_body(_post(api, "/detokenize", {"tokens": [10**7]}), 400)
+    _assert_error_body(_post(api, "/tokenize", {}), 400)
+    _assert_error_body(_post(api, "/tokenize", {"prompt": "\ud800"}), 400)
 
 
 # ---- scoring: echo, logprobs, prompt_logprobs ----------------------------------------------------------
@@ -204,7 +204,7 @@ REFUSED = [("best_of", 2), ("logit_bias", {"50256": -100}), ("suffix", " the end
 def test_unsupported_fields_are_400_naming_them(api, path, field, value):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     r = _post(api, path, {**body, "max_tokens": 1, field: value})
-    assert_error_body(r, 400)
+    _assert_error_body(r, 400)
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
 
 
@@ -224,19 +224,19 @@ def test_neutral_values_and_unknown_extensions_are_accepted(api):
     {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True},
 ])
 def test_limits_are_400(api, body):
-    assert_error_body(_post(api, "/v1/completions", body), 400)
-    assert_healthy(api)
+    _assert_error_body(_post(api, "/v1/completions", body), 400)
+    _assert_healthy(api)
 
 
 # ---- tenants -------------------------------------------------------------------------------------------
 def test_requests_without_a_valid_key_are_401(keyed):
     for key in (None, "nope"):
-        assert_error_body(_post(keyed, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, key), 401)
-        assert_error_body(_post(keyed, "/tokenize", {"prompt": "hi"}, key), 401)
+        _assert_error_body(_post(keyed, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, key), 401)
+        _assert_error_body(_post(keyed, "/tokenize", {"prompt": "hi"}, key), 401)
     with pytest.raises(openai.AuthenticationError):
         _client(keyed, "wrong").models.list()
     assert _client(keyed, "key-a").models.list().data
-    assert_healthy(keyed)  # liveness needs no key
+    _assert_healthy(keyed)  # liveness needs no key
 
 
 def test_tenants_never_see_each_others_prefixes(keyed):
@@ -258,10 +258,10 @@ def test_tenants_never_see_each_others_prefixes(keyed):
 
 
 def test_admin_routes_need_an_admin_key(keyed):
-    assert_error_body(_post(keyed, "/v1/cache/flush", {}, "key-a"), 403)
-    assert_error_body(_post(keyed, "/v1/cache/flush", {}), 401)
+    _assert_error_body(_post(keyed, "/v1/cache/flush", {}, "key-a"), 403)
+    _assert_error_body(_post(keyed, "/v1/cache/flush", {}), 401)
     r = httpx.get(keyed + "/metrics", headers={"authorization": "Bearer key-a"}, timeout=30)
-    assert_error_body(r, 403)
+    _assert_error_body(r, 403)
     assert httpx.get(keyed + "/metrics", headers={"authorization": "Bearer key-root"}, timeout=30).status_code == 200
     assert _ok(_post(keyed, "/v1/cache/flush", {}, "key-root")) == {"flushed": True}
 

@@ -55,7 +55,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class _Server:
     """One `jaxsmol serve` subprocess on a free loopback port; its stdout+stderr go to a temporary file."""
 
     def __init__(self, *extra: str):
@@ -73,7 +73,7 @@ class Server:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-6000:]
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "_Server":
         deadline = time.monotonic() + timeout
         while not self.ready:
             rc = self.proc.poll()
@@ -115,12 +115,12 @@ def _launch():
         default_model_dir(progress=False)  # imported once here, not raced by the servers
     except JaxsmolError as e:
         pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
-    servers: dict[str, Server] = {}
+    servers: dict[str, _Server] = {}
 
-    def launch(*names: str) -> dict[str, Server]:
+    def launch(*names: str) -> dict[str, _Server]:
         for name in names:
             if name not in servers:
-                servers[name] = Server(*_CONFIGS[name])
+                servers[name] = _Server(*_CONFIGS[name])
         return servers
 
     yield launch
@@ -148,7 +148,7 @@ def queue_server(_launch) -> str:
 
 
 @pytest.fixture
-def sigterm_server(_launch) -> Server:
+def sigterm_server(_launch) -> _Server:
     return _launch("queue1", "sigterm")["sigterm"].wait_ready()
 
 
@@ -206,12 +206,12 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def assert_healthy(url: str) -> None:
+def _assert_healthy(url: str) -> None:
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text
 
 
-def assert_error_body(r: "httpx.Response", status: int) -> None:
+def _assert_error_body(r: "httpx.Response", status: int) -> None:
     assert r.status_code == status, (r.status_code, r.text)
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]
@@ -221,7 +221,7 @@ def assert_error_body(r: "httpx.Response", status: int) -> None:
 
 # ---- basic endpoints ----------------------------------------------------------------------------------
 def test_health_and_models(server):
-    assert_healthy(server)
+    _assert_healthy(server)
     models = _client(server).models.list().data
     assert len(models) == 1
     assert models[0].id and models[0].object == "model"
@@ -444,7 +444,7 @@ def test_32_concurrent_clients_match_sequential(server, nocache_server):
         got, want = r.json()["choices"][0], ref.json()["choices"][0]
         assert (got["text"], got["token_ids"]) == (want["text"], want["token_ids"]), prompts[i]
         assert r.json()["usage"]["completion_tokens"] == len(want["token_ids"])
-    assert_healthy(server)
+    _assert_healthy(server)
 
 
 # ---- bad requests -------------------------------------------------------------------------------------
@@ -514,8 +514,8 @@ def test_bad_request(server, method, path, body, status):
     elif body is not None:
         kw = {"json": body}
     r = httpx.request(method, server + path, timeout=60, **kw)
-    assert_error_body(r, status)
-    assert_healthy(server)
+    _assert_error_body(r, status)
+    _assert_healthy(server)
 
 
 def test_body_over_size_limit_without_content_length(server):
@@ -526,8 +526,8 @@ def test_body_over_size_limit_without_content_length(server):
             yield b"a " * (512 << 10)
         yield b'", "max_tokens": 1}'
     r = httpx.post(server + _C, content=chunks(), headers={"content-type": "application/json"}, timeout=120)
-    assert_error_body(r, 413)
-    assert_healthy(server)
+    _assert_error_body(r, 413)
+    _assert_healthy(server)
 
 
 def test_edge_values_that_are_valid(server):
@@ -601,7 +601,7 @@ def _assert_abandoned_job_cancelled(server: str, cancelled_before: float) -> Non
     while _metrics(server)["jaxsmol_cancelled_total"] <= cancelled_before:
         assert time.monotonic() < deadline, "the abandoned request's generation was never cancelled"
         time.sleep(0.25)
-    assert_healthy(server)
+    _assert_healthy(server)
 
 
 # ---- the aitest client --------------------------------------------------------------------------------
@@ -634,11 +634,11 @@ def test_queue_full_answers_503_with_retry_after(queue_server):
     assert 200 in statuses and 503 in statuses, statuses
     for r in answers:
         if r.status_code == 503:
-            assert_error_body(r, 503)
+            _assert_error_body(r, 503)
             assert int(r.headers["retry-after"]) > 0
         else:
             assert r.json()["usage"]["completion_tokens"] > 0
-    assert_healthy(queue_server)
+    _assert_healthy(queue_server)
     assert _metrics(queue_server)["jaxsmol_rejected_total"] == statuses.count(503)
     assert _post(queue_server, _C, {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
