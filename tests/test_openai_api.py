@@ -290,3 +290,19 @@ def test_admin_routes_need_an_admin_key(keyed):
     _assert_error_body(r, 403)
     assert httpx.get(keyed + "/metrics", headers={"authorization": "Bearer key-root"}, timeout=30).status_code == 200
     assert _ok(_post(keyed, "/v1/cache/flush", {}, "key-root")) == {"flushed": True}
+
+
+def test_a_finished_stream_is_not_a_cancellation_and_its_answer_is_saved(api):
+    def cancelled() -> float:
+        text = httpx.get(api + "/metrics", timeout=30).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("jaxsmol_cancelled_total")))
+
+    salt, before = uuid.uuid4().hex, cancelled()
+    stream = _client(api).completions.create(model="m", prompt=LONG, max_tokens=6, temperature=0, stream=True,
+                                             extra_body={"cache_salt": salt, "return_token_ids": True})
+    ids = [i for chunk in stream for c in chunk.choices for i in (c.model_extra or {}).get("token_ids") or []]
+    assert ids and cancelled() == before
+    prompt = _ok(_post(api, "/tokenize", {"prompt": LONG}))["tokens"] + ids + [28]
+    r = _ok(_post(api, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "cache_salt": salt}))
+    # the next turn reuses the prompt and the streamed answer (all but its last token, never fed back)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - 2
