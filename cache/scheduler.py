@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.prefix_cache import AnswerSave, Lookup, PrefixCache
+from cache.radix import common_prefix_len
 from cache.requests import Collector, Finished, Request
 from jaxsmol import programs
 from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
@@ -163,7 +164,7 @@ class Scheduler:
             if req.sink.cancelled():
                 self.pending.popleft()
                 continue
-            if not self._room_for(req):
+            if not self._room_for(req) or self._answer_first(req):
                 return
             self.pending.popleft()
             try:
@@ -171,6 +172,19 @@ class Scheduler:
                 return
             except JaxsmolError as e:
                 req.sink.error(e)
+
+    def _answer_first(self, req: Request) -> bool:
+        """Is an answer this prompt continues still being stored (the next turn of a chat)? Then that
+        save goes to the front and runs first, so the prompt reuses the answer too."""
+        for i, s in enumerate(self.saves):
+            stored = len(s.save.lookup.prompt)
+            if not req.bypass and s.save.lookup.ns == self.cache.namespace(req.salt) and \
+                    common_prefix_len(req.prompt_ids, s.save.tokens) > stored:
+                if i:
+                    del self.saves[i]
+                    self.saves.appendleft(s)
+                return True
+        return False
 
     def _need(self, req: Request) -> int:
         return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))

@@ -146,6 +146,23 @@ def test_answers_are_stored_for_the_next_turn(tiny_engine):
     assert second.cached_tokens == len(prompt) + len(first.output_ids)
 
 
+def test_a_next_turn_sent_at_once_waits_for_the_answer_to_be_stored(tiny_engine):
+    """A follow-up that arrives while the answer it continues is still being stored reuses it: that
+    save runs before the follow-up is admitted."""
+    cache = PrefixCache(tiny_engine, mode="radix")
+    sched = Scheduler(cache, max_batch=4)
+    first, second = Collector(), Collector()
+    prompt = prompts(11, [90])[0]
+    sched.submit(Request(prompt, [SamplingParams(max_tokens=20)], first))
+    while not first.results:
+        sched.step()
+    assert sched.saves  # the answer is not stored yet
+    answer = first.results[0].output_ids
+    sched.submit(Request(prompt + answer + [9, 9], [SamplingParams(max_tokens=2)], second))
+    sched.run()
+    assert second.results[0].cached_tokens == len(prompt) + len(answer)
+
+
 def test_widths_and_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload through a max_batch 8 scheduler compiles at most one decode program per
     (width, capacity, logprobs) and one insert per (width, capacity, row capacity)."""
