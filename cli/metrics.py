@@ -73,11 +73,13 @@ class Metrics:
         if completion_tokens:
             self._ttft.observe(ttft_s)
 
-    def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None) -> str:
-        """Every metric in the Prometheus text format, with the cache's stats, the queue depth and the
-        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens)."""
+    def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None,
+               pool_bytes: int | None = None) -> str:
+        """Every metric in the Prometheus text format, with the cache's stats, the queue depth, the
+        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens)
+        and the bytes of the engine's recycled cache buffers (`pool_bytes`, Engine.pool_bytes)."""
         with self._lock:
-            self._scrape.values = (cache_stats, queue_depth, batch or {})
+            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes)
             try:
                 return generate_latest(self.registry).decode()
             finally:
@@ -101,8 +103,11 @@ class _ScrapeTime:
                                   value=m.rejected_queue_full)
         if self.values is None:
             return
-        stats, queue_depth, batch = self.values
+        stats, queue_depth, batch, pool_bytes = self.values
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
+        if pool_bytes is not None:
+            yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
+                                    "(at most 2 per capacity).", value=pool_bytes)
         for key, help_ in BATCH_GAUGES:
             if key in batch:
                 yield GaugeMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])

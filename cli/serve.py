@@ -125,7 +125,8 @@ class Daemon:
 
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
-        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize(), self.worker.scheduler.figures())
+        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize(),
+                                   self.worker.scheduler.figures(), self.engine.pool_bytes)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def flush(self, request: Request):

@@ -193,6 +193,12 @@ class Engine:
         if len(free) < self.POOL_PER_CAPACITY:
             free.append(kv)
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the finished caches kept for reuse: at most POOL_PER_CAPACITY per capacity on the
+        ladder, so under 2 * POOL_PER_CAPACITY * (the largest capacity) * kv_bytes_per_token."""
+        return sum(kv.nbytes for free in list(self._pool.values()) for kv in list(free))
+
     def new_cache(self, slots: int) -> KVCache:
         cap = capacity_for(slots)
         if self._pool.get(cap):

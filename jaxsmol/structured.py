@@ -80,7 +80,10 @@ def _grammar(spec_json: str) -> str:
     if fmt == "json_schema":
         if isinstance(body, bool):  # JSON Schema allows true / false as a whole schema
             body = {} if body else {"not": {}}
-        grammar = llg.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+        except ValueError as e:  # e.g. an integer over 64 bits: "Value is not JSON serializable"
+            raise JaxsmolError(f"invalid schema: {e}") from None
     elif fmt == "choice":
         grammar = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in body))
     else:

@@ -391,3 +391,19 @@ def test_real_chunked_prefill_equals_one_shot(real_engine):
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref[0]), atol=1e-4)
     np.testing.assert_allclose(np.asarray(kv.k[:, :, :300]), np.asarray(ref_kv.k[:, :, :300]), atol=1e-4)
     np.testing.assert_allclose(np.asarray(kv.v[:, :, :300]), np.asarray(ref_kv.v[:, :, :300]), atol=1e-4)
+
+
+def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
+    """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most POOL_PER_CAPACITY
+    buffers per capacity, each counted; a buffer taken for a new request leaves the count."""
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
+    caches = [engine.new_cache(100) for _ in range(Engine.POOL_PER_CAPACITY + 1)]
+    assert engine.pool_bytes == 0
+    for kv in caches:
+        engine.recycle(kv)
+    assert engine.pool_bytes == Engine.POOL_PER_CAPACITY * caches[0].nbytes  # the extra one is dropped
+    engine.new_cache(100)
+    assert engine.pool_bytes == (Engine.POOL_PER_CAPACITY - 1) * caches[0].nbytes

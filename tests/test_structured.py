@@ -91,6 +91,8 @@ def test_canonical_spec_shapes():
     ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}, "invalid schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}, "invalid schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"enum": []}}}, "Unsatisfiable"),
+    # found by tests/test_fuzz_api.py: llguidance's ValueError for an integer over 64 bits
+    ({"type": "json_schema", "json_schema": {"schema": {"maxLength": 2**64}}}, "invalid schema: .*not JSON serializable"),
     ({"type": "regex", "regex": "[a-"}, "invalid regex"),
     ({"type": "regex"}, "non-empty string"),
     ({"type": "choice", "choice": []}, "non-empty list"),

@@ -1,0 +1,183 @@
+"""A fuzz of the daemon's HTTP API (issue 11): hypothesis generates request bodies for every POST route,
+valid-ish and garbage (wrong types, huge and negative numbers, NaN, nested junk, lone surrogates, empty
+and mixed lists, odd roles and content parts, structured-output junk), and no answer may be a 5xx: bad
+input is a 400 with an OpenAI error object. Afterwards the daemon is healthy and answers correctly.
+
+In-process (Starlette's TestClient) on the tiny random config with the real tokenizer, so it is quick;
+derandomized with a fixed number of examples, so CI sees the same bodies every run. The statuses seen
+are printed (pytest -s)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), tiny random weights
+
+EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50}
+STATUSES: dict[str, collections.Counter] = {route: collections.Counter() for route in EXAMPLES}
+SETTINGS = dict(derandomize=True, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much])
+
+# ---- strategies -----------------------------------------------------------------------------------------
+ODD_TEXTS = ["", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 5, "{{ raise_exception('boom') }}", "{% for %}",
+             "<|im_end|>", "<|im_start|>assistant\n", "\n" * 40, "é" * 200]
+texts = st.text(max_size=24) | st.text(st.characters(codec=None, categories=None), max_size=8) | st.sampled_from(ODD_TEXTS)
+huge_ints = st.sampled_from([-1, -(2**31), 2**31, 2**63, 2**64, 10**30, -(10**30)])
+ints = st.integers(-3, 300) | huge_ints
+floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([2e-38, 5e-324, 1e-300, 0.0, -0.0, 1e308])
+scalars = st.none() | st.booleans() | ints | floats | texts
+junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(texts, inner, max_size=4), max_leaves=12)
+token_ids = st.lists(st.integers(0, 255), min_size=1, max_size=12) | st.lists(ints, max_size=6)
+prompts = (texts | token_ids | st.lists(texts, max_size=4) | st.lists(token_ids, max_size=3)
+           | st.lists(texts | st.integers(0, 255), max_size=4) | st.just([]) | st.just([[]]) | junk)
+stops = st.none() | texts | st.lists(texts, max_size=6) | st.lists(st.text(max_size=200), max_size=2) | junk
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | texts | junk
+parts = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio"]) | junk},
+                              optional={"text": texts | junk, "image_url": junk})
+contents = st.none() | texts | st.lists(parts | junk, max_size=3) | junk
+messages = st.fixed_dictionaries({"role": roles}, optional={
+    "content": contents, "name": texts | junk, "tool_call_id": texts | junk, "tool_calls": junk})
+schemas = st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]},
+                           {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                           {"$ref": "#/nope"}, {"type": "bogus"}]) | junk
+response_formats = (st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "bogus"}])
+                    | st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, schemas)
+                    | junk)
+
+# Each field: values the API accepts (small: a model call stays short) and values it must refuse or
+# ignore. A body is valid-ish (a few good fields), valid-ish with one field anything, or pure junk.
+GOOD = {
+    "max_tokens": st.integers(0, 6), "temperature": st.sampled_from([0.0, 0.7, 1.0, 2e-38, 100.0]),
+    "top_p": st.sampled_from([0.5, 1.0, 1e-9]), "top_k": st.integers(0, 300), "seed": st.integers(0, 2**63 - 1),
+    "stop": st.none() | texts | st.lists(texts, max_size=4), "n": st.integers(1, 3), "stream": st.booleans(),
+    "stream_options": st.just({"include_usage": True}), "cache_salt": texts, "use_prefix_cache": st.booleans(),
+    "return_token_ids": st.booleans(), "ignore_eos": st.booleans(), "best_of": st.just(1), "model": texts,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+    | st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, schemas),
+}
+BAD = {
+    **{k: junk for k in GOOD}, "max_tokens": ints | junk, "temperature": floats | junk, "top_p": floats | junk,
+    "top_k": ints | junk, "seed": ints | junk, "n": ints | junk, "stop": stops,
+    "cache_salt": st.text(min_size=257, max_size=300) | junk, "best_of": ints, "logit_bias": junk,
+    "suffix": texts, "presence_penalty": floats, "frequency_penalty": floats, "tools": junk, "tool_choice": junk,
+    "functions": junk, "function_call": junk, "guided_grammar": texts | junk, "audio": junk, "modalities": junk,
+    "response_format": response_formats, "guided_json": schemas, "guided_regex": texts | st.just("[a-z]{1,3}"),
+    "guided_choice": st.lists(texts, max_size=3) | junk,
+}
+ROUTE_FIELDS = {
+    "/v1/completions": ({"prompt": st.sampled_from(["Hi", "The capital of France is"]) | token_ids
+                         | st.lists(token_ids, min_size=1, max_size=2), "logprobs": st.integers(0, 5),
+                         "echo": st.booleans(), "prompt_logprobs": st.integers(0, 3)},
+                        {"prompt": prompts, "logprobs": ints | junk, "echo": junk, "prompt_logprobs": ints | junk}),
+    "/v1/chat/completions": ({"messages": st.lists(st.fixed_dictionaries({
+                                  "role": st.sampled_from(["system", "developer", "user", "assistant"]),
+                                  "content": texts | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                      "text": texts}), max_size=2)}),
+                                  min_size=1, max_size=3),
+                              "max_completion_tokens": st.integers(0, 6), "logprobs": st.booleans(),
+                              "top_logprobs": st.integers(0, 20)},
+                             {"messages": st.lists(messages, max_size=4) | junk,
+                              "max_completion_tokens": ints | junk, "logprobs": junk, "top_logprobs": ints | junk}),
+    "/tokenize": ({"prompt": texts, "add_generation_prompt": st.booleans(), "return_token_strs": st.booleans()},
+                  {"prompt": junk, "messages": st.lists(messages, max_size=3) | junk,
+                   "add_generation_prompt": junk, "return_token_strs": junk}),
+    "/detokenize": ({"tokens": token_ids}, {"tokens": st.lists(st.integers(), max_size=5) | junk, "model": junk}),
+}
+REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/tokenize": (), "/detokenize": ()}
+
+
+def route_bodies(route: str):
+    """Valid-ish bodies, the same with one field set to anything, and junk."""
+    good, bad = ROUTE_FIELDS[route]
+    if route.startswith("/v1/"):
+        good, bad = {**GOOD, **good}, {**BAD, **bad}
+    required = REQUIRED[route]
+    valid = st.fixed_dictionaries({k: good[k] for k in required},
+                                  optional={k: v for k, v in good.items() if k not in required})
+    one_bad = st.sampled_from(sorted(bad)).flatmap(
+        lambda key: st.builds(lambda body, value: {**body, key: value}, valid, bad[key]))
+    return valid | one_bad | junk
+
+
+def raw(body) -> bytes:
+    """The body as JSON the way a client might send it: NaN and infinities as Python's json writes
+    them (not valid JSON: a 400), lone surrogates escaped (valid JSON, invalid Unicode)."""
+    return json.dumps(body).encode()
+
+
+# ---- the daemon in-process ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(model_dir, tmp_path_factory):
+    """A TestClient of create_app over a tiny engine (the tokenizer's vocabulary) with the real
+    tokenizer and chat template."""
+    from fastapi.testclient import TestClient
+
+    from cli.serve import create_app
+    from jaxsmol.config import Config
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+    from jaxsmol.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, d / name)
+    tok = Tokenizer.load(d)
+    cfg = Config.tiny(vocab_size=tok.vocab_size, eos_ids=tok.eos_ids)  # every text's ids are in range
+    engine = Engine(cfg, init_random(cfg), tok, ctx=512)
+    with TestClient(create_app(engine, model_name="tiny", cache_bytes=16 << 20, max_batch=4),
+                    raise_server_exceptions=False) as c:
+        c.known_before = known_answer(c)  # before any fuzzed request
+        yield c
+
+
+KNOWN = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+
+
+def known_answer(client) -> list[int]:
+    r = client.post("/v1/completions", json=KNOWN)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def check(client, route: str, body) -> None:
+    r = client.post(route, content=raw(body), headers={"content-type": "application/json"})
+    STATUSES[route][r.status_code] += 1
+    assert r.status_code < 500, (route, body, r.status_code, r.text)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"] and err["code"] == r.status_code, r.text
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        errors = [e["error"] for e in events if "error" in e]
+        STATUSES[route]["stream error " + str(errors[0]["code"]) if errors else "stream"] += 1
+        assert all(e["code"] < 500 for e in errors), (route, body, errors)
+    else:
+        assert isinstance(r.json(), dict)
+
+
+def fuzz(route: str):
+    @settings(max_examples=EXAMPLES[route], **SETTINGS)
+    @given(body=route_bodies(route))
+    def run(client, body):
+        check(client, route, body)
+    return run
+
+
+@pytest.mark.parametrize("route", list(EXAMPLES))
+def test_fuzz_no_5xx(client, route):
+    fuzz(route)(client)
+    print(f"\nfuzz {route}: {sum(STATUSES[route].values())} requests, statuses {dict(STATUSES[route])}")
+
+
+def test_healthy_after_fuzz(client):
+    """Runs after the fuzz (file order): the daemon still answers, with the tokens it gave before it."""
+    assert client.get("/health").json()["status"] == "ok"
+    assert known_answer(client) == client.known_before
