@@ -2,7 +2,7 @@
 once per process), the sets alternate round by round, and each is reported as the median over
 rounds of its ratio to the baseline process of the same round (the machine is shared and loaded).
 
-    PYTHONPATH=$PWD python tools/ab_xla_flags.py [--rounds 2] [--flags "--xla_cpu_..." ...]
+    PYTHONPATH=$PWD python tools/ab_xla_flags.py [--rounds 2] [-- "--xla_cpu_..." ...]
 
 A child measures a cold prefill of 512 tokens (median of 2) and a decode step at position 64
 (median of 3 x 8 steps), compile time excluded, and checks its greedy tokens against the baseline's.
@@ -60,7 +60,7 @@ def child(flags: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--flags", nargs="+", default=None, help="flag sets to try (the baseline is added first)")
+    ap.add_argument("flags", nargs="*", help="flag sets to try, after `--` (the baseline is added first)")
     args = ap.parse_args()
     sets = [""] + [f for f in (args.flags or DEFAULT_FLAGS) if f]
     ratios = {f: {"prefill": [], "decode": []} for f in sets}
