@@ -28,7 +28,6 @@ def main() -> None:
     import numpy as np
 
     from jaxsmol import programs
-    from jaxsmol.batch import TOP_LOGPROBS  # noqa: F401  (the scheduler's batch module)
     from jaxsmol.engine import Engine, capacity_for
     from jaxsmol.kv import KVCache
 
