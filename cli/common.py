@@ -68,7 +68,7 @@ def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-def load_engine(args):
+def load_engine(args, on_config=None):
     from jaxsmol.engine import Engine
 
     from jaxsmol.compile_cache import enable_compilation_cache
@@ -78,7 +78,51 @@ def load_engine(args):
     if args.tp * args.dp > 1 or args.tp < 1 or args.dp < 1:
         from jaxsmol.sharding import make_mesh
         mesh = make_mesh(tp=args.tp, dp=args.dp)
-    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty(), mesh=mesh)
+    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty(), mesh=mesh,
+                       on_config=on_config)
+
+
+class Precompile:
+    """Compile a one-shot request's programs in a thread while the weights load (`jaxsmol generate`).
+
+    `start` is Engine.load's on_config hook: with the config and tokenizer known, it encodes the
+    prompt and compiles the programs of a cold request of that length (engine.compile_cold_request),
+    or from the persistent compilation cache when they are there. `wait` returns the thread's wall
+    time. A failure here is not an error: the programs are then compiled on first use."""
+
+    def __init__(self, args, structured: bool):
+        self.args, self.structured = args, structured
+        self.thread, self.seconds = None, 0.0
+
+    def start(self, cfg, tokenizer) -> None:
+        import threading
+        import types
+
+        a = self.args
+        if a.prompt_cache or a.tp * a.dp > 1:  # a restored prefix or a sharded layout: other programs
+            return
+        n = len(prompt_ids(a, types.SimpleNamespace(tokenizer=tokenizer, cfg=cfg)))
+        if not (0 < n and n + a.max_tokens <= (a.ctx or cfg.max_position)):
+            return
+        self.thread = threading.Thread(target=self._compile, args=(cfg, n), daemon=True)
+        self.thread.start()
+
+    def _compile(self, cfg, n: int) -> None:
+        import time
+
+        from jaxsmol.engine import compile_cold_request
+
+        t0 = time.perf_counter()
+        try:
+            compile_cold_request(cfg, self.args.dtype, n, self.args.max_tokens, self.structured)
+        except Exception:  # noqa: BLE001 - compiled on first use instead
+            pass
+        self.seconds = time.perf_counter() - t0
+
+    def wait(self) -> float:
+        if self.thread is not None:
+            self.thread.join()
+        return self.seconds
 
 
 def prompt_ids(args, engine) -> list[int]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
-from cli.common import (ArgumentParser, add_model_args, add_prompt_cache_arg, add_sampling_args, add_structured_args,
-                        close_prompt_cache, load_engine, open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs,
-                        structured_spec, user_errors)
+from cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
+                        add_structured_args, close_prompt_cache, load_engine, open_prompt_cache, prompt_ids,
+                        warn_refused, sampling_kwargs, structured_spec, user_errors)
 from cli.tables import format_probe
 
 
@@ -15,8 +16,13 @@ def _generate(args) -> int:
     from jaxsmol.sampling import SamplingParams
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
-    engine = load_engine(args)
+    t0 = time.perf_counter()
+    precompile = Precompile(args, structured is not None)  # the request's programs, while the weights load
+    engine = load_engine(args, on_config=precompile.start)
+    load_s = time.perf_counter() - t0
     ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
+    compile_s = precompile.wait()
+    startup_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
                         logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     if args.prompt_cache:
@@ -31,6 +37,7 @@ def _generate(args) -> int:
             sys.stdout.write(step.text)
             sys.stdout.flush()
     t = gen.timings
+    t.load_s, t.compile_s, t.startup_s = load_s, compile_s, startup_s
     cache_out = None
     if args.prompt_cache:
         close_prompt_cache(cache, pc, ids + gen.output_ids)
@@ -48,6 +55,7 @@ def _generate(args) -> int:
     else:
         print(gen.text if not stream else "")
         print(f"[{t.prompt_tokens} prompt tokens, {t.generated_tokens} generated ({gen.finish_reason}); "
+              f"load {t.load_s:.2f} s, compile {t.compile_s:.2f} s (while loading), "
               f"ttft {t.ttft_s * 1000:.0f} ms, prefill {t.prefill_tok_s:.0f} tok/s, "
               f"decode {t.decode_tok_s:.1f} tok/s]", file=sys.stderr)
         if cache_out is not None:

@@ -74,6 +74,28 @@ def compile_bound(ctx: int, exact: bool = True) -> int:
     return len(lengths) * n_caps
 
 
+def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, structured: bool = False) -> None:
+    """Compile the programs a cold request of n_prompt tokens generating max_tokens runs (its prefill
+    chunk lengths and decode at its cache capacity, and sampling) from shapes alone, so it can run
+    while the weights load; the jitted functions then find them compiled (or in the disk cache)."""
+    from jaxsmol.params import abstract_params
+
+    params = abstract_params(cfg, getattr(jnp, dtype))
+    cap = capacity_for(max(sum(chunk_plan(n_prompt)), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
+    kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype)))
+    for T in sorted(set(chunk_plan(n_prompt)) | ({1} if max_tokens > 1 else set())):
+        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        programs.forward.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.int32), kv, cfg).compile()
+        jnp.asarray(np.zeros((1, T), np.int32)).block_until_ready()  # the host -> device copy of a chunk
+    allowed = all_allowed(1, cfg.vocab_size) if structured else None
+    logits = jnp.zeros((1, cfg.vocab_size))
+    programs.sample.lower(logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed).compile()
+    # the small programs a generation runs around them (scalars, its key, indexing, a cache's zeros)
+    # are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
+    jax.block_until_ready((jax.random.fold_in(seed_key(0), 0), logits[0], jnp.zeros((1,), jnp.int32)[0],
+                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype))))
+
+
 @dataclasses.dataclass
 class Timings:
     prompt_tokens: int = 0
@@ -84,6 +106,11 @@ class Timings:
     ttft_s: float = 0.0  # request start to first token sampled
     decode_s: float = 0.0
     total_s: float = 0.0
+    # Set by a caller that loads the model or compiles programs for this request (the CLI): so the
+    # prefill/decode figures above are compute, and the start-up cost is reported apart from them.
+    load_s: float = 0.0  # reading config, tokenizer and weights
+    compile_s: float = 0.0  # compiling (or loading from the compilation cache) the request's programs
+    startup_s: float = 0.0  # wall time until both were done (they may overlap: compile_s runs while loading)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -120,8 +147,9 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
-             progress: bool = True, mesh=None) -> "Engine":
-        """Load a Hugging Face checkpoint directory, or the bundled default model when None."""
+             progress: bool = True, mesh=None, on_config: Callable | None = None) -> "Engine":
+        """Load a Hugging Face checkpoint directory, or the bundled default model when None.
+        on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling)."""
         from jaxsmol.tokenizer import Tokenizer
 
         if model_dir is None:
@@ -136,6 +164,8 @@ class Engine:
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
+        if on_config is not None:
+            on_config(cfg, tokenizer)
         params = load_params(model_dir, cfg, getattr(jnp, dtype))
         return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh)
 

@@ -85,50 +85,72 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return [single]
 
 
+class Checkpoint:
+    """The tensors of a checkpoint directory, read one at a time (as float32) when asked for.
+
+    A mapping by HF name, like the dict `read_hf_tensors` returns, plus `shape(name)` from the file
+    header: loading a 1.7B model then holds one layer field in host memory, not the whole file."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self._where = {}
+        for path in _safetensors_files(Path(model_dir)):
+            if not path.is_file():
+                raise JaxsmolError(f"missing checkpoint shard {path}")
+            try:
+                # the numpy framework reads f32/f16, and bf16 through ml_dtypes, which jax ships
+                f = safe_open(str(path), framework="np")
+                self._where.update({name: (path, f) for name in f.keys()})
+            except Exception as e:  # safetensors raises several error types for a corrupt file
+                raise JaxsmolError(f"cannot read {path}: {e}") from None
+
+    def keys(self):
+        return self._where.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1].get_slice(name).get_shape())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path, f = self._where[name]
+        try:
+            return np.asarray(f.get_tensor(name), dtype=np.float32)
+        except Exception as e:
+            raise JaxsmolError(f"cannot read {name} from {path}: {e}") from None
+
+
 def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory as float32 NumPy arrays, by HF name."""
-    from safetensors import safe_open
-
-    tensors = {}
-    for path in _safetensors_files(Path(model_dir)):
-        if not path.is_file():
-            raise JaxsmolError(f"missing checkpoint shard {path}")
-        try:
-            # framework="flax" would need bf16 support in numpy; "pt"-free numpy path handles f32/f16,
-            # and bf16 is read through ml_dtypes which jax ships.
-            with safe_open(str(path), framework="np") as f:
-                for name in f.keys():
-                    tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-        except JaxsmolError:
-            raise
-        except Exception as e:  # safetensors raises several error types for a corrupt file
-            raise JaxsmolError(f"cannot read {path}: {e}") from None
-    return tensors
+    ckpt = Checkpoint(model_dir)
+    return {name: ckpt[name] for name in ckpt.keys()}
 
 
-def params_from_hf(cfg: Config, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
-    """Map HF tensors to `Params`, asserting every shape; a missing or unexpected tensor is an error."""
-    tensors = dict(tensors)
+def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
+    """Map HF tensors (a dict of arrays, or a `Checkpoint`) to `Params`, asserting every shape;
+    a missing or unexpected tensor is an error. Tensors are read one at a time."""
+    shape_of = tensors.shape if isinstance(tensors, Checkpoint) else (lambda name: tuple(tensors[name].shape))
+    names = {k for k in tensors.keys() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+        names.discard("lm_head.weight")  # some tied checkpoints still store a copy
     expected = expected_shapes(cfg)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected))
     if missing:
         raise JaxsmolError(f"checkpoint is missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unexpected:
         raise JaxsmolError(f"checkpoint has unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise JaxsmolError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
+        if shape_of(name) != shape:
+            raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
-    def stacked(suffix, transpose):
-        arrs = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.n_layers)]
-        return jnp.asarray(np.stack([a.T if transpose else a for a in arrs]), dtype)
+    def stacked(suffix, shape):  # [L, in, out]: filled layer by layer, one field in host memory at a time
+        out = np.empty((cfg.n_layers,) + tuple(reversed(shape)), np.float32)
+        for i in range(cfg.n_layers):
+            a = tensors[f"model.layers.{i}.{suffix}"]
+            out[i] = a.T if len(shape) == 2 else a
+        return jnp.asarray(out, dtype)
 
-    layers = LayerParams(**{field: stacked(suffix, len(shape) == 2)
-                            for suffix, (field, shape) in _layer_specs(cfg).items()})
+    layers = LayerParams(**{field: stacked(suffix, shape) for suffix, (field, shape) in _layer_specs(cfg).items()})
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     return Params(embed=jnp.asarray(embed, dtype), layers=layers,
@@ -137,7 +159,16 @@ def params_from_hf(cfg: Config, tensors: dict[str, np.ndarray], dtype=jnp.float3
 
 
 def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params:
-    return params_from_hf(cfg, read_hf_tensors(model_dir), dtype)
+    return params_from_hf(cfg, Checkpoint(model_dir), dtype)
+
+
+def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
+    """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
+    (or while) the weights load."""
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    layers = {field: sds((cfg.n_layers,) + tuple(reversed(shape))) for field, shape in _layer_specs(cfg).values()}
+    return Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=LayerParams(**layers),
+                  final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
 
 
 def init_random(cfg: Config, seed: int = 0, dtype=jnp.float32) -> Params:

@@ -16,6 +16,7 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     """x [B, T, heads, H]; sin, cos [T, H], or [B, T, H] (a position per row)."""
     if sin.ndim == 2:
         sin, cos = sin[None], cos[None]
+    sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)  # as HF does: bfloat16 q, k stay bfloat16
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

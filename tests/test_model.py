@@ -111,6 +111,20 @@ def test_forward_shapes(params, tiny_cfg):
     np.testing.assert_allclose(np.asarray(last), np.asarray(all_logits[:, 9]), atol=1e-5)
 
 
+def test_bfloat16_forward_keeps_its_dtype_and_tracks_float32(tiny_cfg):
+    """bfloat16 weights: the layer carry stays bfloat16 (RoPE's float32 tables are cast, as in HF),
+    the cache is bfloat16, and the logits stay close to the float32 model's."""
+    c = tiny_cfg
+    ids = np.asarray([_ids(10, 0)])
+    out = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        logits, kv = _run(init_random(c, seed=0, dtype=dtype), c, ids, KVCache.zeros(c, CAP, dtype=dtype), T=64)
+        assert kv.k.dtype == dtype and logits.dtype == jnp.float32
+        out[dtype] = np.asarray(logits)
+    assert np.all(np.isfinite(out[jnp.bfloat16]))
+    assert np.abs(out[jnp.bfloat16] - out[jnp.float32]).max() < 0.1 * np.abs(out[jnp.float32]).max() + 0.1
+
+
 def test_causal_mask(params, tiny_cfg):
     a = _ids(100, 0)
     b = a.copy()

@@ -20,6 +20,16 @@ def now() -> float:
     return time.perf_counter()
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (weights, caches, compiled programs, Python)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
+    return kb if sys.platform == "darwin" else kb * 1024
+
+
 def loadavg():
     try:
         return [round(x, 2) for x in os.getloadavg()]

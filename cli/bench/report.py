@@ -99,6 +99,8 @@ def format_results(res: dict) -> str:
     if m.get("section_wall_s"):
         out.append("section wall times (s): " + ", ".join(f"{k} {v}" for k, v in m["section_wall_s"].items())
                    + f"; total {m['wall_s']:.1f}")
+    if m.get("peak_rss_bytes"):
+        out.append(f"peak memory (RSS) {m['peak_rss_bytes'] / 2**30:.2f} GiB; weights {m['params_bytes'] / 2**30:.2f} GiB")
     if "forward_programs_total" in res:
         out.append(f"forward programs compiled by this whole run: {res['forward_programs_total']} "
                    f"(compile_bound {m['compile_bound']}, with the exact=False fast path "

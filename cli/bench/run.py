@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cli.bench.hf import hf_available
-from cli.bench.measure import Warmup, log, loadavg, now
+from cli.bench.measure import Warmup, log, loadavg, now, peak_rss_bytes
 from cli.bench.plans import FULL, QUICK, SECTIONS
 
 
@@ -79,6 +79,8 @@ def run_bench(args) -> int:
     res["forward_programs_total"] = compiled_programs()
     res["meta"]["loadavg_end"] = loadavg()
     res["meta"]["wall_s"] = now() - t_start
+    res["meta"]["peak_rss_bytes"] = peak_rss_bytes()
+    res["meta"]["params_bytes"] = engine.params.nbytes
 
     print(format_results(res))
     Path(args.json).write_text(json.dumps(res, indent=1))
