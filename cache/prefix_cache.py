@@ -387,10 +387,8 @@ class CachedRequest:
 
     def __init__(self, cache: PrefixCache, lk: Lookup, sp: SamplingParams):
         self.cache, self.lookup, self.sp, self.report = cache, lk, sp, lk.report
-        on_prefill = None
-        if lk.report.bypass is None and not lk.report.exact_hit:
-            def on_prefill(kv, logits):
-                cache.save_prompt(lk, kv, logits)
+        def on_prefill(kv, logits):  # save_prompt does nothing for a bypass or an exact full hit
+            cache.save_prompt(lk, kv, logits)
         self.gen = cache.engine.start(lk.prompt, sp, prefix=lk.prefix, prefix_len=lk.report.reused,
                                       prefix_logits=lk.logits, on_prefill=on_prefill, exact=cache.exact)
 

@@ -24,7 +24,7 @@ from jax import lax
 
 from jaxsmol.config import Config
 from jaxsmol.kv import KVCache
-from jaxsmol.params import LayerParams, Params
+from jaxsmol.params import Params
 from jaxsmol.rope import apply_rope, rope_tables
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
