@@ -118,10 +118,11 @@ def main() -> None:
     targets = [("jaxsmol", url)] + ([("peer", args.peer_url)] if args.peer_url else [])
     rows = []
     try:
-        for name, u in targets:  # warm up: compile every width, growth and shrink on the way
-            for c in sorted(set(args.clients)):
-                for with_long in (False, True):
-                    asyncio.run(run_clients(u, c, 12, with_long, seed=0))
+        for c in sorted(set(args.clients)):  # warm up: compile every width, growth and shrink on the way
+            for with_long in (False, True):
+                asyncio.run(run_clients(url, c, 12, with_long, seed=0))
+        for name, u in targets[1:]:  # a peer compiles nothing; one call wakes it
+            asyncio.run(run_clients(u, 1, 4, False, seed=0))
         print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
         for with_long in (False, True):
             for c in args.clients:
