@@ -24,13 +24,12 @@ warm run may then differ from a cold one in the last bits (and rarely in a sampl
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
 
 import numpy as np
 
 from cache.disk import DiskStore, Snapshot, SnapshotError
 from cache.minimal import SingleSnapshotStore
+from cache.records import AnswerSave, CacheReport, CacheStats, Lookup
 from cache.store import RadixPrefixStore
 from jaxsmol.engine import Engine, Generation
 from jaxsmol.errors import JaxsmolError
@@ -38,50 +37,6 @@ from jaxsmol.kv import SEQ_AXIS, KVCache
 from jaxsmol.sampling import SamplingParams
 
 MODES = ("radix", "minimal", "off")
-
-
-@dataclasses.dataclass
-class CacheStats:
-    lookups: int = 0
-    hits: int = 0
-    exact_hits: int = 0
-    misses: int = 0
-    bypasses: Counter = dataclasses.field(default_factory=Counter)
-    saves: int = 0
-    restores: int = 0
-    tokens_reused: int = 0
-    tokens_prefilled: int = 0
-    bytes_held: int = 0
-    evictions: int = 0
-    disk_loads: int = 0  # entries brought back from the disk tier
-    disk_writes: int = 0  # entries written to the disk tier
-    disk_refused: int = 0  # disk entries that failed verification (dropped)
-    disk_bytes: int = 0  # bytes held by the disk tier
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["bypasses"] = dict(self.bypasses)
-        return d
-
-
-@dataclasses.dataclass
-class CacheReport:
-    """What the cache did for one request."""
-    mode: str
-    prompt_tokens: int
-    bypass: str | None = None  # the reason, when the cache was not consulted
-    matched: int = 0  # prompt tokens found in the cache
-    reused: int = 0  # positions restored (matched, capped at prompt_n - 1 unless an exact hit)
-    prefilled: int = 0  # prompt positions computed
-    exact_hit: bool = False  # the whole prompt and its logits were stored: no forward before sampling
-    nearest_len: int = 0  # on a partial match or miss: the length of the nearest stored sequence
-    divergence_pos: int | None = None  # the first position where the prompt and that sequence differ
-    saved: int = 0  # positions newly stored by this request
-    snapshot_bytes: int = 0  # bytes of the state restored or saved for this prompt
-    disk_loaded: int = 0  # positions brought back from the disk tier for this request
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class PrefixCache:
@@ -199,7 +154,7 @@ class PrefixCache:
     def generate_many(self, prompts, sp: SamplingParams = SamplingParams(), **kw):
         """Many prompts, and n samples of each, decoded together (cache/scheduler.py): per prompt a
         list of `Finished` results. Keywords: n, salt, max_batch, batch_invariant."""
-        from cache.scheduler import generate_many  # the scheduler builds on this module
+        from cache.many import generate_many  # the scheduler builds on this module
 
         return generate_many(self, prompts, sp, **kw)
 
@@ -360,26 +315,6 @@ class PrefixCache:
             lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)
             self.stats.saves += 1
             self._sync()
-
-
-@dataclasses.dataclass
-class Lookup:
-    """What `PrefixCache.lookup` found for one prompt: the state to restore and the entries pinned."""
-    ns: tuple
-    prompt: list[int]
-    report: CacheReport
-    lease: object = None  # what the store pinned for this request (None once released)
-    prefix: KVCache | None = None  # host snapshot whose first report.reused positions are reused
-    logits: np.ndarray | None = None  # [V] after the whole prompt, on an exact full hit
-
-
-@dataclasses.dataclass
-class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `lease`)."""
-    lookup: Lookup
-    tokens: list[int]
-    lease: object
-    prefix: KVCache
 
 
 class CachedRequest:

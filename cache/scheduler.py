@@ -34,19 +34,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache.prefix_cache import AnswerSave, Lookup, PrefixCache
-from cache.radix import common_prefix_len
-from cache.requests import Collector, Finished, Request
+from cache.answers import AnswerQueue
+from cache.prefix_cache import PrefixCache
+from cache.records import Lookup
+from cache.requests import Finished, Request
 from jaxsmol import programs
 from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
-from jaxsmol.sampling import SamplingParams, split_seed
+from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import TokenStream
 from jaxsmol.structured import Constraint, all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
-MAX_PENDING_SAVES = 64  # answers waiting to be stored for the next turn; older ones are dropped
 
 
 @dataclasses.dataclass
@@ -67,12 +68,6 @@ class _Row:
     stream: TokenStream
     ttft_s: float
     constraint: Constraint | None = None
-
-
-@dataclasses.dataclass
-class _Saving:
-    save: AnswerSave
-    kv: KVCache | None = None
 
 
 @dataclasses.dataclass
@@ -106,7 +101,7 @@ class Scheduler:
         self.widths = (max_batch,) if batch_invariant else widths_for(max_batch)
         self.pending: collections.deque[Request] = collections.deque()
         self.prefilling: _Prefill | None = None
-        self.saves: collections.deque[_Saving] = collections.deque()
+        self.saves = AnswerQueue(cache)  # answers being stored for the next turn
         self.rows: list[_Row | None] = []
         self.batch: KVCache | None = None  # k, v [L, W, S, K, H], pos [W]
         self.stats = SchedulerStats()
@@ -148,7 +143,7 @@ class Scheduler:
         if self.prefilling is not None:
             self._prefill_chunk()
         elif self.saves:
-            self._save_chunk()
+            self.saves.step(self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1])
         if self.live_rows:
             self._decode()
         self._maybe_shrink()
@@ -164,7 +159,8 @@ class Scheduler:
             if req.sink.cancelled():
                 self.pending.popleft()
                 continue
-            if not self._room_for(req) or self._answer_first(req):
+            if not self._room_for(req) or (not req.bypass and self.saves.wanted_by(
+                    req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first
                 return
             self.pending.popleft()
             try:
@@ -172,19 +168,6 @@ class Scheduler:
                 return
             except JaxsmolError as e:
                 req.sink.error(e)
-
-    def _answer_first(self, req: Request) -> bool:
-        """Is an answer this prompt continues still being stored (the next turn of a chat)? Then that
-        save goes to the front and runs first, so the prompt reuses the answer too."""
-        for i, s in enumerate(self.saves):
-            stored = len(s.save.lookup.prompt)
-            if not req.bypass and s.save.lookup.ns == self.cache.namespace(req.salt) and \
-                    common_prefix_len(req.prompt_ids, s.save.tokens) > stored:
-                if i:
-                    del self.saves[i]
-                    self.saves.appendleft(s)
-                return True
-        return False
 
     def _need(self, req: Request) -> int:
         return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))
@@ -365,9 +348,7 @@ class Scheduler:
         if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
             save = self.cache.begin_answer(lk, s.output_ids)
             if save is not None:
-                self.saves.append(_Saving(save))
-            while len(self.saves) > MAX_PENDING_SAVES:
-                self._drop_save(self.saves.popleft())
+                self.saves.add(save)
 
     def _drop_cancelled(self) -> None:
         for i, r in enumerate(self.rows):
@@ -377,61 +358,8 @@ class Scheduler:
             self._abort_prefill(None)
 
     def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], constraints: list) -> dict:
-        """The per-row arrays `sample_rows` takes (rows without a request sample greedily, unused)."""
-        seeds = [split_seed(sp.seed) for sp in samplings]
-        width, V = len(samplings), self.engine.cfg.vocab_size
-        if any(c is not None for c in constraints):
-            free = all_allowed(1, V)[0]
-            allowed = np.stack([free if c is None else c.bitmask() for c in constraints])
-        else:  # the common case: one all-allowed mask per width, kept on the device
-            if width not in self._all_allowed:
-                self._all_allowed[width] = jnp.asarray(all_allowed(width, V))
-            allowed = self._all_allowed[width]
-        return {"temperature": np.array([sp.temperature for sp in samplings], np.float32),
-                "top_k": np.array([sp.top_k for sp in samplings], np.int32),
-                "top_p": np.array([sp.top_p for sp in samplings], np.float32),
-                "seed_lo": np.array([lo for lo, _ in seeds], np.uint32),
-                "seed_hi": np.array([hi for _, hi in seeds], np.uint32),
-                "step": np.array(steps, np.int32), "allowed": allowed}
-
-    # ---- storing answers for the next turn ---------------------------------------------------------------
-    def _save_chunk(self) -> None:
-        s = self.saves[0]
-        tokens, start = s.save.tokens, len(s.save.lookup.prompt)
-        try:
-            if s.kv is None:
-                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start)
-            rows = self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
-            logits, s.kv = self.engine.prefill_chunk(tokens, s.kv, rows)
-            if int(s.kv.pos) < len(tokens):
-                return
-            self.saves.popleft()
-            self.cache.finish_answer(s.save, s.kv, logits)
-            self.engine.recycle(s.kv)
-        except Exception:  # a failed save costs the next turn its reuse, nothing else
-            self._drop_save(self.saves.popleft())
-
-    def _drop_save(self, s: _Saving) -> None:
-        self.cache.finish_answer(s.save, None, None)
-        self.engine.recycle(s.kv)
-
-
-# ---- the library's batched calls -------------------------------------------------------------------------
-def generate_many(cache: PrefixCache, prompts, sp: SamplingParams = SamplingParams(), *, n: int = 1,
-                  salt: str | None = None, max_batch: int = 16, batch_invariant: bool = False,
-                  scheduler: Scheduler | None = None) -> list[list[Finished]]:
-    """Run every prompt (n samples each: seeds sp.seed + i, prefilled once) as one continuous batch.
-
-    Returns, per prompt, its n results. Raises the first request's error, if any."""
-    sched = scheduler or Scheduler(cache, max_batch=max(max_batch, n), batch_invariant=batch_invariant)
-    sinks = []
-    for prompt in prompts:
-        sink = Collector()
-        samplings = [dataclasses.replace(sp, seed=(sp.seed + i) % 2**63) for i in range(n)]
-        sched.submit(Request(list(prompt), samplings, sink, salt=salt))
-        sinks.append(sink)
-    sched.run()
-    for sink in sinks:
-        if sink.errors:
-            raise sink.errors[0]
-    return [[sink.results[i] for i in range(n)] for sink in sinks]
+        """The per-row arrays `sample_rows` takes; the all-allowed mask of a width is kept on the device."""
+        width = len(samplings)
+        if width not in self._all_allowed:
+            self._all_allowed[width] = jnp.asarray(all_allowed(width, self.engine.cfg.vocab_size))
+        return row_settings(samplings, steps, constraints, self._all_allowed[width])

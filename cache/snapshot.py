@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from cache.radix import common_prefix_len
+from jaxsmol.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
 
 FORMAT = "jaxsmol.prefix-snapshot"
@@ -98,7 +99,8 @@ class Snapshot:
 
 
 # ---- one file ------------------------------------------------------------------------------------------
-def _checksum(manifest: dict, tensors: dict) -> str:
+def checksum(manifest: dict, tensors: dict) -> str:
+    """blake2b over the manifest (its own checksum left out) and every tensor's name, dtype, shape, bytes."""
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     h = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=32)
     for name in sorted(tensors):
@@ -125,15 +127,6 @@ def _dtype(name) -> np.dtype:
         raise ValueError(f"unknown dtype {name!r}") from None
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
     """Write `snap` to `path` atomically; returns the file's size in bytes."""
     from safetensors.numpy import save_file
@@ -148,7 +141,7 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
                 "length": snap.length, "logits_at": lengths,
                 "dtypes": {name: np.asarray(a).dtype.name for name, a in tensors.items()}}
     stored = {name: _storable(np.asarray(a)) for name, a in tensors.items()}
-    manifest["checksum"] = _checksum(manifest, stored)
+    manifest["checksum"] = checksum(manifest, stored)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # prompt ids: the owner's only
@@ -161,7 +154,7 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path.stat().st_size
 
 
@@ -260,7 +253,7 @@ def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
             stored = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:
         raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
-    if manifest.get("checksum") != _checksum(manifest, stored):
+    if manifest.get("checksum") != checksum(manifest, stored):
         raise SnapshotError(f"{path} is corrupted (checksum mismatch)")
     _check_identity(path, manifest, ident)  # after the checksum: a flipped byte reads as corruption
     try:

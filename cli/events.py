@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Union
 
-from jaxsmol.engine import Step
+from jaxsmol.stream import Step
 from jaxsmol.sampling import SamplingParams
 
 DEFAULT_MAX_EVENTS = 256  # events a job may hold unread (one token each: ~a few KB in all)

@@ -13,7 +13,7 @@ import json
 from typing import Callable
 
 from cli.events import ChoiceResult, ChoiceSpec
-from jaxsmol.engine import Step
+from jaxsmol.stream import Step
 
 Decode = Callable[[int], str]
 SSE_DONE = "data: [DONE]\n\n"

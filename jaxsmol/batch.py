@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsmol.config import Config
 from jaxsmol.kv import KVCache
 from jaxsmol.model import forward
 from jaxsmol.params import Params
-from jaxsmol.sampling import sample_rows, top_logprobs
+from jaxsmol.sampling import SamplingParams, sample_rows, split_seed, top_logprobs
 
 TOP_LOGPROBS = 20  # the most top log-probabilities a row may ask for (OpenAI's limit)
 
@@ -80,3 +81,22 @@ def relayout(batch: KVCache, rows: jax.Array, width: int, capacity: int) -> KVCa
         return jnp.where(keep[None, :, None, None, None], taken, jnp.zeros((), a.dtype))
 
     return KVCache(k=move(batch.k), v=move(batch.v), pos=jnp.where(keep, batch.pos[src], 0))
+
+
+def row_settings(samplings: list[SamplingParams], steps: list[int], constraints: list,
+                 free_mask: jax.Array) -> dict:
+    """The per-row arrays `sample_rows` takes, for rows with these settings at these steps.
+
+    constraints: per row a structured-output Constraint or None; free_mask [W, ceil(V / 32)] is the
+    all-allowed mask used when no row is constrained (the common case: no mask built per step)."""
+    seeds = [split_seed(sp.seed) for sp in samplings]
+    allowed = free_mask
+    if any(c is not None for c in constraints):
+        free = np.asarray(free_mask[0])  # a row that allows every id
+        allowed = np.stack([free if c is None else c.bitmask() for c in constraints])
+    return {"temperature": np.array([sp.temperature for sp in samplings], np.float32),
+            "top_k": np.array([sp.top_k for sp in samplings], np.int32),
+            "top_p": np.array([sp.top_p for sp in samplings], np.float32),
+            "seed_lo": np.array([lo for lo, _ in seeds], np.uint32),
+            "seed_hi": np.array([hi for _, hi in seeds], np.uint32),
+            "step": np.array(steps, np.int32), "allowed": allowed}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxsmol.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types registered as added tokens
@@ -266,15 +267,6 @@ def _write_json(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -322,7 +314,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
         _write_json(tmp / "tokenizer.json", tokenizer)
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(tok, cfg))
         _write_safetensors(reader, cfg, tmp / "model.safetensors", progress)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)  # atomic; fails if another process completed out_dir meanwhile
         except OSError as e:
@@ -330,5 +322,5 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     return out_dir

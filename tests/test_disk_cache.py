@@ -162,8 +162,6 @@ def test_refusals_then_the_cold_path_answers(tiny_engine, saved, tmp_path, monke
 def _rewrite_manifest(path: Path, **changes) -> None:
     """Change manifest fields of a snapshot file and re-sign it with a valid checksum (the algorithm the
     format documents), as a crafted file would be."""
-    import hashlib
-
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
@@ -171,13 +169,7 @@ def _rewrite_manifest(path: Path, **changes) -> None:
         manifest = json.loads(f.metadata()["jaxsmol"])
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     manifest.update(changes)
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    h = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=32)
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        h.update(f"\0{name}\0{a.dtype.name}\0{a.shape}\0".encode())
-        h.update(memoryview(a).cast("B"))
-    manifest["checksum"] = "blake2b:" + h.hexdigest()
+    manifest["checksum"] = snapshot.checksum(manifest, tensors)
     save_file(tensors, path, metadata={"jaxsmol": json.dumps(manifest)})
 
 

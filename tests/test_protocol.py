@@ -13,7 +13,7 @@ from cli import protocol as P
 from cli import responses as R
 from cli.events import ChoiceResult, ChoiceSpec, Job, JobEnd, TokenEvent
 from cli.tenants import OPEN, Tenants, cache_salt, parse_keys_file
-from jaxsmol.engine import Step
+from jaxsmol.stream import Step
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
 

@@ -13,7 +13,8 @@ import pytest
 
 from cache.prefix_cache import PrefixCache
 from cache.requests import Collector, Request
-from cache.scheduler import Scheduler, generate_many, widths_for
+from cache.many import generate_many
+from cache.scheduler import Scheduler, widths_for
 from jaxsmol import programs
 from jaxsmol.engine import capacity_for
 from jaxsmol.sampling import SamplingParams

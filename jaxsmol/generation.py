@@ -1,0 +1,145 @@
+"""One sequence's generation: restore or prefill the prompt, then sample and decode token by token.
+
+`Engine.start` returns a `Generation`; iterating it yields `Step`s (jaxsmol/stream.py turns tokens
+into text and applies the stops). The batched path (cache/scheduler.py) shares the same pieces:
+`Engine.restore` / `Engine.prefill`, the sampler, `TokenStream` and the structured-output hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol import programs
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import KVCache
+from jaxsmol.sampling import SamplingParams, seed_key
+from jaxsmol.stream import Step, TokenStream
+from jaxsmol.structured import constraint_for
+
+if TYPE_CHECKING:
+    from jaxsmol.engine import Engine
+
+
+@dataclasses.dataclass
+class Timings:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # positions taken from a prefix snapshot
+    prefilled_tokens: int = 0  # positions computed by prefill (real tokens, padding excluded)
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # request start to first token sampled
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    # Set by a caller that loads the model or compiles programs for this request (the CLI): so the
+    # prefill/decode figures above are compute, and the start-up cost is reported apart from them.
+    load_s: float = 0.0  # reading config, tokenizer and weights
+    compile_s: float = 0.0  # compiling (or loading from the compilation cache) the request's programs
+    startup_s: float = 0.0  # wall time until both were done (they may overlap: compile_s runs while loading)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first token comes from prefill logits; the rest each cost one decode step
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(prefill_tok_s=round(self.prefill_tok_s, 2), decode_tok_s=round(self.decode_tok_s, 2))
+        return d
+
+
+
+class Generation:
+    """An in-flight request: iterate it for `Step`s; afterwards read output_ids, text, finish_reason, timings."""
+
+    def __init__(self, engine: "Engine", prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
+                 prefix_logits, on_prefill, exact: bool = True):
+        n = len(prompt_ids)
+        if prefix is not None and not 0 < prefix_len <= min(n, int(prefix.pos)):
+            raise JaxsmolError(f"prefix_len {prefix_len} must be in [1, {min(n, int(prefix.pos))}]")
+        if prefix_len == n and prefix_logits is None:
+            raise JaxsmolError("reusing the whole prompt needs the logits stored with it")
+        self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
+        self._prefix, self._prefix_len, self._prefix_logits = prefix, prefix_len if prefix is not None else 0, prefix_logits
+        self._on_prefill, self._exact = on_prefill, exact
+        self.output_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.timings = Timings(prompt_tokens=n, reused_tokens=self._prefix_len)
+        self.kv: KVCache | None = None  # the cache after the last step (positions 0..pos-1 computed);
+        # None after an exact full hit that needed no decode step, or once recycled
+        self.pos = 0  # positions computed for this request at the end (prompt + generated - 1)
+        self.prompt_logits: np.ndarray | None = None  # [V] logits after the last prompt token
+        # structured output (sp.structured): built here so a bad spec fails before any model work
+        self.constraint = constraint_for(engine.tokenizer, engine.cfg.eos_ids, engine.cfg.vocab_size, sp.structured)
+
+    def __iter__(self) -> Iterator[Step]:
+        eng, sp, cfg = self.engine, self.sp, self.engine.cfg
+        t0 = time.perf_counter()
+        n = len(self.prompt_ids)
+        # only a suffix after a restored prefix takes the fast path: a cold prefill is always exact
+        exact = self._exact or self._prefix is None
+        slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens, exact)
+        kv = None  # an exact full hit restores its cache only when a decode step needs it
+        if self._prefix_len < n:
+            kv = eng.restore(self._prefix, slots, self._prefix_len) if self._prefix is not None else eng.new_cache(slots)
+            logits, kv = eng.prefill(self.prompt_ids, kv, exact)
+        else:  # exact full hit: the stored logits stand in for the forward
+            logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
+        self.timings.prefilled_tokens = n - self._prefix_len
+        self.prompt_logits = np.asarray(logits[0])
+        self.timings.prefill_s = time.perf_counter() - t0
+        if self._on_prefill is not None:
+            self._on_prefill(kv, logits)  # before decode donates kv
+        if sp.max_tokens == 0:
+            self.kv, self.finish_reason, self.pos = kv, "length", n
+            self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
+            return
+
+        stream = TokenStream(eng.tokenizer, sp, cfg.eos_ids)
+        key = seed_key(sp.seed)
+        t_decode = None
+        for i in range(sp.max_tokens):
+            if i > 0:
+                if kv is None:
+                    kv = eng.restore(self._prefix, slots, self._prefix_len)
+                logits, kv = eng.decode(self.output_ids[-1], kv)
+            token_arr = programs.sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
+                                        jnp.int32(sp.top_k), jnp.float32(sp.top_p), self._allowed())
+            token = int(token_arr[0])
+            if self.constraint is not None:
+                self.constraint.advance(token)
+            if i == 0:
+                self.timings.ttft_s = time.perf_counter() - t0
+                t_decode = time.perf_counter()
+            logprob, top = None, None
+            if sp.logprobs:
+                ids, values = programs.top_logprobs(logits, sp.logprobs)
+                logprob = float(jax.nn.log_softmax(logits[0])[token])
+                top = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
+            step = stream.push(token, logprob, top)
+            self.output_ids, self.logprobs, self.text = stream.output_ids, stream.logprobs, stream.text
+            self.finish_reason = stream.finish_reason
+            self.timings.generated_tokens = len(self.output_ids)
+            yield step
+            if stream.done:
+                break
+        self.kv = kv
+        self.pos = n + len(self.output_ids) - 1
+        self.timings.decode_s = time.perf_counter() - t_decode
+        self.timings.total_s = time.perf_counter() - t0
+
+    def _allowed(self) -> np.ndarray | None:
+        """The structured-output mask for the next token: [1, ceil(V / 32)] int32, or None (free text)."""
+        return None if self.constraint is None else self.constraint.bitmask()[None]
