@@ -88,6 +88,15 @@ def widths_for(max_batch: int) -> tuple[int, ...]:
     return tuple(widths) + (max_batch,)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """How a Scheduler batches (the daemon's --max-batch, --kv-cache-bytes, --batch-invariant, --prefill-chunk)."""
+    max_batch: int = 16  # decode rows
+    kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
+    batch_invariant: bool = False  # decode always at max_batch rows (see the module docstring)
+    chunk_rows: int = 128  # prefill rows per step while others decode: the longest stall a newcomer causes
+
+
 class Scheduler:
     def __init__(self, cache: PrefixCache, max_batch: int = 16, kv_bytes: int = 4 << 30,
                  batch_invariant: bool = False, chunk_rows: int = 128):

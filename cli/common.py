@@ -88,7 +88,9 @@ class Precompile:
     `start` is Engine.load's on_config hook: with the config and tokenizer known, it encodes the
     prompt and compiles the programs of a cold request of that length (engine.compile_cold_request),
     or from the persistent compilation cache when they are there. `wait` returns the thread's wall
-    time. A failure here is not an error: the programs are then compiled on first use."""
+    time. A failure here is not an error: the programs are then compiled on first use. Used as a
+    context manager, it waits for the thread when the request fails: a process that exits while XLA
+    compiles in a thread aborts ("terminate called ...") instead of exiting with its error."""
 
     def __init__(self, args, structured: bool):
         self.args, self.structured = args, structured
@@ -101,9 +103,10 @@ class Precompile:
         a = self.args
         if a.prompt_cache or a.tp * a.dp > 1:  # a restored prefix or a sharded layout: other programs
             return
-        n = len(prompt_ids(a, types.SimpleNamespace(tokenizer=tokenizer, cfg=cfg)))
-        if not (0 < n and n + a.max_tokens <= (a.ctx or cfg.max_position)):
-            return
+        ids = prompt_ids(a, types.SimpleNamespace(tokenizer=tokenizer, cfg=cfg))
+        n, ctx = len(ids), a.ctx or cfg.max_position
+        if not (0 < n and n + a.max_tokens <= ctx <= cfg.max_position and 0 <= min(ids) and max(ids) < cfg.vocab_size):
+            return  # a request the engine will refuse: nothing to compile
         self.thread = threading.Thread(target=self._compile, args=(cfg, n), daemon=True)
         self.thread.start()
 
@@ -123,6 +126,12 @@ class Precompile:
         if self.thread is not None:
             self.thread.join()
         return self.seconds
+
+    def __enter__(self) -> "Precompile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()
 
 
 def prompt_ids(args, engine) -> list[int]:

@@ -17,11 +17,11 @@ def _generate(args) -> int:
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
     t0 = time.perf_counter()
-    precompile = Precompile(args, structured is not None)  # the request's programs, while the weights load
-    engine = load_engine(args, on_config=precompile.start)
-    load_s = time.perf_counter() - t0
-    ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
-    compile_s = precompile.wait()
+    with Precompile(args, structured is not None) as precompile:  # the request's programs, while the weights load
+        engine = load_engine(args, on_config=precompile.start)
+        load_s = time.perf_counter() - t0
+        ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
+        compile_s = precompile.wait()
     startup_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
                         logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
@@ -102,7 +102,9 @@ def _cacheprobe(args) -> int:
 
 
 def _serve(args) -> int:
+    from cache.scheduler import BatchSettings
     from cli.serve import serve
+    from jaxsmol.engine import PREFILL_BUCKETS
     from cli.tenants import Tenants
     from jaxsmol.errors import JaxsmolError
 
@@ -113,6 +115,8 @@ def _serve(args) -> int:
         raise JaxsmolError(f"--write-timeout must be > 0 seconds, got {args.write_timeout}")
     if not 1 <= args.max_batch <= 256:
         raise JaxsmolError(f"--max-batch must be in [1, 256], got {args.max_batch}")
+    if args.prefill_chunk not in PREFILL_BUCKETS:
+        raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, PREFILL_BUCKETS))}, got {args.prefill_chunk}")
     if args.kv_cache_bytes <= 0:
         raise JaxsmolError(f"--kv-cache-bytes must be > 0, got {args.kv_cache_bytes}")
     if not tenants.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -124,8 +128,9 @@ def _serve(args) -> int:
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
-          write_timeout_s=args.write_timeout, max_batch=args.max_batch, kv_cache_bytes=args.kv_cache_bytes,
-          batch_invariant=args.batch_invariant)
+          write_timeout_s=args.write_timeout,
+          batch=BatchSettings(max_batch=args.max_batch, kv_bytes=args.kv_cache_bytes,
+                              batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk))
     return 0
 
 
@@ -233,6 +238,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--batch-invariant", action="store_true",
                    help="decode always at the full --max-batch width, so a request's tokens and logprobs "
                         "do not depend on the other requests (slower when few are in flight)")
+    s.add_argument("--prefill-chunk", type=int, default=128, metavar="ROWS",
+                   help="prompt rows prefilled between two decode steps while others decode: 64, 128, 256 or "
+                        "512 (default 128; smaller keeps their inter-token latency lower while a long prompt "
+                        "arrives, larger gives the newcomer its first token sooner)")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

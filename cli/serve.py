@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache.prefix_cache import PrefixCache
+from cache.scheduler import BatchSettings
 from cli import protocol as P
 from cli.completions import Completions
 from cli.events import DEFAULT_WRITE_TIMEOUT_S
@@ -196,8 +197,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
-               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, max_batch: int = 16,
-               kv_cache_bytes: int = 4 << 30, batch_invariant: bool = False) -> FastAPI:
+               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings()) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.disk import DiskStore, identity
@@ -207,8 +207,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
     metrics = Metrics()
-    worker = Worker(cache, max_queue, metrics, max_batch=max_batch, kv_bytes=kv_cache_bytes,
-                    batch_invariant=batch_invariant)
+    worker = Worker(cache, max_queue, metrics, batch)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
     d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s)
 

@@ -17,7 +17,7 @@ import threading
 
 from cache.prefix_cache import PrefixCache
 from cache.requests import Finished, Request
-from cache.scheduler import Scheduler
+from cache.scheduler import BatchSettings, Scheduler
 from cli.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.scoring import score
@@ -71,11 +71,10 @@ class JobSink:
 
 
 class Worker(threading.Thread):
-    def __init__(self, cache: PrefixCache, max_queue: int, metrics, *, max_batch: int = 16,
-                 kv_bytes: int = 4 << 30, batch_invariant: bool = False):
+    def __init__(self, cache: PrefixCache, max_queue: int, metrics, batch: BatchSettings = BatchSettings()):
         super().__init__(name="jaxsmol-worker", daemon=True)
         self.cache, self.metrics = cache, metrics
-        self._settings = dict(max_batch=max_batch, kv_bytes=kv_bytes, batch_invariant=batch_invariant)
+        self._settings = dataclasses.asdict(batch)
         self.scheduler = Scheduler(cache, **self._settings)
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)

@@ -120,6 +120,7 @@ def client(model_dir, tmp_path_factory):
     tokenizer and chat template."""
     from fastapi.testclient import TestClient
 
+    from cache.scheduler import BatchSettings
     from cli.serve import create_app
     from jaxsmol.config import Config
     from jaxsmol.engine import Engine
@@ -132,7 +133,7 @@ def client(model_dir, tmp_path_factory):
     tok = Tokenizer.load(d)
     cfg = Config.tiny(vocab_size=tok.vocab_size, eos_ids=tok.eos_ids)  # every text's ids are in range
     engine = Engine(cfg, init_random(cfg), tok, ctx=512)
-    with TestClient(create_app(engine, model_name="tiny", cache_bytes=16 << 20, max_batch=4),
+    with TestClient(create_app(engine, model_name="tiny", cache_bytes=16 << 20, batch=BatchSettings(max_batch=4)),
                     raise_server_exceptions=False) as c:
         c.known_before = known_answer(c)  # before any fuzzed request
         yield c
