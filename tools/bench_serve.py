@@ -86,7 +86,8 @@ async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed
 def start_daemon(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
-           "--max-batch", str(args.max_batch)] + (["--batch-invariant"] if args.batch_invariant else [])
+           "--max-batch", str(args.max_batch), "--prefill-chunk", str(args.prefill_chunk)] + (
+           ["--batch-invariant"] if args.batch_invariant else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="the daemon's --prefill-chunk")
     p.add_argument("--peer-url", help="also measure this OpenAI-compatible server (e.g. llama-server)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
