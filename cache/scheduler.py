@@ -4,9 +4,11 @@ Each `step()` does, in order:
   1. admission: the oldest waiting request, if decode rows will be free for its choices, is looked up
      in the prefix cache and its state restored into a one-row staging cache (prefill / insert /
      generate, as in JetStream);
-  2. one prefill chunk of that request (>= 64 rows, so its prompt state has the bits of a cold
-     prefill; at most `chunk_rows` rows while others decode, so their streams keep flowing), or
-     else one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
+  2. prefill chunks of that request (>= 64 rows each, so its prompt state has the bits of a cold
+     prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing);
+     while that budget lasts, the next waiting requests are admitted and prefilled too (a burst of
+     short prompts joins a few per step); or else one chunk of an answer being re-prefilled for the
+     cache (the next chat turn's prefix);
      when a prompt is complete, its first tokens are sampled and its state is inserted into one
      decode row per choice (`n` forks share one prefill);
   3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
@@ -145,17 +147,33 @@ class Scheduler:
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
 
     def step(self) -> None:
-        """One round: admit, one prefill (or answer-saving) chunk, one decode step of all rows."""
+        """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
+        decode step of all rows."""
         self._drop_cancelled()
-        if self.prefilling is None:
-            self._admit()
-        if self.prefilling is not None:
-            self._prefill_chunk()
-        elif self.saves:
-            self.saves.step(self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1])
+        if not self._prefill_newcomers() and self.saves:
+            self.saves.step(self._row_budget())
         if self.live_rows:
             self._decode()
         self._maybe_shrink()
+
+    def _row_budget(self) -> int:
+        """Prefill rows a step may run: chunk_rows while rows decode (their next token waits for
+        them), a full 512-row chunk when none do."""
+        return self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
+
+    def _prefill_newcomers(self) -> bool:
+        """Prefill chunks of waiting requests, one after another, while the step's row budget lasts:
+        a burst of short prompts is admitted several per step rather than one per decode step.
+        Returns whether any prompt work was done."""
+        used, worked = 0, False
+        while self._row_budget() - used >= PREFILL_BUCKETS[0]:
+            if self.prefilling is None:
+                self._admit()
+            if self.prefilling is None:
+                break
+            worked = True
+            used += self._prefill_chunk(self._row_budget() - used)
+        return worked
 
     def run(self) -> None:
         while self.has_work:
@@ -213,17 +231,19 @@ class Scheduler:
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
             self._prompt_done(jnp.asarray(lk.logits, jnp.float32)[None])
 
-    def _prefill_chunk(self) -> None:
+    def _prefill_chunk(self, max_rows: int) -> int:
+        """One chunk (at most max_rows rows) of the request being prefilled; returns the rows it ran."""
         p = self.prefilling
-        rows = self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
+        start = int(p.kv.pos)
         try:
-            logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, rows, exact=self._exact(p))
-            done = int(p.kv.pos) >= len(p.lookup.prompt)
+            logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
+            end = int(p.kv.pos)
         except Exception as e:  # a failure costs this request, never the others
             self._abort_prefill(e)
-            return
-        if done:
+            return max_rows
+        if end >= len(p.lookup.prompt):
             self._prompt_done(logits)
+        return next((b for b in PREFILL_BUCKETS if b >= end - start), PREFILL_BUCKETS[-1])
 
     def _exact(self, p: _Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact

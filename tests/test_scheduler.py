@@ -84,6 +84,25 @@ def test_requests_join_while_others_decode(tiny_engine):
     assert len(first.results[0].output_ids) == 30 and len(second.results[0].output_ids) == 5
 
 
+def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
+    """Prompt chunks fill the step's row budget: with nothing decoding, a first 64-row prompt, then
+    (rows now decode, budget chunk_rows = 128) one more; the next steps admit two each."""
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, chunk_rows=128)
+    sinks = [Collector() for _ in range(6)]
+    for p, sink in zip(prompts(9, [30, 40, 50, 20, 60, 10]), sinks):
+        sched.submit(Request(p, [SamplingParams(max_tokens=20)], sink))
+    admitted, streamed = [], []
+    for _ in range(3):
+        sched.step()
+        admitted.append(sched.live_rows)
+        streamed.append([len(s.steps.get(0, [])) for s in sinks])
+    assert admitted == [2, 4, 6]
+    assert streamed[0] == [2, 2, 0, 0, 0, 0]  # each: its first token from the prefill, then one decode step
+    assert streamed[2] == [4, 4, 3, 3, 2, 2]
+    sched.run()
+    assert all(len(s.results[0].output_ids) == 20 for s in sinks)
+
+
 def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=2)
     sinks = [Collector() for _ in range(3)]
