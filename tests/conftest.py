@@ -6,8 +6,10 @@
 * `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; a missing model
                   fails the test (see `model_dir`). Tests that use it are marked `@pytest.mark.real`
                   (deselect them with `-m "not real"`).
+* `eng`, `bpt`, `payload_bytes` — for the prefix-cache tests: the tiny engine, its KV bytes per token
+                  (512), and the bytes of one position's float32 logits (vocab * 4).
 
-All three are session-scoped: they are immutable (the engine is stateless between requests), and
+All are session-scoped: they are immutable (the engine is stateless between requests), and
 sharing them lets the jitted forward's compile cache be reused across test files.
 """
 
@@ -51,3 +53,18 @@ def real_engine(model_dir):
     from jaxsmol.engine import Engine
 
     return Engine.load(model_dir, ctx=2048, progress=False)
+
+
+@pytest.fixture(scope="session")
+def eng(tiny_engine):
+    return tiny_engine
+
+
+@pytest.fixture(scope="session")
+def bpt(eng):
+    return eng.kv_bytes_per_token  # 512 on the tiny config
+
+
+@pytest.fixture(scope="session")
+def payload_bytes(eng):
+    return eng.cfg.vocab_size * 4  # the last position's float32 logits
