@@ -1,15 +1,18 @@
 """Shared fixtures.
 
 * `tiny_cfg`    — `Config.tiny()`: 2 layers, dim 64, vocab 256, GQA 4:2, tied embeddings, eos id 2.
+* `params`      — `init_random(tiny_cfg)`: the tiny config's random weights (seed 0).
 * `tiny_engine` — an `Engine` over random tiny weights, no tokenizer, ctx=1024. Its fingerprint is
                   preset to "tiny" so nothing hashes the weights.
 * `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; a missing model
                   fails the test (see `model_dir`). Tests that use it are marked `@pytest.mark.real`
                   (deselect them with `-m "not real"`).
+* `tiny_gguf`   — (path, HF weights) of a tiny synthetic Llama GGUF in tmp_path (tests/gguf_writer.py);
+                  function-scoped.
 * `eng`, `bpt`, `payload_bytes` — for the prefix-cache tests: the tiny engine, its KV bytes per token
                   (512), and the bytes of one position's float32 logits (vocab * 4).
 
-All are session-scoped: they are immutable (the engine is stateless between requests), and
+The others are session-scoped: they are immutable (the engine is stateless between requests), and
 sharing them lets the jitted forward's compile cache be reused across test files.
 """
 
@@ -24,6 +27,13 @@ from jaxsmol.errors import JaxsmolError
 @pytest.fixture(scope="session")
 def tiny_cfg() -> Config:
     return Config.tiny()
+
+
+@pytest.fixture(scope="session")
+def params(tiny_cfg):
+    from jaxsmol.params import init_random
+
+    return init_random(tiny_cfg)
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +78,11 @@ def bpt(eng):
 @pytest.fixture(scope="session")
 def payload_bytes(eng):
     return eng.cfg.vocab_size * 4  # the last position's float32 logits
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    from gguf_writer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
