@@ -9,6 +9,9 @@
                   (deselect them with `-m "not real"`).
 * `tiny_gguf`   — (path, HF weights) of a tiny synthetic Llama GGUF in tmp_path (tests/gguf_writer.py);
                   function-scoped.
+* `server`, `nocache_server`, `queue_server`, `sigterm_server` — real `jaxsmol serve` daemons shared by
+                  tests/test_serve*.py (see tests/test_serve.py); `serve_daemons` starts them on first use
+                  and `pytest_runtest_teardown` stops them as soon as the next test uses none of them.
 * `eng`, `bpt`, `payload_bytes` — for the prefix-cache tests: the tiny engine, its KV bytes per token
                   (512), and the bytes of one position's float32 logits (vocab * 4).
 
@@ -86,3 +89,47 @@ def tiny_gguf(tmp_path):
 
     path = tmp_path / "tiny.gguf"
     return path, write_tiny_gguf(path)
+
+
+# ---- the daemons of tests/test_serve*.py ----------------------------------------------------------------
+@pytest.fixture(scope="session")
+def serve_daemons(model_dir):
+    """daemon.Daemons: named `jaxsmol serve` daemons, started on first use. `model_dir` imports the
+    default model once here, not raced by the servers."""
+    from daemon import Daemons
+
+    daemons = Daemons()
+    yield daemons
+    daemons.stop_all()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the shared daemons (~1.5 GB each) once the run moves on to a test that uses none of them;
+    a later test that does starts them again."""
+    daemons = (item.funcargs or {}).get("serve_daemons")
+    if daemons is not None and (nextitem is None or "serve_daemons" not in nextitem.fixturenames):
+        daemons.stop_all()
+
+
+@pytest.fixture
+def server(serve_daemons) -> str:
+    servers = serve_daemons.launch("main", "nocache")
+    servers["main"].wait_ready()
+    servers["nocache"].wait_ready()
+    serve_daemons.launch("queue1", "sigterm")  # their start-up overlaps the tests that follow
+    return servers["main"].url
+
+
+@pytest.fixture
+def nocache_server(serve_daemons) -> str:
+    return serve_daemons.launch("main", "nocache")["nocache"].wait_ready().url
+
+
+@pytest.fixture
+def queue_server(serve_daemons) -> str:
+    return serve_daemons.launch("queue1", "sigterm")["queue1"].wait_ready().url
+
+
+@pytest.fixture
+def sigterm_server(serve_daemons):
+    return serve_daemons.launch("queue1", "sigterm")["sigterm"].wait_ready()
