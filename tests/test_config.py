@@ -14,7 +14,7 @@ from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.model import forward
-from jaxsmol.params import LayerParams, Params, _layer_specs, expected_shapes
+from jaxsmol.params import LayerParams, Params, layer_specs, expected_shapes
 
 # ---- real configurations: shapes only ------------------------------------------------------------
 
@@ -47,7 +47,7 @@ def _abstract_params(cfg: Config) -> Params:
     hf = expected_shapes(cfg)
     sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     layers = {field: sds((cfg.n_layers,) + tuple(reversed(hf[f"model.layers.0.{suffix}"])))
-              for suffix, (field, _) in _layer_specs(cfg).items()}
+              for suffix, (field, _) in layer_specs(cfg).items()}
     return Params(embed=sds(hf["model.embed_tokens.weight"]), layers=LayerParams(**layers),
                   final_norm=sds(hf["model.norm.weight"]), unembed=sds((cfg.dim, cfg.vocab_size)))
 
