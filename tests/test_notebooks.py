@@ -4,7 +4,7 @@ Each notebook is executed with nbclient in a fresh `python3` kernel (jupyter_cli
 kernelspec's `python` as this interpreter, i.e. the virtual environment's), with notebooks/ as the
 working directory. A cell that raises (including a failed `assert` inside a notebook) fails the test
 with the cell's source and traceback. The kernel runs with JAXSMOL_NOTEBOOK_QUICK=1: notebook 03 then
-runs its workloads with fewer and shorter requests (the same checks, in about half the time).
+runs its workloads with fewer and shorter requests (the same checks, less time).
 """
 
 from __future__ import annotations
