@@ -175,10 +175,7 @@ def add_probe_args(p, default_mode: str) -> None:
     add_prompt_cache_arg(p)
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
-
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--ids", type=int, nargs="+", metavar="ID", help="the prompt as token ids")
@@ -194,6 +191,8 @@ def build_parser() -> ArgumentParser:
     add_model_args(g)
     g.set_defaults(func=_generate)
 
+
+def _add_tokenize(sub) -> None:
     t = sub.add_parser("tokenize", help="print the token ids of a text")
     t.add_argument("text")
     t.add_argument("--chat", action="store_true")
@@ -201,6 +200,8 @@ def build_parser() -> ArgumentParser:
     t.add_argument("--model", metavar="DIR")
     t.set_defaults(func=_tokenize)
 
+
+def _add_cacheprobe(sub) -> None:
     c = sub.add_parser("cacheprobe", help="run a request cold, then warm from the prefix cache")
     c.add_argument("ids", type=int, nargs="*", metavar="ID", help="the prompt as token ids")
     c.add_argument("--text", dest="prompt", help="the prompt as text")
@@ -211,6 +212,8 @@ def build_parser() -> ArgumentParser:
     add_model_args(c)
     c.set_defaults(func=_cacheprobe)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible daemon (keeps the prefix cache)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -245,6 +248,8 @@ def build_parser() -> ArgumentParser:
     add_model_args(s)
     s.set_defaults(func=_serve)
 
+
+def _add_score(sub) -> None:
     sc = sub.add_parser("score", help="the log-probability of every token of a text given the tokens before it")
     sc.add_argument("prompt", nargs="?", help="the text to score")
     sc.add_argument("--ids", type=int, nargs="+", metavar="ID", help="the tokens to score, as ids")
@@ -254,6 +259,8 @@ def build_parser() -> ArgumentParser:
     add_model_args(sc)
     sc.set_defaults(func=_score)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations")
     b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under 2 minutes)")
     b.add_argument("--json", default="bench.json", metavar="FILE", help="write the results here (default bench.json)")
@@ -266,10 +273,19 @@ def build_parser() -> ArgumentParser:
     add_model_args(b)
     b.set_defaults(func=_bench)
 
+
+def _add_import_gguf(sub) -> None:
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
     i.add_argument("file")
     i.add_argument("outdir")
     i.set_defaults(func=_import_gguf)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_score, _add_bench, _add_import_gguf):
+        add(sub)
     return parser
 
 

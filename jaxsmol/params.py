@@ -51,7 +51,7 @@ class Params:
 
 # HF name suffix under `model.layers.{i}.` -> (our field, its HF shape for cfg). The loader transposes
 # the 2-D ones (HF's [out, in] -> our [in, out]) and keeps the 1-D norms as they are.
-def _layer_specs(cfg: Config):
+def layer_specs(cfg: Config):
     D, F, NH, KH = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return {
         "input_layernorm.weight": ("attn_norm", (D,)),
@@ -70,7 +70,7 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name this config needs, with its HF shape."""
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.dim), "model.norm.weight": (cfg.dim,)}
     for i in range(cfg.n_layers):
-        for suffix, (_, shape) in _layer_specs(cfg).items():
+        for suffix, (_, shape) in layer_specs(cfg).items():
             shapes[f"model.layers.{i}.{suffix}"] = shape
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
@@ -150,7 +150,7 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         a = tensors[f"model.layers.{i}.{suffix}"]
         return jnp.asarray(np.ascontiguousarray(a.T) if len(shape) == 2 else a, dtype)
 
-    layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in _layer_specs(cfg).items()})
+    layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
                    for i in range(cfg.n_layers))
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
@@ -167,7 +167,7 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
     (or while) the weights load."""
     sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    layer = LayerParams(**{field: sds(tuple(reversed(shape))) for field, shape in _layer_specs(cfg).values()})
+    layer = LayerParams(**{field: sds(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
     return Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=(layer,) * cfg.n_layers,
                   final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
 

@@ -1,13 +1,21 @@
 """Shared fixtures.
 
 * `tiny_cfg`    — `Config.tiny()`: 2 layers, dim 64, vocab 256, GQA 4:2, tied embeddings, eos id 2.
+* `params`      — `init_random(tiny_cfg)`: the tiny config's random weights (seed 0).
 * `tiny_engine` — an `Engine` over random tiny weights, no tokenizer, ctx=1024. Its fingerprint is
                   preset to "tiny" so nothing hashes the weights.
 * `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; a missing model
                   fails the test (see `model_dir`). Tests that use it are marked `@pytest.mark.real`
                   (deselect them with `-m "not real"`).
+* `tiny_gguf`   — (path, HF weights) of a tiny synthetic Llama GGUF in tmp_path (tests/gguf_writer.py);
+                  function-scoped.
+* `server`, `nocache_server`, `queue_server`, `sigterm_server` — real `jaxsmol serve` daemons shared by
+                  tests/test_serve*.py (see tests/test_serve.py); `serve_daemons` starts them on first use
+                  and `pytest_runtest_teardown` stops them as soon as the next test uses none of them.
+* `eng`, `bpt`, `payload_bytes` — for the prefix-cache tests: the tiny engine, its KV bytes per token
+                  (512), and the bytes of one position's float32 logits (vocab * 4).
 
-All three are session-scoped: they are immutable (the engine is stateless between requests), and
+The others are session-scoped: they are immutable (the engine is stateless between requests), and
 sharing them lets the jitted forward's compile cache be reused across test files.
 """
 
@@ -22,6 +30,13 @@ from jaxsmol.errors import JaxsmolError
 @pytest.fixture(scope="session")
 def tiny_cfg() -> Config:
     return Config.tiny()
+
+
+@pytest.fixture(scope="session")
+def params(tiny_cfg):
+    from jaxsmol.params import init_random
+
+    return init_random(tiny_cfg)
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +66,70 @@ def real_engine(model_dir):
     from jaxsmol.engine import Engine
 
     return Engine.load(model_dir, ctx=2048, progress=False)
+
+
+@pytest.fixture(scope="session")
+def eng(tiny_engine):
+    return tiny_engine
+
+
+@pytest.fixture(scope="session")
+def bpt(eng):
+    return eng.kv_bytes_per_token  # 512 on the tiny config
+
+
+@pytest.fixture(scope="session")
+def payload_bytes(eng):
+    return eng.cfg.vocab_size * 4  # the last position's float32 logits
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    from gguf_writer import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+# ---- the daemons of tests/test_serve*.py ----------------------------------------------------------------
+@pytest.fixture(scope="session")
+def serve_daemons(model_dir):
+    """daemon.Daemons: named `jaxsmol serve` daemons, started on first use. `model_dir` imports the
+    default model once here, not raced by the servers."""
+    from daemon import Daemons
+
+    daemons = Daemons()
+    yield daemons
+    daemons.stop_all()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the shared daemons (~1.5 GB each) once the run moves on to a test that uses none of them;
+    a later test that does starts them again."""
+    daemons = (item.funcargs or {}).get("serve_daemons")
+    if daemons is not None and (nextitem is None or "serve_daemons" not in nextitem.fixturenames):
+        daemons.stop_all()
+
+
+@pytest.fixture
+def server(serve_daemons) -> str:
+    servers = serve_daemons.launch("main", "nocache")
+    servers["main"].wait_ready()
+    servers["nocache"].wait_ready()
+    serve_daemons.launch("queue1", "sigterm")  # their start-up overlaps the tests that follow
+    return servers["main"].url
+
+
+@pytest.fixture
+def nocache_server(serve_daemons) -> str:
+    return serve_daemons.launch("main", "nocache")["nocache"].wait_ready().url
+
+
+@pytest.fixture
+def queue_server(serve_daemons) -> str:
+    return serve_daemons.launch("queue1", "sigterm")["queue1"].wait_ready().url
+
+
+@pytest.fixture
+def sigterm_server(serve_daemons):
+    return serve_daemons.launch("queue1", "sigterm")["sigterm"].wait_ready()

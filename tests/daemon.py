@@ -1,5 +1,6 @@
-"""Helpers for tests that run real `jaxsmol serve` daemons (tests/test_serve.py, test_openai_api.py,
-test_serve_batching.py): a daemon subprocess on a free loopback port, requests, /metrics, checks."""
+"""Helpers for tests that run real `jaxsmol serve` daemons (tests/test_serve*.py, test_openai_api.py,
+test_disk_tier.py, test_soak.py): a daemon subprocess on a free loopback port, named daemons shared by
+test files (`Daemons`, the `serve_daemons` fixture in conftest), requests, /metrics, checks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +74,43 @@ class Server:
                 self.proc.wait(10)
         if not self.log.closed:
             self.log.close()
+
+
+class Daemons:
+    """The named daemons of tests/test_serve*.py, started on first use (without waiting for them) and
+    shared by those files; `stop_all` ends them (conftest does when the run moves on to other tests)."""
+
+    CONFIGS = {"main": (), "nocache": ("--no-prefix-cache",), "queue1": ("--max-queue", "1", "--max-batch", "1"),
+               "sigterm": ()}
+
+    def __init__(self):
+        self.servers: dict[str, Server] = {}
+
+    def launch(self, *names: str) -> dict[str, Server]:
+        """Starts the named servers not launched yet (one that was stopped by its test stays stopped)."""
+        for name in names:
+            if name not in self.servers:
+                self.servers[name] = Server(*self.CONFIGS[name])
+        return self.servers
+
+    def stop_all(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self.servers.clear()
+
+
+def client(url: str, key: str = "x") -> openai.OpenAI:
+    # max_retries=0: the client must not hide a 503 (or anything else) behind a retry
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+
+
+def complete(url: str, prompt, *, salt: str | None = None, max_tokens: int = 4, **extra):
+    """A greedy completion through the openai client, asking for the token ids; `salt`: its cache_salt."""
+    body = {"return_token_ids": True, **extra}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return client(url).completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          extra_body=body)
 
 
 def post(url: str, path: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> "httpx.Response":

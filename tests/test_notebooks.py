@@ -3,7 +3,8 @@
 Each notebook is executed with nbclient in a fresh `python3` kernel (jupyter_client launches the
 kernelspec's `python` as this interpreter, i.e. the virtual environment's), with notebooks/ as the
 working directory. A cell that raises (including a failed `assert` inside a notebook) fails the test
-with the cell's source and traceback.
+with the cell's source and traceback. The kernel runs with JAXSMOL_NOTEBOOK_QUICK=1: notebook 03 then
+runs its workloads with fewer and shorter requests (the same checks, less time).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def test_notebook_is_stored_without_outputs(path):
 
 @pytest.mark.real
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, model_dir):  # model_dir: a missing default model fails here, clearly
+def test_notebook_runs(path, model_dir, monkeypatch):  # model_dir: a missing default model fails here, clearly
     import nbformat
     from nbclient import NotebookClient
+
+    monkeypatch.setenv("JAXSMOL_NOTEBOOK_QUICK", "1")  # the kernel inherits it
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",

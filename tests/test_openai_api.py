@@ -21,6 +21,7 @@ from daemon import REQUEST_TIMEOUT_S
 from daemon import Server as _Server
 from daemon import assert_error_body as _assert_error_body
 from daemon import assert_healthy as _assert_healthy
+from daemon import client as _client
 
 pytestmark = pytest.mark.real
 
@@ -53,10 +54,6 @@ def api(servers) -> str:
 @pytest.fixture(scope="module")
 def keyed(servers) -> str:
     return servers["keyed"].url
-
-
-def _client(url: str, key: str = "x") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
 
 
 def _post(url: str, path: str, body: dict, key: str | None = None) -> httpx.Response:

@@ -1,39 +1,37 @@
 """End-to-end tests of `jaxsmol serve` (cli/serve.py, cli/completions.py, cli/worker.py, cli/metrics.py, cli/client.py,
-cli/aitest.py); the OpenAI API in depth and tenants are in tests/test_openai_api.py.
+cli/aitest.py): the endpoints, the prefix cache over HTTP, concurrency, metrics and the aitest client.
+Bad requests are in tests/test_serve_bad_requests.py, a client that leaves, a full queue and SIGTERM in
+tests/test_serve_admission.py, the OpenAI API in depth and tenants in tests/test_openai_api.py.
 
 Every test talks to a REAL server process (`python -m cli.main serve`) over loopback, mostly through
-the official `openai` client, else through httpx. Servers start two at a time, so that their
-start-ups overlap; `server` launches the second pair once the first is up, so that its start-up
-overlaps the tests:
+the official `openai` client, else through httpx. The daemons are shared by tests/test_serve*.py
+(fixtures in conftest; they start two at a time, so that their start-ups overlap, and stop when the run
+moves on to other tests):
 
 * `server`          — the default daemon (prefix cache on, --max-queue 64), ctx 2048;
 * `nocache_server`  — the same with --no-prefix-cache: the reference every cached answer must equal;
 * `queue_server`    — --max-queue 1, for the 503 + Retry-After path;
 * `sigterm_server`  — a throw-away daemon the SIGTERM test stops.
 
-Tests that depend on the prefix cache use a fresh `cache_salt` so that the module-shared cache (and
-the flush test) cannot change what they see.
+Tests that depend on the prefix cache use a fresh `cache_salt` so that the shared cache (and the flush
+test) cannot change what they see.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 
 import httpx  # noqa: E402  (test extra)
-import openai  # noqa: E402  (test extra)
-from daemon import CTX, REQUEST_TIMEOUT_S, ROOT
-from daemon import Server as _Server
-from daemon import assert_error_body as _assert_error_body
+from daemon import CTX, ROOT
 from daemon import assert_healthy as _assert_healthy
+from daemon import client as _client
+from daemon import complete as _complete
 from daemon import metrics as _metrics
 from daemon import post as _post
 
@@ -45,76 +43,12 @@ SHORT_PREFIX = PREFIX[:400]  # ~100 tokens: enough for the salt / bypass / flush
 ENDINGS = (" Question: what is fact 3? Answer:", " Question: what is fact 11? Answer:")
 
 
-_CONFIGS = {"main": (), "nocache": ("--no-prefix-cache",), "queue1": ("--max-queue", "1", "--max-batch", "1"), "sigterm": ()}
-
-
-@pytest.fixture(scope="module")
-def _launch():
-    """launch(*names) starts the named servers that are not running yet (without waiting for them)."""
-    from jaxsmol.default_model import default_model_dir
-    from jaxsmol.errors import JaxsmolError
-
-    try:
-        default_model_dir(progress=False)  # imported once here, not raced by the servers
-    except JaxsmolError as e:
-        pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
-    servers: dict[str, _Server] = {}
-
-    def launch(*names: str) -> dict[str, _Server]:
-        for name in names:
-            if name not in servers:
-                servers[name] = _Server(*_CONFIGS[name])
-        return servers
-
-    yield launch
-    for s in servers.values():
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def server(_launch) -> str:
-    servers = _launch("main", "nocache")
-    servers["main"].wait_ready()
-    servers["nocache"].wait_ready()
-    _launch("queue1", "sigterm")  # their start-up overlaps the tests that follow
-    return servers["main"].url
-
-
-@pytest.fixture(scope="module")
-def nocache_server(_launch) -> str:
-    return _launch("main", "nocache")["nocache"].wait_ready().url
-
-
-@pytest.fixture(scope="module")
-def queue_server(_launch) -> str:
-    return _launch("queue1", "sigterm")["queue1"].wait_ready().url
-
-
-@pytest.fixture
-def sigterm_server(_launch) -> _Server:
-    return _launch("queue1", "sigterm")["sigterm"].wait_ready()
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from jaxsmol.default_model import default_model_dir
     from jaxsmol.tokenizer import Tokenizer
 
     return Tokenizer.load(default_model_dir(progress=False))
-
-
-# ---- helpers ------------------------------------------------------------------------------------------
-def _client(url: str) -> "openai.OpenAI":
-    # max_retries=0: the client must not hide a 503 (or anything else) behind a retry
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-
-
-def _complete(url: str, prompt, *, salt: str | None = None, max_tokens: int = 4, **extra):
-    body = {"return_token_ids": True, **extra}
-    if salt is not None:
-        body["cache_salt"] = salt
-    return _client(url).completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            extra_body=body)
 
 
 def _ids(choice) -> list[int]:
@@ -355,100 +289,6 @@ def test_32_concurrent_clients_match_sequential(server, nocache_server):
     _assert_healthy(server)
 
 
-# ---- bad requests -------------------------------------------------------------------------------------
-_C, _CHAT = "/v1/completions", "/v1/chat/completions"
-_OK_MSG = [{"role": "user", "content": "hi"}]
-BAD_REQUESTS = [
-    # (id, method, path, body: bytes | JSON-able | None, status)
-    ("malformed-json", "POST", _C, b'{"prompt": "hi",', 400),
-    ("body-is-a-list", "POST", _C, b"[1, 2, 3]", 400),
-    ("body-is-a-string", "POST", _C, b'"hi"', 400),
-    ("body-is-null", "POST", _C, b"null", 400),
-    ("empty-body", "POST", _C, b"", 400),
-    ("missing-prompt", "POST", _C, {"max_tokens": 1}, 400),
-    ("prompt-is-a-number", "POST", _C, {"prompt": 5}, 400),
-    ("prompt-is-an-object", "POST", _C, {"prompt": {"text": "hi"}}, 400),
-    ("prompt-list-of-strings-and-ids", "POST", _C, {"prompt": ["a", 1]}, 400),
-    ("prompt-empty-in-a-list", "POST", _C, {"prompt": ["a", ""]}, 400),
-    ("lone-surrogate", "POST", _C, b'{"prompt": "hi \\ud800", "max_tokens": 1}', 400),
-    ("chat-lone-surrogate", "POST", _CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
-    ("chat-image-part", "POST", _CHAT,
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-    ("too-many-stops", "POST", _C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
-    ("work-over-cap", "POST", _C, {"prompt": ["a", "b"], "n": 8, "max_tokens": 1100}, 400),
-    ("token-id-too-large", "POST", _C, {"prompt": [1, 10**6]}, 400),
-    ("token-id-huge", "POST", _C, {"prompt": [10**30]}, 400),
-    ("token-id-negative", "POST", _C, {"prompt": [1, -1]}, 400),
-    ("empty-string-prompt", "POST", _C, {"prompt": ""}, 400),
-    ("empty-id-prompt", "POST", _C, {"prompt": []}, 400),
-    ("prompt-over-context", "POST", _C, {"prompt": [1] * 3000, "max_tokens": 1}, 400),
-    ("prompt-plus-max-tokens-over-context", "POST", _C, {"prompt": [1] * 100, "max_tokens": CTX}, 400),
-    ("negative-max-tokens", "POST", _C, {"prompt": "hi", "max_tokens": -1}, 400),
-    ("huge-max-tokens", "POST", _C, {"prompt": "hi", "max_tokens": 10**9}, 400),
-    ("max-tokens-a-string", "POST", _C, {"prompt": "hi", "max_tokens": "ten"}, 400),
-    ("n-zero", "POST", _C, {"prompt": "hi", "n": 0}, 400),
-    ("n-100", "POST", _C, {"prompt": "hi", "n": 100}, 400),
-    ("negative-temperature", "POST", _C, {"prompt": "hi", "temperature": -1}, 400),
-    ("top-p-zero", "POST", _C, {"prompt": "hi", "top_p": 0}, 400),
-    ("top-p-over-one", "POST", _C, {"prompt": "hi", "top_p": 1.5}, 400),
-    ("negative-top-k", "POST", _C, {"prompt": "hi", "top_k": -1}, 400),
-    ("huge-top-k", "POST", _C, {"prompt": "hi", "top_k": 10**12, "max_tokens": 1}, 400),
-    ("negative-seed", "POST", _C, {"prompt": "hi", "seed": -1}, 400),
-    ("logprobs-over-5", "POST", _C, {"prompt": "hi", "logprobs": 6}, 400),
-    ("stop-wrong-type", "POST", _C, {"prompt": "hi", "stop": 5}, 400),
-    ("bad-request-while-streaming", "POST", _C, {"prompt": [10**6], "stream": True}, 400),
-    ("chat-missing-messages", "POST", _CHAT, {"max_tokens": 1}, 400),
-    ("chat-empty-messages", "POST", _CHAT, {"messages": []}, 400),
-    ("chat-bad-role", "POST", _CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ("chat-content-not-a-string", "POST", _CHAT, {"messages": [{"role": "user", "content": 5}]}, 400),
-    ("chat-message-not-an-object", "POST", _CHAT, {"messages": ["hi"]}, 400),
-    ("chat-top-logprobs-over-20", "POST", _CHAT, {"messages": _OK_MSG, "logprobs": True, "top_logprobs": 21}, 400),
-    ("chat-over-context", "POST", _CHAT,
-     {"messages": [{"role": "user", "content": "word " * 2100}], "max_tokens": 1}, 400),
-    ("chat-negative-max-completion-tokens", "POST", _CHAT, {"messages": _OK_MSG, "max_completion_tokens": -1}, 400),
-    ("body-over-size-limit", "POST", _C, b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413),
-    ("unknown-route", "POST", "/v1/nothing-here", {"prompt": "hi"}, 404),
-    ("unknown-get-route", "GET", "/nope", None, 404),
-    ("get-on-completions", "GET", _C, None, 405),
-    ("post-on-models", "POST", "/v1/models", {}, 405),
-]
-
-
-@pytest.mark.parametrize("method,path,body,status", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_request(server, method, path, body, status):
-    kw = {}
-    if isinstance(body, bytes):
-        kw = {"content": body, "headers": {"content-type": "application/json"}}
-    elif body is not None:
-        kw = {"json": body}
-    r = httpx.request(method, server + path, timeout=60, **kw)
-    _assert_error_body(r, status)
-    _assert_healthy(server)
-
-
-def test_body_over_size_limit_without_content_length(server):
-    """A chunked body carries no Content-Length: the limit must hold for it too."""
-    def chunks():
-        yield b'{"prompt": "'
-        for _ in range(5):
-            yield b"a " * (512 << 10)
-        yield b'", "max_tokens": 1}'
-    r = httpx.post(server + _C, content=chunks(), headers={"content-type": "application/json"}, timeout=120)
-    _assert_error_body(r, 413)
-    _assert_healthy(server)
-
-
-def test_edge_values_that_are_valid(server):
-    # the largest seed is valid, also for n > 1 (choice i samples with seed + i)
-    r = _post(server, _C, {"prompt": "hi", "max_tokens": 2, "n": 2, "seed": 2**63 - 1, "temperature": 1.0})
-    assert r.status_code == 200, r.text
-    assert len(r.json()["choices"]) == 2
-    # max_tokens 0: no tokens, no error
-    r = _post(server, _C, {"prompt": "hi", "max_tokens": 0})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
-
-
 # ---- metrics ------------------------------------------------------------------------------------------
 def test_metrics_prometheus_text(server):
     salt = uuid.uuid4().hex
@@ -475,43 +315,6 @@ def test_metrics_prometheus_text(server):
         assert f"# TYPE {name} {kind}" in text and f"# HELP {name} " in text
 
 
-# ---- a client that leaves -----------------------------------------------------------------------------
-_LONG_STORY = "Once upon a time, in a land far away, there lived a dragon who"  # no early end of text
-
-
-def test_client_disconnect_mid_stream(server):
-    before = _metrics(server)["jaxsmol_cancelled_total"]
-    body = {"prompt": _LONG_STORY, "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as c:
-        with c.stream("POST", server + _C, json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
-                    break
-    _assert_abandoned_job_cancelled(server, before)
-
-
-def test_client_disconnect_before_a_non_streamed_answer(server):
-    """A client that gives up on a non-streamed request (here: its read timeout) frees the model too."""
-    before = _metrics(server)["jaxsmol_cancelled_total"]
-    body = {"prompt": _LONG_STORY, "max_tokens": 400, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + _C, json=body, timeout=httpx.Timeout(60, read=3))
-    _assert_abandoned_job_cancelled(server, before)
-
-
-def _assert_abandoned_job_cancelled(server: str, cancelled_before: float) -> None:
-    # the server answers the next request and stops the abandoned generation long before its 400 tokens
-    after = _complete(server, "Hello", max_tokens=2)
-    assert after.choices[0].finish_reason in ("length", "stop")
-    deadline = time.monotonic() + 30
-    while _metrics(server)["jaxsmol_cancelled_total"] <= cancelled_before:
-        assert time.monotonic() < deadline, "the abandoned request's generation was never cancelled"
-        time.sleep(0.25)
-    _assert_healthy(server)
-
-
 # ---- the aitest client --------------------------------------------------------------------------------
 def test_aitest_cacheprobe_against_server(server):
     p = subprocess.run([sys.executable, "-m", "cli.aitest", "--url", server, "--cacheprobe", "--predict", "4",
@@ -523,71 +326,3 @@ def test_aitest_cacheprobe_against_server(server):
     assert "identical outputs: yes" in p.stdout, p.stdout
     gen = next(line for line in p.stdout.splitlines() if line.startswith("generated ids")).split()[2:]
     assert len(gen) == 8  # 4 ids cold, 4 ids warm
-
-
-# ---- queue full ---------------------------------------------------------------------------------------
-def test_queue_full_answers_503_with_retry_after(queue_server):
-    n = 6
-    barrier = threading.Barrier(n)
-
-    def one(i):
-        barrier.wait(timeout=60)
-        return _post(queue_server, _C, {"prompt": f"Story number {i}: once upon a time", "max_tokens": 60,
-                                        "temperature": 0}, timeout=300)
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        answers = list(pool.map(one, range(n)))
-    statuses = [r.status_code for r in answers]
-    assert set(statuses) <= {200, 503}, [r.text for r in answers]
-    assert 200 in statuses and 503 in statuses, statuses
-    for r in answers:
-        if r.status_code == 503:
-            _assert_error_body(r, 503)
-            assert int(r.headers["retry-after"]) > 0
-        else:
-            assert r.json()["usage"]["completion_tokens"] > 0
-    _assert_healthy(queue_server)
-    assert _metrics(queue_server)["jaxsmol_rejected_total"] == statuses.count(503)
-    assert _post(queue_server, _C, {"prompt": "hi", "max_tokens": 1}).status_code == 200
-
-
-# ---- SIGTERM drains -----------------------------------------------------------------------------------
-def test_sigterm_finishes_requests_in_flight(sigterm_server, server):
-    url, proc = sigterm_server.url, sigterm_server.proc
-    bodies = [{"prompt": f"Chapter {i}. The old lighthouse keeper", "max_tokens": 30, "temperature": 0,
-               "return_token_ids": True} for i in (1, 2)]
-    results = [None, None]
-
-    def one(i):
-        try:
-            results[i] = _post(url, _C, bodies[i], timeout=300)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            results[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    # both accepted: one running, one waiting in the queue
-    deadline = time.monotonic() + 60
-    while True:
-        h = httpx.get(url + "/health", timeout=30).json()
-        if h["busy"] and h["queued"] == 1:
-            break
-        assert time.monotonic() < deadline and all(r is None for r in results), (h, results)
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(300)
-    try:
-        rc = proc.wait(120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the server did not exit within 120 s of SIGTERM:\n{sigterm_server.output()}")
-    for body, r in zip(bodies, results):
-        assert isinstance(r, httpx.Response), r
-        assert r.status_code == 200, r.text
-        ref = _post(server, _C, body).json()["choices"][0]  # the full answer, from the other server
-        got = r.json()["choices"][0]
-        assert (got["text"], got["token_ids"], got["finish_reason"]) == \
-            (ref["text"], ref["token_ids"], ref["finish_reason"])
-        assert r.json()["usage"]["completion_tokens"] == len(ref["token_ids"])
-    assert rc == 0, f"exit status {rc}:\n{sigterm_server.output()}"

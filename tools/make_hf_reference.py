@@ -94,73 +94,57 @@ def load_model(model_dir: Path):
     return model
 
 
-def make_reference(model_dir: Path, out: Path) -> None:
+def _case(model, tok, gen_cfg, name: str, text, ids) -> dict:
+    """One prompt: greedy generation (its per-step top-k) and one uncached forward over prompt + answer
+    (its top-k at every position), with their consistency checked."""
+    if ids is None:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = [int(i) for i in ids]
+    inp = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        g = model.generate(inp, attention_mask=torch.ones_like(inp), generation_config=gen_cfg)
+    new = [int(t) for t in g.sequences[0, len(ids):]]
+    assert len(new) == N_NEW, (name, new)
+    gen_top = [top_k(step[0]) for step in g.logits]
+    # greedy consistency: each generated token is the argmax of its step's logits
+    for t, step in zip(new, g.logits):
+        assert int(torch.argmax(step[0])) == t, (name, t)
+
+    full = torch.tensor([ids + new], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(full, use_cache=False).logits[0].float()  # [T, V]
+    full_top = [top_k(row) for row in logits]
+    # the cached decode and the uncached forward agree on the steps they share
+    for i, step in enumerate(g.logits):
+        d = float((step[0].float() - logits[len(ids) - 1 + i]).abs().max())
+        assert d < 1e-3, (name, i, d)
+    print(f"{name}: {len(ids)} prompt tokens -> {new} {tok.decode(new)!r}", file=sys.stderr)
+    return {
+        "name": name,
+        "text": text,
+        "prompt_ids": ids,
+        "greedy_ids": new,
+        "greedy_text": tok.decode(new),
+        # smallest top-1 minus top-2 log-prob gap over the greedy steps (a near-tie is fragile)
+        "min_greedy_margin": round(min(t["logprobs"][0] - t["logprobs"][1] for t in gen_top), DECIMALS),
+        "gen_top": gen_top,
+        "full_top": full_top,
+    }
+
+
+def _fixture(model_dir: Path, cfg, tok, cases: list[dict]) -> dict:
+    """The fixture's JSON: versions, the model's identity (hashes), stop ids, the cases."""
     import transformers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
-    model = load_model(model_dir)
-    cfg = model.config
     eos = cfg.eos_token_id
-    gen_cfg = GenerationConfig(
-        max_new_tokens=N_NEW, min_new_tokens=0, do_sample=False, num_beams=1,
-        eos_token_id=None, pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
-        bos_token_id=cfg.bos_token_id,
-        output_logits=True, return_dict_in_generate=True,
-    )
-
-    # EOS stopping off, so that every case has N_NEW tokens. generate() fills unset fields of the
-    # passed config from model.generation_config (the model dir's generation_config.json, which may
-    # name an eos or sampling defaults), so replace that one too.
-    model.generation_config = gen_cfg
-
-    cases = []
-    for name, text, ids in PROMPTS:
-        if ids is None:
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        ids = [int(i) for i in ids]
-        inp = torch.tensor([ids], dtype=torch.long)
-        with torch.no_grad():
-            g = model.generate(inp, attention_mask=torch.ones_like(inp), generation_config=gen_cfg)
-        new = [int(t) for t in g.sequences[0, len(ids):]]
-        assert len(new) == N_NEW, (name, new)
-        gen_top = [top_k(step[0]) for step in g.logits]
-        # greedy consistency: each generated token is the argmax of its step's logits
-        for t, step in zip(new, g.logits):
-            assert int(torch.argmax(step[0])) == t, (name, t)
-
-        full = torch.tensor([ids + new], dtype=torch.long)
-        with torch.no_grad():
-            logits = model(full, use_cache=False).logits[0].float()  # [T, V]
-        full_top = [top_k(row) for row in logits]
-        # the cached decode and the uncached forward agree on the steps they share
-        for i, step in enumerate(g.logits):
-            d = float((step[0].float() - logits[len(ids) - 1 + i]).abs().max())
-            assert d < 1e-3, (name, i, d)
-        cases.append({
-            "name": name,
-            "text": text,
-            "prompt_ids": ids,
-            "greedy_ids": new,
-            "greedy_text": tok.decode(new),
-            # smallest top-1 minus top-2 log-prob gap over the greedy steps (a near-tie is fragile)
-            "min_greedy_margin": round(min(t["logprobs"][0] - t["logprobs"][1] for t in gen_top), DECIMALS),
-            "gen_top": gen_top,
-            "full_top": full_top,
-        })
-        print(f"{name}: {len(ids)} prompt tokens -> {new} {tok.decode(new)!r}", file=sys.stderr)
-
-    st = model_dir / "model.safetensors"
-    data = {
+    return {
         "about": "Hugging Face transformers reference for jaxsmol (tools/make_hf_reference.py); "
                  "float32 CPU; logprobs are log_softmax of float32 logits, rounded to 6 decimals",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": sys.version.split()[0]},
         "model": {
             "dir_name": model_dir.name,
-            "model_safetensors_sha256": sha256(st),
+            "model_safetensors_sha256": sha256(model_dir / "model.safetensors"),
             "tokenizer_json_sha256": sha256(model_dir / "tokenizer.json"),
             "vocab_size": cfg.vocab_size,
             "num_hidden_layers": cfg.num_hidden_layers,
@@ -175,6 +159,30 @@ def make_reference(model_dir: Path, out: Path) -> None:
         "top_k": TOP_K,
         "cases": cases,
     }
+
+
+def make_reference(model_dir: Path, out: Path) -> None:
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    model = load_model(model_dir)
+    cfg = model.config
+    gen_cfg = GenerationConfig(
+        max_new_tokens=N_NEW, min_new_tokens=0, do_sample=False, num_beams=1,
+        eos_token_id=None, pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+        bos_token_id=cfg.bos_token_id,
+        output_logits=True, return_dict_in_generate=True,
+    )
+
+    # EOS stopping off, so that every case has N_NEW tokens. generate() fills unset fields of the
+    # passed config from model.generation_config (the model dir's generation_config.json, which may
+    # name an eos or sampling defaults), so replace that one too.
+    model.generation_config = gen_cfg
+
+    cases = [_case(model, tok, gen_cfg, name, text, ids) for name, text, ids in PROMPTS]
+    data = _fixture(model_dir, cfg, tok, cases)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     # one case per line keeps diffs readable without blowing up the size

@@ -80,21 +80,13 @@ STRINGS = [
 ]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", required=True, type=Path, help="the GGUF whose tokenizer is the reference")
-    ap.add_argument("--model", type=Path, help="imported HF dir whose tokenizer.json is compared")
-    ap.add_argument("--out", type=Path, help="fixture to write, e.g. tests/fixtures/tokenizer_reference.json")
-    args = ap.parse_args(argv)
-
-    import tokenizers
-    import transformers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
+def _reference_tokenizers(gguf: Path):
+    """(transformers' tokenizer from the GGUF as is, the reference: the same with the pre-tokenizer the
+    GGUF names, tokenizer.ggml.pre, the correction made or None)."""
     from gguf import GGUFReader
     from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
 
-    gguf = args.gguf.expanduser()
     field = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.pre")
     pre = field.contents() if field is not None else None
     raw_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -113,6 +105,11 @@ def main(argv=None) -> int:
                       "then ByteLevel(add_prefix_space=False); transformers' GGUF converter gives ByteLevel only")
     elif pre not in (None, "default", "gpt-2"):
         print(f"warning: tokenizer.ggml.pre={pre!r} is not handled; using transformers' tokenizer as is")
+    return raw_tok, ref_tok, pre, correction
+
+
+def _cases(raw_tok, ref_tok) -> tuple[list[dict], int]:
+    """(a case per string: its reference ids, and the uncorrected ids where they differ; how many differ)."""
     cases = []
     n_raw_diff = 0
     for s in STRINGS:
@@ -123,38 +120,61 @@ def main(argv=None) -> int:
             case["hf_gguf_raw_ids"] = raw
             n_raw_diff += 1
         cases.append(case)
+    return cases, n_raw_diff
+
+
+def _compare_with_model(model: Path, cases: list[dict]) -> int:
+    """Encode the cases with the imported model's tokenizer.json; list every disagreement. 1 if any."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(model.expanduser() / "tokenizer.json"))
+    bad = []
+    for c in cases:
+        got = [int(i) for i in fast(c["text"], add_special_tokens=False)["input_ids"]]
+        if got != c["ids"]:
+            bad.append((c["text"], c["ids"], got))
+    print(f"{len(cases)} strings: GGUF tokenizer (transformers) vs {model}/tokenizer.json: "
+          f"{len(cases) - len(bad)} agree, {len(bad)} differ")
+    for text, want, got in bad:
+        print(f"  MISMATCH {text!r}\n    gguf:           {want}\n    tokenizer.json: {got}")
+    return 1 if bad else 0
+
+
+def _write_fixture(out: Path, gguf: Path, pre, correction, cases: list[dict]) -> None:
+    import tokenizers
+    import transformers
+
+    data = {
+        "about": "token ids of transformers' tokenizer built from the GGUF "
+                 "(AutoTokenizer.from_pretrained(dir, gguf_file=...)), add_special_tokens=False; "
+                 "made by tools/make_tokenizer_reference.py",
+        "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+        "gguf": {"name": gguf.name, "sha256": sha256(gguf), "tokenizer.ggml.pre": pre},
+        "correction": correction,
+        "cases": cases,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    text = text.replace(',{"text":', ',\n{"text":')
+    out.write_text(text + "\n", encoding="utf-8")
+    print(f"wrote {out} ({out.stat().st_size} bytes, {len(cases)} strings)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", required=True, type=Path, help="the GGUF whose tokenizer is the reference")
+    ap.add_argument("--model", type=Path, help="imported HF dir whose tokenizer.json is compared")
+    ap.add_argument("--out", type=Path, help="fixture to write, e.g. tests/fixtures/tokenizer_reference.json")
+    args = ap.parse_args(argv)
+
+    gguf = args.gguf.expanduser()
+    raw_tok, ref_tok, pre, correction = _reference_tokenizers(gguf)
+    cases, n_raw_diff = _cases(raw_tok, ref_tok)
     if correction:
         print(f"{correction}\n  the correction changes {n_raw_diff} of {len(cases)} strings")
-
-    rc = 0
-    if args.model:
-        fast = PreTrainedTokenizerFast(tokenizer_file=str(args.model.expanduser() / "tokenizer.json"))
-        bad = []
-        for c in cases:
-            got = [int(i) for i in fast(c["text"], add_special_tokens=False)["input_ids"]]
-            if got != c["ids"]:
-                bad.append((c["text"], c["ids"], got))
-        print(f"{len(cases)} strings: GGUF tokenizer (transformers) vs {args.model}/tokenizer.json: "
-              f"{len(cases) - len(bad)} agree, {len(bad)} differ")
-        for text, want, got in bad:
-            print(f"  MISMATCH {text!r}\n    gguf:           {want}\n    tokenizer.json: {got}")
-        rc = 1 if bad else 0
-
+    rc = _compare_with_model(args.model, cases) if args.model else 0
     if args.out:
-        data = {
-            "about": "token ids of transformers' tokenizer built from the GGUF "
-                     "(AutoTokenizer.from_pretrained(dir, gguf_file=...)), add_special_tokens=False; "
-                     "made by tools/make_tokenizer_reference.py",
-            "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
-            "gguf": {"name": gguf.name, "sha256": sha256(gguf), "tokenizer.ggml.pre": pre},
-            "correction": correction,
-            "cases": cases,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        text = text.replace(',{"text":', ',\n{"text":')
-        args.out.write_text(text + "\n", encoding="utf-8")
-        print(f"wrote {args.out} ({args.out.stat().st_size} bytes, {len(cases)} strings)")
+        _write_fixture(args.out, gguf, pre, correction, cases)
     return rc
 
 

@@ -15,6 +15,66 @@ import statistics
 import time
 
 
+def _sampling(W: int, V: int) -> dict:
+    """Greedy per-row sampling arrays for W rows, every token allowed."""
+    import jax.numpy as jnp
+
+    return {"temperature": jnp.zeros(W), "top_k": jnp.zeros(W, jnp.int32), "top_p": jnp.ones(W),
+            "seed_lo": jnp.zeros(W, jnp.uint32), "seed_hi": jnp.zeros(W, jnp.uint32),
+            "step": jnp.zeros(W, jnp.int32), "allowed": jnp.full((W, -(-V // 32)), -1, jnp.int32)}
+
+
+def _runners(eng, W: int, cap: int, pos: int) -> dict:
+    """The three variants at width W, each one decode step on its own cache: name -> a call."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxsmol import programs
+    from jaxsmol.kv import KVCache
+
+    cfg = eng.cfg
+    tok = jnp.full((W,), 100, jnp.int32)
+    state = {"step": KVCache.zeros(cfg, cap, batch=W), "vec": KVCache.zeros(cfg, cap, batch=W),
+             "scalar": KVCache.zeros(cfg, cap, batch=W)}
+    sp, active = _sampling(W, cfg.vocab_size), jnp.ones(W, bool)
+
+    def step():
+        out, kv = programs.decode_step(eng.params, tok, state["step"].replace(pos=jnp.full(W, pos, jnp.int32)),
+                                       active, sp, cfg)
+        np.asarray(out["tokens"])
+        state["step"] = kv
+
+    def vec():
+        logits, kv = programs.forward(eng.params, tok[:, None], jnp.int32(1),
+                                      state["vec"].replace(pos=jnp.full(W, pos, jnp.int32)), cfg)
+        np.asarray(logits)
+        state["vec"] = kv
+
+    def scalar():
+        logits, kv = programs.forward(eng.params, tok[:, None], jnp.int32(1),
+                                      state["scalar"].replace(pos=jnp.int32(pos)), cfg)
+        np.asarray(logits)
+        state["scalar"] = kv
+    return {"decode_step": step, "forward pos[W]": vec, "forward pos[]": scalar}
+
+
+def _time_width(fns: dict, rounds: int, steps: int) -> tuple[dict, list[float]]:
+    """(median ms per step of each variant, the per-round pos[W] / pos[] ratios), rounds alternating."""
+    for f in fns.values():
+        f()  # compile
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                f()
+            times[n].append((time.perf_counter() - t0) / steps)
+    row = {n: statistics.median(t) * 1000 for n, t in times.items()}
+    ratio = [a / b for a, b in zip(times["forward pos[W]"], times["forward pos[]"])]
+    row["ratio"] = statistics.median(ratio)
+    return row, ratio
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -24,62 +84,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxsmol import programs
     from jaxsmol.engine import Engine, capacity_for
-    from jaxsmol.kv import KVCache
 
     eng = Engine.load(args.model, progress=False)
-    cfg, V = eng.cfg, eng.cfg.vocab_size
     cap, pos = capacity_for(args.position + args.steps + 1), args.position
-
-    def sampling(W):
-        return {"temperature": jnp.zeros(W), "top_k": jnp.zeros(W, jnp.int32), "top_p": jnp.ones(W),
-                "seed_lo": jnp.zeros(W, jnp.uint32), "seed_hi": jnp.zeros(W, jnp.uint32),
-                "step": jnp.zeros(W, jnp.int32), "allowed": jnp.full((W, -(-V // 32)), -1, jnp.int32)}
-
-    def runners(W):
-        tok = jnp.full((W,), 100, jnp.int32)
-        state = {"step": KVCache.zeros(cfg, cap, batch=W), "vec": KVCache.zeros(cfg, cap, batch=W),
-                 "scalar": KVCache.zeros(cfg, cap, batch=W)}
-        sp, active = sampling(W), jnp.ones(W, bool)
-
-        def step():
-            out, kv = programs.decode_step(eng.params, tok, state["step"].replace(pos=jnp.full(W, pos, jnp.int32)),
-                                           active, sp, cfg)
-            np.asarray(out["tokens"])
-            state["step"] = kv
-
-        def vec():
-            logits, kv = programs.forward(eng.params, tok[:, None], jnp.int32(1),
-                                          state["vec"].replace(pos=jnp.full(W, pos, jnp.int32)), cfg)
-            np.asarray(logits)
-            state["vec"] = kv
-
-        def scalar():
-            logits, kv = programs.forward(eng.params, tok[:, None], jnp.int32(1),
-                                          state["scalar"].replace(pos=jnp.int32(pos)), cfg)
-            np.asarray(logits)
-            state["scalar"] = kv
-        return {"decode_step": step, "forward pos[W]": vec, "forward pos[]": scalar}
-
     table = {}
     for W in args.widths:
-        fns = runners(W)
-        for f in fns.values():
-            f()  # compile
-        times = {n: [] for n in fns}
-        for _ in range(args.rounds):
-            for n, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    f()
-                times[n].append((time.perf_counter() - t0) / args.steps)
-        table[W] = {n: statistics.median(t) * 1000 for n, t in times.items()}
-        ratio = [a / b for a, b in zip(times["forward pos[W]"], times["forward pos[]"])]
-        table[W]["ratio"] = statistics.median(ratio)
+        table[W], ratio = _time_width(_runners(eng, W, cap, pos), args.rounds, args.steps)
         print(f"W={W:2d}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in table[W].items() if n != "ratio")
               + f"; pos[W]/pos[] {table[W]['ratio']:.2f} (per round {[round(r, 2) for r in ratio]})", flush=True)
     one = table[args.widths[0]]["decode_step"]

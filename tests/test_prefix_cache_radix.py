@@ -1,0 +1,232 @@
+"""The prefix cache in radix mode in front of the tiny engine: exact full hits, saving the answer, forks,
+namespaces, LRU under a small budget, miss diagnostics (the course exercise's behaviours are in
+tests/test_prefix_cache.py). Every warm result is compared with a cold run, bit for bit (`run`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.prefix_cache import PrefixCache
+from cache_runs import SP, assert_same, distinct, run, toks
+from jaxsmol.config import Config
+from jaxsmol.engine import Engine
+from jaxsmol.params import init_random
+from jaxsmol.sampling import SamplingParams
+
+
+# ---- radix: exact full hit ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("save_generated", [False, True])
+def test_exact_full_hit(eng, save_generated):
+    cache = PrefixCache(eng, mode="radix", save_generated=save_generated)
+    p = toks(70, 40)
+    sampled = SamplingParams(max_tokens=3, logprobs=3, temperature=0.8, seed=5)
+    for sp in (SP, sampled):
+        cache.flush()
+        run(cache, p, sp)
+        gen, r = run(cache, p, sp)  # bitwise equal to cold (run checks)
+        assert r.exact_hit
+        assert (r.matched, r.reused, r.prefilled) == (70, 70, 0)
+        assert gen.timings.prefilled_tokens == 0
+        assert r.divergence_pos is None
+
+
+def test_exact_hit_with_max_tokens_zero(eng):
+    cache = PrefixCache(eng, mode="radix")
+    p = toks(30, 41)
+    sp = SamplingParams(max_tokens=0)
+    run(cache, p, sp)
+    gen, r = run(cache, p, sp)
+    assert r.exact_hit and gen.output_ids == []
+
+
+# ---- radix: save after generation -------------------------------------------------------------
+
+def test_save_after_generation_next_turn_reuses_the_answer(eng):
+    cache = PrefixCache(eng, mode="radix")
+    p = toks(50, 42)
+    gen1, r1 = run(cache, p)
+    out = gen1.output_ids
+    assert len(out) == 3
+    turn2 = p + out + toks(12, 43)
+    gen2, r2 = run(cache, turn2)
+    assert r2.matched == r2.reused == len(p) + len(out) > len(p)
+    # regenerating at the end of the answer: an exact hit (the saved answer has its logits)
+    gen3, r3 = run(cache, p + out)
+    assert r3.exact_hit and r3.reused == len(p) + len(out)
+
+
+def test_without_save_generated_only_the_prompt_is_reused(eng):
+    cache = PrefixCache(eng, mode="radix", save_generated=False)
+    p = toks(50, 44)
+    gen1, _ = run(cache, p)
+    gen2, r2 = run(cache, p + gen1.output_ids + toks(12, 45))
+    assert r2.reused == len(p)
+
+
+def test_save_generated_not_exact_reuses_the_decode_state(eng):
+    """exact=False stores the decode state as is (cheaper, not bitwise): all but the last output
+    token, whose state decode never computed."""
+    cache = PrefixCache(eng, mode="radix", exact=False)
+    p = toks(50, 46)
+    gen1, _ = cache.generate(p, SP)
+    turn2 = p + gen1.output_ids + toks(12, 47)
+    gen2, r2 = cache.generate(turn2, SP)
+    assert r2.reused == len(p) + len(gen1.output_ids) - 1
+
+
+# ---- radix: fork -----------------------------------------------------------------------------------
+
+def test_fork_samples_share_one_snapshot(eng, bpt, payload_bytes):
+    cache = PrefixCache(eng, mode="radix")
+    p = toks(80, 50)
+    seeds = [0, 1, 2, 3, 4]
+    outs = []
+    for i, seed in enumerate(seeds):
+        sp = SamplingParams(max_tokens=3, logprobs=3, temperature=1.0, seed=seed)
+        gen, r = run(cache, p, sp)  # equal to the cold output for this seed
+        if i == 0:
+            assert r.reused == 0
+        else:
+            assert r.exact_hit and r.reused == 80 and r.prefilled == 0
+        outs.append(tuple(gen.output_ids))
+    assert len(set(outs)) > 1  # the samples did differ
+    # the prompt is stored once; each distinct answer adds its own positions and logits
+    answer_positions = len({o[: i + 1] for o in outs for i in range(len(o))})
+    assert cache.radix.bytes_held == (80 + answer_positions) * bpt + (1 + len(set(outs))) * payload_bytes
+    # branches of one prompt (tree of thought) reuse the shared trunk
+    for j, o in enumerate(sorted(set(outs))):
+        gen, r = run(cache, list(p) + list(o) + toks(5, 60 + j))
+        assert r.reused == 80 + len(o)
+
+
+# ---- radix: namespaces ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["minimal", "radix"])
+def test_salt_namespace_never_hits(eng, mode):
+    cache = PrefixCache(eng, mode=mode)
+    p = toks(40, 70)
+    run(cache, p)
+    gen, r = run(cache, p, salt="tenant-b")
+    assert r.matched == 0 and r.reused == 0 and not r.exact_hit
+    salted = PrefixCache(eng, mode=mode, salt="tenant-b")
+    salted.radix, salted.single = cache.radix, cache.single  # one store, two salts
+    gen, r = run(salted, p)
+    assert r.reused == (39 if mode == "minimal" else 40)  # what tenant-b itself stored in radix
+
+
+@pytest.mark.parametrize("mode", ["minimal", "radix"])
+def test_other_model_fingerprint_never_hits(eng, mode):
+    cache = PrefixCache(eng, mode=mode)
+    p = toks(40, 71)
+    run(cache, p)
+    other = Engine(eng.cfg, eng.params, None, ctx=eng.ctx)
+    other._fingerprint = "tiny-other"
+    other_cache = PrefixCache(other, mode=mode)
+    other_cache.radix, other_cache.single = cache.radix, cache.single  # one store, two models
+    gen, r = run(other_cache, p)
+    assert r.matched == 0 and r.reused == 0
+    if mode == "radix":
+        gen, r = run(cache, p)  # the first model still hits its own entry
+        assert r.exact_hit
+
+
+def test_fingerprint_covers_weights_config_and_dtype():
+    import jax.numpy as jnp
+
+    cfg = Config.tiny()
+    base = Engine(cfg, init_random(cfg, seed=0), None).fingerprint
+    assert Engine(cfg, init_random(cfg, seed=0), None).fingerprint == base
+    assert Engine(cfg, init_random(cfg, seed=1), None).fingerprint != base
+    cfg2 = Config.tiny(rms_norm_eps=1e-6)
+    assert Engine(cfg2, init_random(cfg2, seed=0), None).fingerprint != base
+    assert Engine(cfg, init_random(cfg, seed=0, dtype=jnp.bfloat16), None).fingerprint != base
+
+
+# ---- radix: LRU under a small budget, entries in use ------------------------------------------
+
+def test_lru_under_a_small_budget(eng, bpt, payload_bytes):
+    entry = 40 * bpt + payload_bytes
+    cache = PrefixCache(eng, mode="radix", budget_bytes=2 * entry + entry // 2, save_generated=False)
+    a, b, c = distinct(40, 80, 81), distinct(40, 81, 82), distinct(40, 82, 83)
+    run(cache, a)
+    run(cache, b)
+    assert cache.stats.evictions == 0
+    assert run(cache, a)[1].exact_hit  # a is now more recent than b
+    run(cache, c)  # over budget: evicts b, the least recently used
+    assert cache.stats.evictions == 1
+    assert cache.stats.bytes_held == cache.bytes_held <= cache.budget_bytes
+    assert run(cache, a)[1].exact_hit
+    assert run(cache, c)[1].exact_hit
+    gen, r = run(cache, b)
+    assert r.matched == 0  # evicted (and now stored again, evicting a)
+    assert cache.stats.evictions == 2
+    assert cache.bytes_held <= cache.budget_bytes
+
+
+def test_entry_in_use_is_not_evicted(eng, bpt, payload_bytes):
+    entry = 40 * bpt + payload_bytes
+    cache = PrefixCache(eng, mode="radix", budget_bytes=2 * entry, save_generated=False)
+    ns = cache.namespace()
+    a = distinct(40, 90, 91)
+    run(cache, a)
+    req = cache.start(a, SP)  # an exact hit, in use until iterated to the end
+    assert req.report.exact_hit
+    for i in range(3):  # a is the least recently used throughout
+        run(cache, distinct(40, 91 + i, 92 + i))
+    assert cache.radix.match(ns, a).length == 40  # still there
+    steps = list(req)
+    assert len(steps) == 3
+    assert_same(req.gen, eng.generate(a, SP))
+    for i in range(3):
+        run(cache, distinct(40, 95 + i, 96 + i))
+    assert cache.radix.match(ns, a).length == 0  # released: evicted like any other
+    assert cache.bytes_held <= cache.budget_bytes
+
+
+def test_partial_hits_leave_nothing_pinned(eng, bpt, payload_bytes):
+    """A partial hit inside a stored edge, then saving the prompt (which splits that edge), must leave
+    no lease behind: once the requests are done, LRU can evict every entry."""
+    entry = 40 * bpt + payload_bytes
+    cache = PrefixCache(eng, mode="radix", budget_bytes=3 * entry, save_generated=False)
+    a = distinct(40, 100, 101)
+    run(cache, a)
+    b = a[:20] + toks(20, 102)
+    b[20] = a[20] + 1 if a[20] < 255 else 3
+    gen, r = run(cache, b)
+    assert r.reused == 20
+    assert _leased(cache.radix) == []  # no request is in flight
+    for i in range(4):  # a, b and their shared trunk are now the least recently used
+        run(cache, distinct(40, 103 + i, 104 + i))
+    gen, r = run(cache, a)
+    assert r.matched == 0, "the trunk shared by a and b stayed pinned after its requests ended"
+
+
+def _leased(store):
+    """(first tokens, leases) of every node still leased."""
+    stack, out = list(store._roots.values()), []
+    while stack:
+        node = stack.pop()
+        if node.parent is not None and node.leases:
+            out.append((node.tokens[:3], node.leases))
+        stack.extend(node.children.values())
+    return out
+
+
+# ---- radix: miss diagnostics ----------------------------------------------------------------------
+
+def test_miss_diagnostics(eng):
+    cache = PrefixCache(eng, mode="radix", save_generated=False)
+    a = distinct(50, 110, 111)
+    run(cache, a)
+    b = a[:20] + toks(10, 112)
+    b[20] = a[20] + 1 if a[20] < 255 else 3
+    gen, r = run(cache, b)
+    assert (r.matched, r.divergence_pos, r.nearest_len) == (20, 20, 50)
+    gen, r = run(cache, distinct(30, 111, 113))  # nothing shares its first token
+    assert (r.matched, r.reused, r.divergence_pos, r.nearest_len) == (0, 0, 0, 0)
+    gen, r = run(cache, a)
+    assert r.exact_hit and r.divergence_pos is None
+    gen, r = run(cache, a[:30])  # a stored prefix, no logits for it
+    assert (r.matched, r.reused, r.divergence_pos, r.nearest_len) == (30, 29, None, 50)
