@@ -100,19 +100,6 @@ def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -
     return lax.fori_loop(0, new.shape[0], row, cache)
 
 
-def layer_matmul(spec: str, x: jax.Array, weights: tuple[jax.Array, ...], layer: jax.Array, **kw) -> jax.Array:
-    """einsum(spec, x, weights[layer]) for a traced layer index, reading that layer's matrix in place.
-
-    Why a switch over per-layer arrays rather than a slice of one stacked [L, ...] array: XLA:CPU copies
-    a dynamic slice into a new buffer before the matmul, so a decode step read every weight three
-    times (the copies were ~70% of a decode step). A `lax.switch` branch hands its operand buffer to
-    the matmul directly: decode takes ~0.55x the time, with the same bits (the same matmul runs).
-    """
-    def branch(j):
-        return lambda x, weights: jnp.einsum(spec, x, weights[j], **kw)
-    return lax.switch(layer, [branch(j) for j in range(len(weights))], x, weights)
-
-
 def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
             all_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
@@ -130,33 +117,26 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), H, cfg.rope_theta)  # [T, H] or [B, T, H]
     x = params.embed[tokens].astype(jnp.float32)  # [B, T, D], the residual stream
 
-    layers = params.layers
-    norms = (jnp.stack([w.attn_norm for w in layers]), jnp.stack([w.mlp_norm for w in layers]))  # [L, D] each
-
     def layer(carry, inputs):
         x, k_all, v_all = carry
-        attn_norm, mlp_norm, i = inputs  # layer i's norms; its matrices come from `layer_matmul`
-
-        def proj(spec, a, name, **kw):
-            return layer_matmul(spec, a, tuple(getattr(w, name) for w in layers), i, **kw)
-
-        h = rms_norm(x, attn_norm, cfg.rms_norm_eps).astype(dt)
-        q = proj("btd,dn->btn", h, "wq").reshape(B, T, K * G, H)
-        k = proj("btd,dn->btn", h, "wk").reshape(B, T, K, H)
-        v = proj("btd,dn->btn", h, "wv").reshape(B, T, K, H)
+        w, i = inputs  # LayerParams of layer i (leading L axis scanned away)
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps).astype(dt)
+        q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, K * G, H)
+        k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, K, H)
+        v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, K, H)
         q = apply_rope(q, sin, cos) * (H ** -0.5)
         k = apply_rope(k, sin, cos)
         k_all = _write(k_all, k.astype(k_all.dtype), i, pos)
         v_all = _write(v_all, v.astype(v_all.dtype), i, pos)
         a = attention(q.reshape(B, T, K, G, H), k_all, v_all, i, pos).reshape(B, T, K * G * H)
-        x = x + proj("btn,nd->btd", a.astype(dt), "wo", preferred_element_type=jnp.float32)
-        h = rms_norm(x, mlp_norm, cfg.rms_norm_eps).astype(dt)
-        gate = proj("btd,df->btf", h, "w_gate")
-        up = proj("btd,df->btf", h, "w_up")
-        x = x + proj("btf,fd->btd", jax.nn.silu(gate) * up, "w_down", preferred_element_type=jnp.float32)
+        x = x + jnp.einsum("btn,nd->btd", a.astype(dt), w.wo, preferred_element_type=jnp.float32)
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps).astype(dt)
+        gate = jnp.einsum("btd,df->btf", h, w.w_gate)
+        up = jnp.einsum("btd,df->btf", h, w.w_up)
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, preferred_element_type=jnp.float32)
         return (x, k_all, v_all), None
 
-    (x, k_all, v_all), _ = lax.scan(layer, (x, kv.k, kv.v), norms + (jnp.arange(cfg.n_layers),))
+    (x, k_all, v_all), _ = lax.scan(layer, (x, kv.k, kv.v), (params.layers, jnp.arange(cfg.n_layers)))
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(dt)

@@ -7,7 +7,7 @@ compiled and warmed first, then traced `--runs` times. Every XLA:CPU thunk in th
 instruction of the compiled program; its *self* time (its span minus the spans nested in it on the
 same thread) is attributed to a category through the source line the instruction came from (the
 compiled HLO's StackFrames table): projections, attention (its two einsums apart from its softmax),
-norms, RoPE, the KV write, the layer scan and its switches, the LM head, and loop
+norms, RoPE, the KV write, the per-layer weight slices the layer scan copies, the LM head, and loop
 control. Thunks that run concurrently on two threads are both counted, so the shares are of thread
 time; the wall time per call is measured apart (median of the traced runs).
 """
@@ -38,9 +38,7 @@ CATEGORIES = [
     ("layer", "silu", "MLP silu(gate) * up"),
     ("layer", "apply_rope", "RoPE"),
     ("layer", "x = x +", "residual adds"),
-    ("layer_matmul", "lax.switch", "layer_matmul: the switch picking a layer's matrix"),
-    ("forward", "jnp.stack", "layer scan: the stacked norm weights"),
-    ("forward", "lax.scan", "layer scan: per-layer slices and loop control"),
+    ("forward", "lax.scan", "layer scan: per-layer weight slices (copies)"),
     ("forward", "unembed", "LM head"),
     ("forward", "embed", "embedding lookup"),
 ]
