@@ -41,7 +41,7 @@ from cache.prefix_cache import PrefixCache
 from cache.records import Lookup
 from cache.requests import Finished, Request
 from jaxsmol import programs
-from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
+from jaxsmol.engine import PREFILL_BUCKETS, capacity_for, chunk_length
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
@@ -100,16 +100,17 @@ class BatchSettings:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_batch: int = 16, kv_bytes: int = 4 << 30,
-                 batch_invariant: bool = False, chunk_rows: int = 128):
-        if max_batch < 1:
-            raise JaxsmolError(f"max_batch must be >= 1, got {max_batch}")
-        if chunk_rows not in PREFILL_BUCKETS:
-            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {chunk_rows}")
+    def __init__(self, cache: PrefixCache, **settings):
+        """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows)."""
+        s = BatchSettings(**settings)
+        if s.max_batch < 1:
+            raise JaxsmolError(f"max_batch must be >= 1, got {s.max_batch}")
+        if s.chunk_rows not in PREFILL_BUCKETS:
+            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {s.chunk_rows}")
         self.cache, self.engine = cache, cache.engine
-        self.max_batch, self.kv_bytes, self.chunk_rows = max_batch, kv_bytes, chunk_rows
-        self.batch_invariant = batch_invariant
-        self.widths = (max_batch,) if batch_invariant else widths_for(max_batch)
+        self.max_batch, self.kv_bytes, self.chunk_rows = s.max_batch, s.kv_bytes, s.chunk_rows
+        self.batch_invariant = s.batch_invariant
+        self.widths = (s.max_batch,) if s.batch_invariant else widths_for(s.max_batch)
         self.pending: collections.deque[Request] = collections.deque()
         self.prefilling: _Prefill | None = None
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
@@ -234,16 +235,16 @@ class Scheduler:
     def _prefill_chunk(self, max_rows: int) -> int:
         """One chunk (at most max_rows rows) of the request being prefilled; returns the rows it ran."""
         p = self.prefilling
-        start = int(p.kv.pos)
+        rows = chunk_length(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
         try:
             logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
-            end = int(p.kv.pos)
+            done = int(p.kv.pos) >= len(p.lookup.prompt)
         except Exception as e:  # a failure costs this request, never the others
             self._abort_prefill(e)
-            return max_rows
-        if end >= len(p.lookup.prompt):
+            return rows
+        if done:
             self._prompt_done(logits)
-        return next((b for b in PREFILL_BUCKETS if b >= end - start), PREFILL_BUCKETS[-1])
+        return rows
 
     def _exact(self, p: _Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact

@@ -100,14 +100,18 @@ class Precompile:
         import threading
         import types
 
+        from jaxsmol.engine import check_prompt, context_length
+        from jaxsmol.errors import JaxsmolError
+
         a = self.args
         if a.prompt_cache or a.tp * a.dp > 1:  # a restored prefix or a sharded layout: other programs
             return
         ids = prompt_ids(a, types.SimpleNamespace(tokenizer=tokenizer, cfg=cfg))
-        n, ctx = len(ids), a.ctx or cfg.max_position
-        if not (0 < n and n + a.max_tokens <= ctx <= cfg.max_position and 0 <= min(ids) and max(ids) < cfg.vocab_size):
-            return  # a request the engine will refuse: nothing to compile
-        self.thread = threading.Thread(target=self._compile, args=(cfg, n), daemon=True)
+        try:
+            ids = check_prompt(cfg, context_length(cfg, a.ctx), ids, a.max_tokens)
+        except JaxsmolError:
+            return  # the engine will refuse this request, and say why: nothing to compile
+        self.thread = threading.Thread(target=self._compile, args=(cfg, len(ids)), daemon=True)
         self.thread.start()
 
     def _compile(self, cfg, n: int) -> None:

@@ -44,15 +44,49 @@ def compiled_programs(program: str = "forward") -> int:
     return programs.compiled_count(program)
 
 
+def chunk_length(n_left: int, max_rows: int = PREFILL_BUCKETS[-1], exact: bool = True) -> int:
+    """The padded length T of the next chunk of n_left tokens still to prefill, at most max_rows real
+    ones: the smallest bucket that holds them (the largest bucket when none does)."""
+    buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
+    return next((b for b in buckets if b >= min(n_left, max_rows)), buckets[-1])
+
+
 def chunk_plan(n: int, exact: bool = True) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
-    buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
     plan = []
     while n > 0:
-        T = next((b for b in buckets if b >= n), buckets[-1])
+        T = chunk_length(n, exact=exact)
         plan.append(T)
         n -= min(T, n)
     return plan
+
+
+def context_length(cfg: Config, ctx: int | None) -> int:
+    """ctx (None: the model's max_position_embeddings), or JaxsmolError if the model cannot hold it."""
+    ctx = cfg.max_position if ctx is None else int(ctx)
+    if not 0 < ctx <= cfg.max_position:
+        raise JaxsmolError(f"context length {ctx} must be in [1, {cfg.max_position}] "
+                           "(the model's max_position_embeddings)")
+    return ctx
+
+
+def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
+    """Return ids as a list of ints, or raise JaxsmolError naming what is wrong with the request."""
+    try:
+        ids = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise JaxsmolError("token ids must be integers") from None
+    if not ids:
+        raise JaxsmolError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise JaxsmolError(f"token id {bad[0]} is outside [0, {cfg.vocab_size})")
+    if max_tokens < 0:
+        raise JaxsmolError(f"max_tokens must be >= 0, got {max_tokens}")
+    if len(ids) + max_tokens > ctx:
+        raise JaxsmolError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                           f"context of {ctx} tokens")
+    return ids
 
 
 def capacity_for(slots: int) -> int:
@@ -104,10 +138,7 @@ class Engine:
         if mesh is not None:
             params = shard_params(params, mesh)
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
-        self.ctx = cfg.max_position if ctx is None else int(ctx)
-        if not 0 < self.ctx <= cfg.max_position:
-            raise JaxsmolError(f"context length {self.ctx} must be in [1, {cfg.max_position}] "
-                               "(the model's max_position_embeddings)")
+        self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
         self._pool: dict[int, list[KVCache]] = {}  # capacity -> finished caches (see recycle)
@@ -160,21 +191,7 @@ class Engine:
     # ---- validation -----------------------------------------------------------------------------
     def check_prompt(self, ids, max_tokens: int = 0) -> list[int]:
         """Return ids as a list of ints, or raise JaxsmolError naming what is wrong."""
-        try:
-            ids = [int(i) for i in ids]
-        except (TypeError, ValueError):
-            raise JaxsmolError("token ids must be integers") from None
-        if not ids:
-            raise JaxsmolError("the prompt is empty")
-        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise JaxsmolError(f"token id {bad[0]} is outside [0, {self.cfg.vocab_size})")
-        if max_tokens < 0:
-            raise JaxsmolError(f"max_tokens must be >= 0, got {max_tokens}")
-        if len(ids) + max_tokens > self.ctx:
-            raise JaxsmolError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                               f"context of {self.ctx} tokens")
-        return ids
+        return check_prompt(self.cfg, self.ctx, ids, max_tokens)
 
     # ---- the forward, chunked -------------------------------------------------------------------
     # A finished request's cache buffer can serve the next request of the same capacity: its stale
@@ -239,8 +256,7 @@ class Engine:
         positions already written: a >= 64-row chunk gives every row the same bits wherever it starts
         (module docstring), so they are rewritten unchanged."""
         pos = int(kv.pos)
-        buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
-        T = next((b for b in buckets if b >= min(len(ids) - pos, max_rows)), buckets[-1])
+        T = chunk_length(len(ids) - pos, max_rows, exact)
         begin = max(min(pos, kv.capacity - T), 0)
         n = min(T, len(ids) - begin)
         chunk = np.zeros((1, T), np.int32)
