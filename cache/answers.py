@@ -2,8 +2,11 @@
 
 A finished choice's prompt + answer is stored in the prefix cache by re-prefilling the answer in
 >= 64-row chunks from the stored prompt (so the next turn gets the bits a cold prefill computes).
-The scheduler runs one chunk between decode steps when no prompt is being prefilled; a prompt that
-continues an answer still waiting moves that answer to the front (`wanted_by`).
+Storing an answer is speculative work (the next turn may never come), so it yields to requests:
+the scheduler runs a chunk only in a step where no prompt is being prefilled and no row decodes,
+unless a waiting prompt continues that answer (`wanted_by` moves it to the front and marks it
+`urgent`). Under steady load answers are then not stored ahead; a next turn prefills its answer
+itself, which costs it no more than the save would have.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ MAX_PENDING = 64  # answers waiting; beyond them the oldest is dropped (its next
 class _Saving:
     save: AnswerSave
     kv: KVCache | None = None
+    wanted: bool = False  # a waiting prompt continues this answer
 
 
 class AnswerQueue:
@@ -39,12 +43,18 @@ class AnswerQueue:
         while len(self._queue) > MAX_PENDING:
             self._drop(self._queue.popleft())
 
+    @property
+    def urgent(self) -> bool:
+        """Is the first answer wanted by a waiting prompt (so it runs even while rows decode)?"""
+        return bool(self._queue) and self._queue[0].wanted
+
     def wanted_by(self, prompt_ids, namespace) -> bool:
         """Does this prompt continue an answer still waiting? Then that answer moves to the front."""
         for i, s in enumerate(self._queue):
             if s.save.lookup.ns == namespace and \
                     common_prefix_len(prompt_ids, s.save.tokens) > len(s.save.lookup.prompt):
                 del self._queue[i]
+                s.wanted = True
                 self._queue.appendleft(s)
                 return True
         return False

@@ -7,8 +7,8 @@ Each `step()` does, in order:
   2. prefill chunks of that request (>= 64 rows each, so its prompt state has the bits of a cold
      prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing);
      while that budget lasts, the next waiting requests are admitted and prefilled too (a burst of
-     short prompts joins a few per step); or else one chunk of an answer being re-prefilled for the
-     cache (the next chat turn's prefix);
+     short prompts joins a few per step); or else, when no row decodes (or a waiting prompt needs
+     it), one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
      when a prompt is complete, its first tokens are sampled and its state is inserted into one
      decode row per choice (`n` forks share one prefill);
   3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
@@ -151,8 +151,8 @@ class Scheduler:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
         decode step of all rows."""
         self._drop_cancelled()
-        if not self._prefill_newcomers() and self.saves:
-            self.saves.step(self._row_budget())
+        if not self._prefill_newcomers() and (self.saves.urgent or self.saves and not self.live_rows):
+            self.saves.step(self._row_budget())  # answers yield to decoding rows (see cache/answers.py)
         if self.live_rows:
             self._decode()
         self._maybe_shrink()

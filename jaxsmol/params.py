@@ -1,7 +1,9 @@
 """Model parameters as a registered pytree, loaded from Hugging Face safetensors.
 
-Per-layer weights are stacked on a leading layer axis [L, ...] so the forward can `lax.scan` over
-layers (one compiled layer body, not L copies). Matrices are stored input-major ([in, out]) so that
+Each layer's weights are their own arrays (`Params.layers` is a tuple of `LayerParams`), not slices of
+stacked [L, ...] arrays: the forward runs the layers in a Python loop and each matmul reads its
+matrix in place, where XLA:CPU would copy a traced slice of a stacked array first (see
+`model.forward`). Matrices are stored input-major ([in, out]) so that
 the forward reads `x @ W`; HF stores `nn.Linear` weights as [out, in], so the loader transposes.
 """
 
@@ -21,21 +23,22 @@ from jaxsmol.errors import JaxsmolError
 
 @flax.struct.dataclass
 class LayerParams:
-    attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, N*H]
-    wk: jax.Array  # [L, D, K*H]
-    wv: jax.Array  # [L, D, K*H]
-    wo: jax.Array  # [L, N*H, D]
-    mlp_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
+    """One decoder layer."""
+    attn_norm: jax.Array  # [D]
+    wq: jax.Array  # [D, N*H]
+    wk: jax.Array  # [D, K*H]
+    wv: jax.Array  # [D, K*H]
+    wo: jax.Array  # [N*H, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
 
 
 @flax.struct.dataclass
 class Params:
     embed: jax.Array  # [V, D], rows gathered by token id
-    layers: LayerParams
+    layers: tuple[LayerParams, ...]  # L of them
     final_norm: jax.Array  # [D]
     unembed: jax.Array  # [D, V]: lm_head.weight transposed (embed transposed when tied)
     # Why a transposed copy even when tied: XLA:CPU computes x @ [D, V] 2.5x faster than
@@ -143,14 +146,12 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         if shape_of(name) != shape:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
-    def stacked(suffix, shape):  # [L, in, out]: filled layer by layer, one field in host memory at a time
-        out = np.empty((cfg.n_layers,) + tuple(reversed(shape)), np.float32)
-        for i in range(cfg.n_layers):
-            a = tensors[f"model.layers.{i}.{suffix}"]
-            out[i] = a.T if len(shape) == 2 else a
-        return jnp.asarray(out, dtype)
+    def weight(i, suffix, shape):  # [in, out] (HF's [out, in] transposed), or a norm's [D]
+        a = tensors[f"model.layers.{i}.{suffix}"]
+        return jnp.asarray(np.ascontiguousarray(a.T) if len(shape) == 2 else a, dtype)
 
-    layers = LayerParams(**{field: stacked(suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
+    layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
+                   for i in range(cfg.n_layers))
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     return Params(embed=jnp.asarray(embed, dtype), layers=layers,
@@ -166,8 +167,8 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
     (or while) the weights load."""
     sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    layers = {field: sds((cfg.n_layers,) + tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()}
-    return Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=LayerParams(**layers),
+    layer = LayerParams(**{field: sds(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
+    return Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=(layer,) * cfg.n_layers,
                   final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
 
 

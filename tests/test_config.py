@@ -43,12 +43,12 @@ REAL_CONFIGS = {
 
 
 def _abstract_params(cfg: Config) -> Params:
-    """ShapeDtypeStructs in the layout params_from_hf produces (stacked layers, matrices [in, out])."""
+    """ShapeDtypeStructs in the layout params_from_hf produces (a LayerParams per layer, matrices [in, out])."""
     hf = expected_shapes(cfg)
     sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    layers = {field: sds((cfg.n_layers,) + tuple(reversed(hf[f"model.layers.0.{suffix}"])))
-              for suffix, (field, _) in layer_specs(cfg).items()}
-    return Params(embed=sds(hf["model.embed_tokens.weight"]), layers=LayerParams(**layers),
+    layers = tuple(LayerParams(**{field: sds(tuple(reversed(hf[f"model.layers.{i}.{suffix}"])))
+                                  for suffix, (field, _) in layer_specs(cfg).items()}) for i in range(cfg.n_layers))
+    return Params(embed=sds(hf["model.embed_tokens.weight"]), layers=layers,
                   final_norm=sds(hf["model.norm.weight"]), unembed=sds((cfg.dim, cfg.vocab_size)))
 
 

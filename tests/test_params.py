@@ -49,12 +49,13 @@ def test_params_layout_and_values(tiny_cfg):
     t = _tensors(tiny_cfg)
     p = params_from_hf(tiny_cfg, t)
     L = tiny_cfg.n_layers
-    assert p.layers.wq.shape == (L, 64, 64) and p.layers.wk.shape == (L, 64, 32) and p.layers.wo.shape == (L, 64, 64)
-    assert p.layers.w_down.shape == (L, 128, 64) and p.layers.attn_norm.shape == (L, 64)
-    for i in range(L):  # stacked on a leading layer axis, matrices transposed to [in, out]
-        np.testing.assert_array_equal(np.asarray(p.layers.wq[i]), t[f"model.layers.{i}.self_attn.q_proj.weight"].T)
-        np.testing.assert_array_equal(np.asarray(p.layers.w_up[i]), t[f"model.layers.{i}.mlp.up_proj.weight"].T)
-        np.testing.assert_array_equal(np.asarray(p.layers.mlp_norm[i]),
+    assert len(p.layers) == L
+    for i, layer in enumerate(p.layers):  # one LayerParams per layer, matrices transposed to [in, out]
+        assert layer.wq.shape == (64, 64) and layer.wk.shape == (64, 32) and layer.wo.shape == (64, 64)
+        assert layer.w_down.shape == (128, 64) and layer.attn_norm.shape == (64,)
+        np.testing.assert_array_equal(np.asarray(layer.wq), t[f"model.layers.{i}.self_attn.q_proj.weight"].T)
+        np.testing.assert_array_equal(np.asarray(layer.w_up), t[f"model.layers.{i}.mlp.up_proj.weight"].T)
+        np.testing.assert_array_equal(np.asarray(layer.mlp_norm),
                                       t[f"model.layers.{i}.post_attention_layernorm.weight"])
     np.testing.assert_array_equal(np.asarray(p.embed), t["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(p.final_norm), t["model.norm.weight"])

@@ -183,6 +183,26 @@ def test_a_next_turn_sent_at_once_waits_for_the_answer_to_be_stored(tiny_engine)
     assert second.results[0].cached_tokens == len(prompt) + len(answer)
 
 
+def test_answers_are_stored_when_no_row_decodes(tiny_engine):
+    """Storing an answer is speculative work: it waits while other rows decode, then runs."""
+    cache = PrefixCache(tiny_engine, mode="radix")
+    sched = Scheduler(cache, max_batch=4)
+    short, long = Collector(), Collector()
+    a, b = prompts(12, [70, 70])
+    sched.submit(Request(a, [SamplingParams(max_tokens=3, ignore_eos=True)], short))
+    sched.submit(Request(b, [SamplingParams(max_tokens=30, ignore_eos=True)], long))
+    while not short.results:
+        sched.step()
+    while not long.results:
+        assert sched.saves  # the short answer waits while the long one decodes
+        sched.step()
+    sched.run()
+    assert not sched.saves
+    answer = short.results[0].output_ids
+    [[follow]] = generate_many(cache, [a + answer + [5]], SamplingParams(max_tokens=1), scheduler=sched)
+    assert follow.cached_tokens == len(a) + len(answer)
+
+
 def test_widths_and_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload through a max_batch 8 scheduler compiles at most one decode program per
     (width, capacity, logprobs) and one insert per (width, capacity, row capacity)."""

@@ -7,7 +7,7 @@ compiled and warmed first, then traced `--runs` times. Every XLA:CPU thunk in th
 instruction of the compiled program; its *self* time (its span minus the spans nested in it on the
 same thread) is attributed to a category through the source line the instruction came from (the
 compiled HLO's StackFrames table): projections, attention (its two einsums apart from its softmax),
-norms, RoPE, the KV write, the per-layer weight slices the layer scan copies, the LM head, and loop
+norms, RoPE, the KV write, the LM head, and loop
 control. Thunks that run concurrently on two threads are both counted, so the shares are of thread
 time; the wall time per call is measured apart (median of the traced runs).
 """
@@ -35,10 +35,9 @@ CATEGORIES = [
     ("rms_norm", "", "RMS norms"),
     ("apply_rope", "", "RoPE"),
     ("rope_tables", "", "RoPE"),
-    ("layer", "silu", "MLP silu(gate) * up"),
-    ("layer", "apply_rope", "RoPE"),
-    ("layer", "x = x +", "residual adds"),
-    ("forward", "lax.scan", "layer scan: per-layer weight slices (copies)"),
+    ("decoder_layer", "silu", "MLP silu(gate) * up"),
+    ("decoder_layer", "apply_rope", "RoPE"),
+    ("decoder_layer", "x = x +", "residual adds"),
     ("forward", "unembed", "LM head"),
     ("forward", "embed", "embedding lookup"),
 ]
