@@ -27,6 +27,15 @@ from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 
 
+def pytest_configure(config):
+    """The persistent compilation cache, as the CLI, the daemon and the notebooks use it: a program the
+    test process compiles is then loaded, not compiled again, by the daemons and CLI runs the tests
+    start (and the other way round). Each real-model program takes seconds to compile."""
+    from jaxsmol.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> Config:
     return Config.tiny()
