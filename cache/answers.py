@@ -5,7 +5,7 @@ A finished choice's prompt + answer is stored in the prefix cache by re-prefilli
 Storing an answer is speculative work (the next turn may never come), so it yields to requests:
 the scheduler runs a chunk only in a step where no prompt is being prefilled and no row decodes,
 unless a waiting prompt continues that answer (`wanted_by` moves it to the front and marks it
-`urgent`). Under steady load answers are then not stored ahead; a next turn prefills its answer
+wanted; `may_run`). Under steady load answers are then not stored ahead; a next turn prefills its answer
 itself, which costs it no more than the save would have.
 """
 
@@ -43,10 +43,10 @@ class AnswerQueue:
         while len(self._queue) > MAX_PENDING:
             self._drop(self._queue.popleft())
 
-    @property
-    def urgent(self) -> bool:
-        """Is the first answer wanted by a waiting prompt (so it runs even while rows decode)?"""
-        return bool(self._queue) and self._queue[0].wanted
+    def may_run(self, rows_decoding: bool) -> bool:
+        """Should a chunk run this step? When no row decodes, or when a waiting prompt continues the
+        first answer (see the module docstring)."""
+        return bool(self._queue) and (not rows_decoding or self._queue[0].wanted)
 
     def wanted_by(self, prompt_ids, namespace) -> bool:
         """Does this prompt continue an answer still waiting? Then that answer moves to the front."""

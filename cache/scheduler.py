@@ -151,8 +151,8 @@ class Scheduler:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
         decode step of all rows."""
         self._drop_cancelled()
-        if not self._prefill_newcomers() and (self.saves.urgent or self.saves and not self.live_rows):
-            self.saves.step(self._row_budget())  # answers yield to decoding rows (see cache/answers.py)
+        if not self._prefill_newcomers() and self.saves.may_run(rows_decoding=self.live_rows > 0):
+            self.saves.step(self._row_budget())
         if self.live_rows:
             self._decode()
         self._maybe_shrink()

@@ -14,7 +14,7 @@ from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.model import forward
-from jaxsmol.params import LayerParams, Params, layer_specs, expected_shapes
+from jaxsmol.params import abstract_params
 
 # ---- real configurations: shapes only ------------------------------------------------------------
 
@@ -42,21 +42,12 @@ REAL_CONFIGS = {
 }
 
 
-def _abstract_params(cfg: Config) -> Params:
-    """ShapeDtypeStructs in the layout params_from_hf produces (a LayerParams per layer, matrices [in, out])."""
-    hf = expected_shapes(cfg)
-    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    layers = tuple(LayerParams(**{field: sds(tuple(reversed(hf[f"model.layers.{i}.{suffix}"])))
-                                  for suffix, (field, _) in layer_specs(cfg).items()}) for i in range(cfg.n_layers))
-    return Params(embed=sds(hf["model.embed_tokens.weight"]), layers=layers,
-                  final_norm=sds(hf["model.norm.weight"]), unembed=sds((cfg.dim, cfg.vocab_size)))
-
-
 def test_abstract_params_match_the_loader_layout(params, tiny_cfg):
-    """The ShapeDtypeStruct tree used below has the structure and shapes params_from_hf builds."""
-    real, abstract = jax.tree.structure(params), jax.tree.structure(_abstract_params(tiny_cfg))
+    """params.abstract_params (used below, and by the precompile) has the structure and shapes
+    params_from_hf builds."""
+    real, abstract = jax.tree.structure(params), jax.tree.structure(abstract_params(tiny_cfg))
     assert real == abstract
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_abstract_params(tiny_cfg))):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(abstract_params(tiny_cfg))):
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
 
 
@@ -70,7 +61,7 @@ def test_real_configs_eval_shape(name):
         head_dim, hf["intermediate_size"], 49152)
     assert cfg.rope_theta == theta and cfg.max_position == hf["max_position_embeddings"]
     assert cfg.tie_embeddings and cfg.eos_ids == (2,)
-    params = _abstract_params(cfg)
+    params = abstract_params(cfg)
     for T, cap, all_logits in [(64, 512, False), (1, 2048, False), (128, 512, True)]:
         kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap))  # noqa: B023
         tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
