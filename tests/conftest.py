@@ -4,6 +4,8 @@
 * `params`      — `init_random(tiny_cfg)`: the tiny config's random weights (seed 0).
 * `tiny_engine` — an `Engine` over random tiny weights, no tokenizer, ctx=1024. Its fingerprint is
                   preset to "tiny" so nothing hashes the weights.
+* `tiny_model_dir` — a checkpoint directory of a two-layer size with random float32 weights and the
+                  real tokenizer (tools/make_checkpoint.py), for CLI, daemon and benchmark tests.
 * `real_engine` — the bundled default model (SmolLM2-135M-Instruct), float32, ctx=2048; a missing model
                   fails the test (see `model_dir`). Tests that use it are marked `@pytest.mark.real`
                   (deselect them with `-m "not real"`).
@@ -68,6 +70,20 @@ def model_dir():
         return default_model_dir(progress=False)
     except JaxsmolError as e:
         pytest.fail(f"the default model is needed for this test: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, model_dir):
+    """A checkpoint directory of a two-layer size (tools/make_checkpoint.py TINY: random float32 weights)
+    with the bundled model's tokenizer: for tests of the CLI, the daemon and the benchmark whose subject
+    is not the real weights. Its programs compile in a fraction of a second (the real model's: seconds)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_checkpoint import TINY, make_checkpoint
+
+    return make_checkpoint(TINY, tmp_path_factory.mktemp("tiny-model"), dtype="float32", tokenizer_dir=model_dir)
 
 
 @pytest.fixture(scope="session")

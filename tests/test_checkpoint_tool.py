@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_checkpoint import SIZES, hf_config, make_checkpoint  # noqa: E402
-
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, rope_theta=10000.0)
+from make_checkpoint import SIZES, TINY, hf_config, make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 cache: spills, warm restarts, its budget), and --prompt-cache across processes; the file format and
 its refusals are in tests/test_disk_cache.py.
 
-The in-process tests use the tiny engine; the two marked `real` start processes on the bundled model:
-two `jaxsmol generate --prompt-cache` runs, and a daemon restart.
+The in-process tests use the tiny engine; the two marked `real` start processes on the two-layer
+checkpoint with the real tokenizer (`tiny_model_dir`): two `jaxsmol generate --prompt-cache` runs, and a
+daemon restart.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def _cli(*args, timeout=300):
 
 
 @pytest.mark.real
-def test_two_cli_runs_share_a_prompt_cache(model_dir, tmp_path):
+def test_two_cli_runs_share_a_prompt_cache(tiny_model_dir, tmp_path):
     f = tmp_path / "prompt.cache"
-    args = ("generate", "The capital of France is", "--max-tokens", 4, "--json", "--prompt-cache", f)
+    args = ("generate", "The capital of France is", "--model", tiny_model_dir, "--max-tokens", 4, "--json",
+            "--prompt-cache", f)
     r1 = _cli(*args)
     assert r1.returncode == 0, r1.stderr
     one = json.loads(r1.stdout)
@@ -121,10 +123,10 @@ def test_two_cli_runs_share_a_prompt_cache(model_dir, tmp_path):
     assert notes.read_text() == "my notes\n" and four["output_ids"] == one["output_ids"]
 
 
-def _start_server(cache_dir: Path, log):
+def _start_server(model: Path, cache_dir: Path, log):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
-                             "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                             "--model", str(model), "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     import httpx
 
@@ -145,7 +147,7 @@ def _log(log) -> str:
 
 
 @pytest.mark.real
-def test_daemon_restart_keeps_its_hits(model_dir, tmp_path):
+def test_daemon_restart_keeps_its_hits(tiny_model_dir, tmp_path):
     import httpx
 
     body = {"prompt": "Here is a list of facts. Fact 1: the sky is blue. Fact 2: grass is green. Question:",
@@ -153,7 +155,7 @@ def test_daemon_restart_keeps_its_hits(model_dir, tmp_path):
     answers = []
     with tempfile.TemporaryFile() as log:
         for run in range(2):
-            proc, url = _start_server(tmp_path / "cache", log)
+            proc, url = _start_server(tiny_model_dir, tmp_path / "cache", log)
             try:
                 r = httpx.post(url + "/v1/completions", json=body, timeout=120)
                 assert r.status_code == 200, r.text

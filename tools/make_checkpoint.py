@@ -30,6 +30,10 @@ SIZES = {
     "1.7B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
                  num_key_value_heads=32, rope_theta=130000.0),
 }
+# A two-layer size with the real vocabulary: what the tests run the CLI, the daemon and the benchmark on
+# when their subject is not the real weights (its programs compile in a fraction of a second).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0)
 COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, rms_norm_eps=1e-5,
               max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
               pad_token_id=2, hidden_act="silu", attention_bias=False, mlp_bias=False)
