@@ -118,12 +118,15 @@ def tiny_gguf(tmp_path):
 
 # ---- the daemons of tests/test_serve*.py ----------------------------------------------------------------
 @pytest.fixture(scope="session")
-def serve_daemons(model_dir):
-    """daemon.Daemons: named `jaxsmol serve` daemons, started on first use. `model_dir` imports the
-    default model once here, not raced by the servers."""
+def serve_daemons(tiny_model_dir):
+    """daemon.Daemons: named `jaxsmol serve` daemons, started on first use, on the two-layer checkpoint
+    with the real tokenizer: tests/test_serve*.py check the daemon (the API, the cache, admission,
+    bad requests), not the weights, and its programs compile in a fraction of a second. The real model
+    is served in tests/test_openai_api.py (logprobs against the Hugging Face reference),
+    test_serve_batching.py, test_soak.py and test_sharding.py."""
     from daemon import Daemons
 
-    daemons = Daemons()
+    daemons = Daemons(tiny_model_dir)
     yield daemons
     daemons.stop_all()
 

@@ -83,14 +83,15 @@ class Daemons:
     CONFIGS = {"main": (), "nocache": ("--no-prefix-cache",), "queue1": ("--max-queue", "1", "--max-batch", "1"),
                "sigterm": ()}
 
-    def __init__(self):
+    def __init__(self, model: Path):
+        self.model = model  # the two-layer checkpoint (conftest's tiny_model_dir): see conftest.serve_daemons
         self.servers: dict[str, Server] = {}
 
     def launch(self, *names: str) -> dict[str, Server]:
         """Starts the named servers not launched yet (one that was stopped by its test stays stopped)."""
         for name in names:
             if name not in self.servers:
-                self.servers[name] = Server(*self.CONFIGS[name])
+                self.servers[name] = Server("--model", str(self.model), *self.CONFIGS[name])
         return self.servers
 
     def stop_all(self) -> None:

@@ -6,7 +6,9 @@ tests/test_serve_admission.py, the OpenAI API in depth and tenants in tests/test
 Every test talks to a REAL server process (`python -m cli.main serve`) over loopback, mostly through
 the official `openai` client, else through httpx. The daemons are shared by tests/test_serve*.py
 (fixtures in conftest; they start two at a time, so that their start-ups overlap, and stop when the run
-moves on to other tests):
+moves on to other tests). They serve the two-layer checkpoint with the real tokenizer (conftest's
+`tiny_model_dir`): these tests check the daemon, not the weights; the real model is served in
+tests/test_openai_api.py, test_serve_batching.py, test_soak.py and test_sharding.py.
 
 * `server`          — the default daemon (prefix cache on, --max-queue 64), ctx 2048;
 * `nocache_server`  — the same with --no-prefix-cache: the reference every cached answer must equal;

@@ -1,8 +1,8 @@
 """The daemon under pressure, end to end (cli/worker.py, cache/scheduler.py): a client that leaves frees
 the model, a full queue answers 503 with Retry-After, SIGTERM finishes the requests in flight.
 
-Real `jaxsmol serve` daemons shared with tests/test_serve.py (the `server`, `queue_server` and
-`sigterm_server` fixtures in conftest).
+Real `jaxsmol serve` daemons (on the two-layer checkpoint) shared with tests/test_serve.py (the `server`,
+`queue_server` and `sigterm_server` fixtures in conftest).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ _C = "/v1/completions"
 
 
 # ---- a client that leaves -----------------------------------------------------------------------------
-_LONG_STORY = "Once upon a time, in a land far away, there lived a dragon who"  # no early end of text
+_LONG_STORY = "Once upon a time, in a land far away, there lived a dragon who"
+# ~2000 tokens, never ended early: seconds even on the two-layer checkpoint (the abandoned job must still run)
+_LONG = {"prompt": _LONG_STORY, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
 
 def test_client_disconnect_mid_stream(server):
     before = _metrics(server)["jaxsmol_cancelled_total"]
-    body = {"prompt": _LONG_STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {**_LONG, "stream": True}
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as c:
         with c.stream("POST", server + _C, json=body) as r:
             assert r.status_code == 200
@@ -49,14 +51,13 @@ def test_client_disconnect_mid_stream(server):
 def test_client_disconnect_before_a_non_streamed_answer(server):
     """A client that gives up on a non-streamed request (here: its read timeout) frees the model too."""
     before = _metrics(server)["jaxsmol_cancelled_total"]
-    body = {"prompt": _LONG_STORY, "max_tokens": 400, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + _C, json=body, timeout=httpx.Timeout(60, read=3))
+        httpx.post(server + _C, json=_LONG, timeout=httpx.Timeout(60, read=1))
     _assert_abandoned_job_cancelled(server, before)
 
 
 def _assert_abandoned_job_cancelled(server: str, cancelled_before: float) -> None:
-    # the server answers the next request and stops the abandoned generation long before its 400 tokens
+    # the server answers the next request and stops the abandoned generation long before its 2000 tokens
     after = _complete(server, "Hello", max_tokens=2)
     assert after.choices[0].finish_reason in ("length", "stop")
     deadline = time.monotonic() + 30
