@@ -3,8 +3,8 @@ client and raw HTTP): content parts and roles, every prompt form, echo + logprob
 (checked against the Hugging Face reference fixture), refused fields, limits, /tokenize and /detokenize,
 and tenants (API keys, namespaces, admin routes).
 
-Two daemons, started together and shared by the module: `api` (open, prefix cache on) and `keyed`
-(`--api-keys FILE`). Cache-dependent tests use a fresh `cache_salt`.
+Two daemons, started together and shared by the module: `api` (the real model, open, prefix cache on)
+and `keyed` (`--api-keys FILE`, on the two-layer checkpoint: its tests are about keys and namespaces). Cache-dependent tests use a fresh `cache_salt`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ LONG = "Here is a list of facts. " + " ".join(f"Fact {i}: {i} times 3 is {3 * i}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    from jaxsmol.default_model import default_model_dir
-
-    default_model_dir(progress=False)  # imported once here, not raced by the servers
+def servers(tmp_path_factory, tiny_model_dir):  # tiny_model_dir imports the default model once, unraced
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEYS)
-    started = {"api": _Server(), "keyed": _Server("--api-keys", str(keys))}
+    started = {"api": _Server(), "keyed": _Server("--model", str(tiny_model_dir), "--api-keys", str(keys))}
     try:
         yield {name: s.wait_ready() for name, s in started.items()}
     finally:
