@@ -146,10 +146,10 @@ def test_scores_match_hf_reference(real_engine):
 
 
 @pytest.mark.real
-def test_score_cli(model_dir):
+def test_score_cli(tiny_model_dir):  # the command's behaviour, on the two-layer checkpoint (real tokenizer)
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "cli.main", "score", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run([sys.executable, "-m", "cli.main", "score", "--model", str(tiny_model_dir), *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     p = run("--ids", "504", "3575", "282", "4649", "314", "--top-k", "2", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
