@@ -1,6 +1,6 @@
 """A prefix snapshot and its file: one safetensors file a snapshot.
 
-A file holds a snapshot's keys and values trimmed to its length (`k`, `v`: [L, B, n, K, H]), the
+A file holds a snapshot's keys and values trimmed to its length (`k`, `v`: [L, B, K, n, H]), the
 logits after some of its prefixes (`logits`: [P, V], the lengths in the manifest's `logits_at`, at
 most MAX_LOGITS_ROWS of them), and a JSON manifest in the safetensors metadata:
 
@@ -42,7 +42,7 @@ from jaxsmol.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
 
 FORMAT = "jaxsmol.prefix-snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keys and values heads-first, [L, B, K, n, H] (1 was [L, B, n, K, H])
 MANIFEST_KEY = "jaxsmol"
 MAX_LOGITS_ROWS = 64  # logits kept per file (the longest prefixes'): bounds a file's size
 _MAX_HEADER = 100 << 20  # as safetensors: a larger header is no snapshot
@@ -74,7 +74,7 @@ def max_snapshot_bytes(engine) -> int:
 
 @dataclasses.dataclass
 class Snapshot:
-    """The state of `tokens`: keys and values [L, B, n, K, H] and the logits after some prefixes."""
+    """The state of `tokens`: keys and values [L, B, K, n, H] and the logits after some prefixes."""
     tokens: tuple
     k: np.ndarray
     v: np.ndarray
@@ -83,8 +83,8 @@ class Snapshot:
 
     def __post_init__(self):
         self.tokens = tuple(int(t) for t in self.tokens)
-        if not (self.k.shape == self.v.shape and self.k.ndim == 5 and self.k.shape[2] == len(self.tokens)):
-            raise ValueError(f"k {self.k.shape} and v {self.v.shape} must be [L, B, {len(self.tokens)}, K, H]")
+        if not (self.k.shape == self.v.shape and self.k.ndim == 5 and self.k.shape[3] == len(self.tokens)):
+            raise ValueError(f"k {self.k.shape} and v {self.v.shape} must be [L, B, K, {len(self.tokens)}, H]")
 
     @property
     def length(self) -> int:
@@ -95,7 +95,7 @@ class Snapshot:
         return self.k.nbytes + self.v.nbytes + sum(a.nbytes for a in self.logits.values())
 
     def segment(self, start: int, stop: int) -> dict:
-        return {"k": self.k[:, :, start:stop], "v": self.v[:, :, start:stop]}
+        return {"k": self.k[:, :, :, start:stop], "v": self.v[:, :, :, start:stop]}
 
 
 # ---- one file ------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def _check_dims(path, snap: "Snapshot", ident: dict) -> None:
     if "kv_dims" not in ident:
         return
     L, B, K, H = ident["kv_dims"]
-    want = (L, B, snap.length, K, H)
+    want = (L, B, K, snap.length, H)
     if snap.k.shape != want or snap.k.dtype.name != ident["kv_dtype"] or snap.v.dtype != snap.k.dtype:
         raise SnapshotError(f"{path} holds keys/values {snap.k.dtype.name} {list(snap.k.shape)}; this engine "
                             f"needs {ident['kv_dtype']} {list(want)}")

@@ -60,7 +60,7 @@ def sample_and_score(logits: jax.Array, sampling: dict, logprobs: bool = False) 
 
 
 def insert_row(batch: KVCache, row: KVCache, index: jax.Array) -> KVCache:
-    """batch (k, v [L, W, S, K, H], pos [W]) with row (k, v [L, 1, S, K, H], pos []) written at `index`."""
+    """batch (k, v [L, W, K, S, H], pos [W]) with row (k, v [L, 1, K, S, H], pos []) written at `index`."""
     at = (0, index, 0, 0, 0)
     return KVCache(k=jax.lax.dynamic_update_slice(batch.k, row.k.astype(batch.k.dtype), at),
                    v=jax.lax.dynamic_update_slice(batch.v, row.v.astype(batch.v.dtype), at),
@@ -73,11 +73,11 @@ def relayout(batch: KVCache, rows: jax.Array, width: int, capacity: int) -> KVCa
     keep = rows >= 0
     src = jnp.maximum(rows, 0)
 
-    def move(a):  # [L, W, S, K, H] -> [L, width, capacity, K, H]
-        taken = jnp.take(a, src, axis=1)[:, :, :capacity]
-        pad = capacity - taken.shape[2]
+    def move(a):  # [L, W, K, S, H] -> [L, width, K, capacity, H]
+        taken = jnp.take(a, src, axis=1)[:, :, :, :capacity]
+        pad = capacity - taken.shape[3]
         if pad > 0:  # static shapes: growing the capacity
-            taken = jnp.pad(taken, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+            taken = jnp.pad(taken, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
         return jnp.where(keep[None, :, None, None, None], taken, jnp.zeros((), a.dtype))
 
     return KVCache(k=move(batch.k), v=move(batch.v), pos=jnp.where(keep, batch.pos[src], 0))

@@ -1,6 +1,10 @@
 """The KV cache: an immutable pytree of keys, values and the number of positions written.
 
-    k, v: [L, B, S, K, H]  (layers, batch, slots, kv heads, head dim); S is the allocated capacity
+    k, v: [L, B, K, S, H]  (layers, batch, kv heads, slots, head dim); S is the allocated capacity
+
+Heads before slots: attention reads a block of slots as [B, K, C, H], the batch-major layout of XLA's
+batched matmul, so no block is transposed (copied) before its two products (measured on the decode
+attention over 2000 positions: 0.73x the time of the [L, B, S, K, H] layout, the same bits).
     pos:  int32 []         positions 0..pos-1 hold this sequence's keys/values
 
 Slots at or beyond `pos` may hold stale values (padding of a chunk, or an older, longer sequence
@@ -23,19 +27,19 @@ import numpy as np
 from jaxsmol.config import Config
 from jaxsmol.sharding import kv_sharding
 
-SEQ_AXIS = 2  # the slot axis of k and v
+SEQ_AXIS = 3  # the slot axis of k and v
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     pos: jax.Array  # int32 []
 
     @classmethod
     def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32, mesh=None) -> "KVCache":
         """An empty cache; with a mesh, placed as `sharding.kv_sharding` says."""
-        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         device = None if mesh is None else kv_sharding(mesh, shape)
         return cls(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device),
                    pos=jnp.zeros((), jnp.int32))
@@ -49,14 +53,14 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def segment(self, start: int, stop: int) -> dict:
-        """Positions [start, stop) as read-only host arrays {"k", "v"}: [L, B, stop-start, K, H].
+        """Positions [start, stop) as read-only host arrays {"k", "v"}: [L, B, K, stop-start, H].
 
         A copy, so the device buffer may be donated afterwards; snapshots are shared between
         requests, so they are made read-only."""
         assert 0 <= start <= stop <= int(self.pos), (start, stop, int(self.pos))
 
         def cut(a):
-            out = np.array(np.asarray(a)[:, :, start:stop])  # np.array copies
+            out = np.array(np.asarray(a)[:, :, :, start:stop])  # np.array copies
             out.flags.writeable = False
             return out
 
@@ -73,7 +77,7 @@ class KVCache:
 
 
 def aligned_host_prefix(a: np.ndarray, n: int, multiple: int) -> np.ndarray:
-    """The first n positions of a host k or v [L, B, >=n, K, H], zero-padded to a multiple of
+    """The first n positions of a host k or v [L, B, K, >=n, H], zero-padded to a multiple of
     `multiple` slots (bounding the shapes `load_prefix` compiles for), in 64-byte aligned memory so
     that `jax.device_put(..., may_alias=True)` can use it without a copy on CPU."""
     P = -(-n // multiple) * multiple
@@ -82,13 +86,13 @@ def aligned_host_prefix(a: np.ndarray, n: int, multiple: int) -> np.ndarray:
     raw = np.empty(nbytes + 64, np.uint8)
     offset = (-raw.ctypes.data) % 64
     out = raw[offset:offset + nbytes].view(a.dtype).reshape(shape)
-    out[:, :, :n] = a[:, :, :n]
-    out[:, :, n:] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
+    out[:, :, :, :n] = a[:, :, :, :n]
+    out[:, :, :, n:] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
     return out
 
 
 def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array) -> KVCache:
-    """kv with k, v [L, B, P, K, H] written at slot 0 and pos = length (slots past it are stale)."""
+    """kv with k, v [L, B, K, P, H] written at slot 0 and pos = length (slots past it are stale)."""
     return KVCache(k=jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, 0, 0)),
                    v=jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, 0, 0, 0)),
                    pos=length.astype(jnp.int32))

@@ -43,7 +43,7 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array
     """Causal attention of the chunk's queries over the cache of one layer, in 64-row query tiles.
 
     q [B, T, K, G, H] (already scaled, RoPE applied), at positions pos..pos+T-1;
-    k_all, v_all [L, B, S, K, H], the chunk's own keys already written. Returns [B, T, K, G, H].
+    k_all, v_all [L, B, K, S, H], the chunk's own keys already written. Returns [B, T, K, G, H].
 
     Why tiles: XLA:CPU fuses the running-softmax update differently for different T (measured:
     exp(m - max(m, s)) over [1, 9, 1, T] differs in the last bit between T=64 and T=512), so a row's
@@ -68,11 +68,11 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
 
     def block(i, carry):
         m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
-        start = (layer, 0, i * ATTN_BLOCK, 0, 0)
-        size = (1, B, ATTN_BLOCK, K, H)
-        kb = lax.dynamic_slice(k_all, start, size)[0]  # [B, C, K, H]
-        vb = lax.dynamic_slice(v_all, start, size)[0]  # [B, C, K, H]
-        s = jnp.einsum("btkgh,bckh->bkgtc", q, kb)  # [B, K, G, T, C]
+        start = (layer, 0, 0, i * ATTN_BLOCK, 0)
+        size = (1, B, K, ATTN_BLOCK, H)
+        kb = lax.dynamic_slice(k_all, start, size)[0]  # [B, K, C, H]: batch-major for the matmuls, no copy
+        vb = lax.dynamic_slice(v_all, start, size)[0]  # [B, K, C, H]
+        s = jnp.einsum("btkgh,bkch->bkgtc", q, kb)  # [B, K, G, T, C]
         k_pos = i * ATTN_BLOCK + jnp.arange(ATTN_BLOCK)  # [C]
         visible = k_pos <= q_pos[..., None]  # [T, C] or [B, T, C]
         s = jnp.where(visible if visible.ndim == 2 else visible[:, None, None], s, NEG_INF)
@@ -80,7 +80,7 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("bkgtc,bckh->bkgth", p, vb)
+        acc = acc * correction[..., None] + jnp.einsum("bkgtc,bkch->bkgth", p, vb)
         return m_new, l, acc
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
@@ -91,19 +91,20 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
 
 
 def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
-    """cache [L, B, S, K, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos is [B])."""
+    """cache [L, B, K, S, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos is [B])."""
+    new = new.transpose(0, 2, 1, 3)  # [B, K, T, H]
     if pos.ndim == 0:
-        return lax.dynamic_update_slice(cache, new[None], (layer, 0, pos, 0, 0))
+        return lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, pos, 0))
 
     def row(b, c):  # one in-place slice per row: a scatter would copy the whole cache on XLA:CPU
-        return lax.dynamic_update_slice(c, lax.dynamic_index_in_dim(new, b)[None], (layer, b, pos[b], 0, 0))
+        return lax.dynamic_update_slice(c, lax.dynamic_index_in_dim(new, b)[None], (layer, b, 0, pos[b], 0))
     return lax.fori_loop(0, new.shape[0], row, cache)
 
 
 def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, pos: jax.Array,
                   sin: jax.Array, cos: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: x [B, T, D] float32 (the residual stream) with layer i's keys/values written
-    into k_all, v_all [L, B, S, K, H] at slots pos.. -> (x, k_all, v_all)."""
+    into k_all, v_all [L, B, K, S, H] at slots pos.. -> (x, k_all, v_all)."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     dt = w.wq.dtype  # the dtype of the matrix products' inputs (see the module docstring)

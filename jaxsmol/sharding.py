@@ -61,5 +61,5 @@ def shard_params(params, mesh: Mesh):
 
 
 def kv_sharding(mesh: Mesh, shape) -> NamedSharding:
-    """k, v [L, B, S, K, H]: batch over "data", kv heads over "model"."""
-    return _spec(mesh, shape, (None, "data", None, "model", None))
+    """k, v [L, B, K, S, H]: batch over "data", kv heads over "model"."""
+    return _spec(mesh, shape, (None, "data", "model", None, None))

@@ -70,7 +70,7 @@ def test_real_configs_eval_shape(name):
                                         params, tokens, length, kv)
         assert logits.shape == ((1, T, cfg.vocab_size) if all_logits else (1, cfg.vocab_size))
         assert logits.dtype == jnp.float32
-        assert new_kv.k.shape == new_kv.v.shape == (cfg.n_layers, 1, cap, cfg.n_kv_heads, head_dim)
+        assert new_kv.k.shape == new_kv.v.shape == (cfg.n_layers, 1, cfg.n_kv_heads, cap, head_dim)
         assert new_kv.pos.shape == () and new_kv.pos.dtype == jnp.int32
 
 

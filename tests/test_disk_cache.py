@@ -80,7 +80,7 @@ def test_partial_prefix_and_bfloat16_round_trip(tiny_engine, saved, tmp_path):
     cold = tiny_engine.generate(R, SP)
     assert report.reused == 50 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
 
-    k = np.arange(2 * 1 * 3 * 2 * 4, dtype=np.float32).reshape(2, 1, 3, 2, 4).astype(ml_dtypes.bfloat16)
+    k = np.arange(2 * 1 * 2 * 3 * 4, dtype=np.float32).reshape(2, 1, 2, 3, 4).astype(ml_dtypes.bfloat16)
     snap = Snapshot((5, 6, 7), k, -k, {3: np.ones(8, np.float32)}, salt="tenant")
     snapshot.save_snapshot(tmp_path / "b.safetensors", snap, TINY)
     back = load_snapshot(tmp_path / "b.safetensors", TINY)
@@ -176,7 +176,7 @@ def test_dims_and_dtypes_are_checked_against_the_engine(tiny_engine, saved, tmp_
     good = load_snapshot(src, ident)
     k = np.asarray(good.k)
     cases = {
-        "other layers": (Snapshot(good.tokens, k[:1], k[:1]), "this engine needs float32 [2, 1, 94, 2, 16]"),
+        "other layers": (Snapshot(good.tokens, k[:1], k[:1]), "this engine needs float32 [2, 1, 2, 94, 16]"),
         "other dtype": (Snapshot(good.tokens, k.astype(np.float16), k.astype(np.float16)), "float16"),
         "other vocab": (Snapshot(good.tokens, k, k, {90: np.zeros(7, np.float32)}), "float32 [256]"),
         "logits dtype": (Snapshot(good.tokens, k, k, {90: np.zeros(256, np.float64)}), "logits float64"),
@@ -208,7 +208,7 @@ def test_size_cap_is_checked_before_reading(tiny_engine, tmp_path):
     assert ident["max_bytes"] == cap == 1024 * (tiny_engine.kv_bytes_per_token + 16) + 64 * 4 * 256 + (1 << 20)
     # the largest snapshot the engine can make fits: ctx tokens, more logits rows than a file keeps
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((2, 1, 1024, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 2, 1024, 16)).astype(np.float32)
     logits = {n: rng.standard_normal(256).astype(np.float32) for n in range(1, 1025, 10)}  # 103 rows
     path = tmp_path / ("1" * 32 + ".safetensors")
     size = snapshot.save_snapshot(path, Snapshot(tuple(range(3, 1027)), k, k, logits), ident)
@@ -306,7 +306,7 @@ def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
     monkeypatch.undo()
     snapshot.save_snapshot(target, snap, TINY)
     monkeypatch.setattr(os, "replace", boom)
-    other = Snapshot(snap.tokens[:10], snap.k[:, :, :10], snap.v[:, :, :10])
+    other = Snapshot(snap.tokens[:10], snap.k[:, :, :, :10], snap.v[:, :, :, :10])
     with pytest.raises(OSError):
         snapshot.save_snapshot(target, other, TINY)
     monkeypatch.undo()
@@ -316,7 +316,7 @@ def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
 _WRITER = """
 import sys, numpy as np
 from cache.snapshot import Snapshot, save_snapshot
-k = np.random.default_rng(0).standard_normal((8, 1, 4096, 4, 64)).astype(np.float32)  # 32 MiB a tensor
+k = np.random.default_rng(0).standard_normal((8, 1, 4, 4096, 64)).astype(np.float32)  # 32 MiB a tensor
 i = 0
 while True:
     save_snapshot(sys.argv[1], Snapshot(tuple(range(i, i + 4096)), k, k), {"model": "m", "tokenizer": "none"})

@@ -73,8 +73,8 @@ def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
 
 def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
     ident = snapshot.identity(tiny_engine)
-    snaps = [Snapshot(tuple(toks(50, 10 + i)), np.zeros((2, 1, 50, 2, 16), np.float32),
-                      np.zeros((2, 1, 50, 2, 16), np.float32)) for i in range(3)]
+    snaps = [Snapshot(tuple(toks(50, 10 + i)), np.zeros((2, 1, 2, 50, 16), np.float32),
+                      np.zeros((2, 1, 2, 50, 16), np.float32)) for i in range(3)]
     store = DiskStore(tmp_path, ident, budget_bytes=int(2.5 * snaps[0].nbytes) + 4096)
     for s in snaps:
         assert store.put(s)

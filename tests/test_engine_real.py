@@ -50,5 +50,5 @@ def test_real_chunked_prefill_equals_one_shot(real_engine):
     logits, kv = real_engine.prefill(ids, kv)  # continues at kv.pos == 256
     assert int(kv.pos) == int(ref_kv.pos) == 300
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref[0]), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(kv.k[:, :, :300]), np.asarray(ref_kv.k[:, :, :300]), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(kv.v[:, :, :300]), np.asarray(ref_kv.v[:, :, :300]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(kv.k[:, :, :, :300]), np.asarray(ref_kv.k[:, :, :, :300]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(kv.v[:, :, :, :300]), np.asarray(ref_kv.v[:, :, :, :300]), atol=1e-4)

@@ -92,7 +92,7 @@ def test_rms_norm_matches_numpy():
 def test_forward_shapes(params, tiny_cfg):
     c = tiny_cfg
     kv0 = KVCache.zeros(c, CAP, batch=2)
-    assert kv0.k.shape == (c.n_layers, 2, CAP, c.n_kv_heads, c.head_dim)  # [L, B, S, K, H]
+    assert kv0.k.shape == (c.n_layers, 2, c.n_kv_heads, CAP, c.head_dim)  # [L, B, K, S, H]
     ids = np.stack([_ids(10, 0), _ids(10, 1)])
     logits, kv = _run(params, c, ids, kv0, T=64)
     assert logits.shape == (2, c.vocab_size) and logits.dtype == jnp.float32
@@ -138,8 +138,8 @@ def test_padding_rows_do_not_change_real_rows(params, tiny_cfg):
     la, kva = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
     lb, kvb = _fwd(params, jnp.asarray(tokens_b), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
     np.testing.assert_array_equal(np.asarray(la[0, :40]), np.asarray(lb[0, :40]))
-    np.testing.assert_array_equal(np.asarray(kva.k[:, :, :40]), np.asarray(kvb.k[:, :, :40]))
-    np.testing.assert_array_equal(np.asarray(kva.v[:, :, :40]), np.asarray(kvb.v[:, :, :40]))
+    np.testing.assert_array_equal(np.asarray(kva.k[:, :, :, :40]), np.asarray(kvb.k[:, :, :, :40]))
+    np.testing.assert_array_equal(np.asarray(kva.v[:, :, :, :40]), np.asarray(kvb.v[:, :, :, :40]))
     assert int(kva.pos) == int(kvb.pos) == 40
     # last-token logits ignore the padding too
     la1, _ = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg)
@@ -222,8 +222,8 @@ def test_chunked_prefill_equals_one_shot(tiny_engine, params, n):
     assert int(kv.pos) == n
     ref_logits, ref_kv = _run(params, tiny_engine.cfg, ids, T=CAP, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref_logits[0, n - 1]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv.k[:, :, :n]), np.asarray(ref_kv.k[:, :, :n]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv.v[:, :, :n]), np.asarray(ref_kv.v[:, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv.k[:, :, :, :n]), np.asarray(ref_kv.k[:, :, :, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv.v[:, :, :, :n]), np.asarray(ref_kv.v[:, :, :, :n]), atol=1e-5)
     np.testing.assert_allclose(tiny_engine.logits_all(ids), np.asarray(ref_logits[0, :n]), atol=1e-5)
 
 
@@ -236,7 +236,7 @@ def test_batch_rows_are_independent(params, tiny_cfg):
     np.testing.assert_array_equal(np.asarray(lab[0]), np.asarray(lac[0]))  # row 0 ignores row 1
     np.testing.assert_allclose(np.asarray(lab[0]), np.asarray(la[0]), atol=1e-5)  # and equals B=1
     np.testing.assert_allclose(np.asarray(lab[1]), np.asarray(lb[0]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kab.k[:, :1, :50]), np.asarray(ka.k[:, :, :50]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kab.k[:, :1, :, :50]), np.asarray(ka.k[:, :, :, :50]), atol=1e-5)
     # decode continues both rows independently
     d2, _ = _run(params, tiny_cfg, np.array([[3], [4]]), kab)
     d1, _ = _run(params, tiny_cfg, np.array([[3]]), ka)

@@ -104,7 +104,7 @@ def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
     assert (r.matched, r.reused, r.prefilled, r.saved) == (0, 0, 50, 49)
     assert cache.single.snapshot.tokens == tuple(p[:49])
     assert int(KVCache.from_segment(cache.single.snapshot.value).pos) == 49
-    assert cache.single.snapshot.value["k"].shape[2] == 49  # trimmed to its length
+    assert cache.single.snapshot.value["k"].shape[3] == 49  # trimmed to its length
     assert cache.bytes_held == 49 * bpt
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled) == (49, 49, 1)

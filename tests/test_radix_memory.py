@@ -94,8 +94,8 @@ def test_add_snapshot_of_a_loaded_file_holds_what_it_counts(tiny_engine, tmp_pat
     def load_three_prefixes():  # three keys ending at 100, 200, 304: splits of the loaded arrays
         snap = load_snapshot(path, identity(tiny_engine))
         for n in (100, 200):
-            cache.add_snapshot(dataclasses.replace(snap, tokens=snap.tokens[:n], k=snap.k[:, :, :n],
-                                                   v=snap.v[:, :, :n], logits={}))
+            cache.add_snapshot(dataclasses.replace(snap, tokens=snap.tokens[:n], k=snap.k[:, :, :, :n],
+                                                   v=snap.v[:, :, :, :n], logits={}))
         cache.add_snapshot(snap)
 
     held, _ = held_by(load_three_prefixes)
