@@ -115,7 +115,7 @@ class Scheduler:
         self.prefilling: _Prefill | None = None
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
         self.rows: list[_Row | None] = []
-        self.batch: KVCache | None = None  # k, v [L, W, S, K, H], pos [W]
+        self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
         self.stats = SchedulerStats()
         self._shrink_votes = 0
         self._all_allowed: dict[int, jax.Array] = {}
@@ -289,7 +289,7 @@ class Scheduler:
 
     # ---- decode rows ---------------------------------------------------------------------------------
     def _insert(self, rows: list[_Row], kv: KVCache) -> None:
-        """Write the prompt state `kv` [L, 1, S, K, H] into one free decode row per choice."""
+        """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
         needed = self.live_rows + len(rows)
         width = self._width_for(needed)
         capacity = max(kv.capacity, self.batch.capacity if self.batch is not None else 0)

@@ -1,6 +1,6 @@
 """Batched decoding: the single-sequence forward, vmapped over the rows of a batched KV pytree.
 
-A batch is a `KVCache` whose k, v are [L, W, S, K, H] (W rows, S slots each) and whose pos is a
+A batch is a `KVCache` whose k, v are [L, W, K, S, H] (W rows, S slots each) and whose pos is a
 vector [W]: each row is one sequence at its own position. `decode_rows` is the one pure forward
 (model.forward) given that position vector, so nothing about the model is written twice. (A
 `jax.vmap` of the scalar-position forward computes the same, but XLA:CPU turns its per-row cache
