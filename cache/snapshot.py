@@ -40,6 +40,7 @@ import numpy as np
 from cache.radix import common_prefix_len
 from jaxsmol.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import SEQ_AXIS, seq_index
 
 FORMAT = "jaxsmol.prefix-snapshot"
 FORMAT_VERSION = 2  # 2: keys and values heads-first, [L, B, K, n, H] (1 was [L, B, n, K, H])
@@ -83,7 +84,7 @@ class Snapshot:
 
     def __post_init__(self):
         self.tokens = tuple(int(t) for t in self.tokens)
-        if not (self.k.shape == self.v.shape and self.k.ndim == 5 and self.k.shape[3] == len(self.tokens)):
+        if not (self.k.shape == self.v.shape and self.k.ndim == 5 and self.k.shape[SEQ_AXIS] == len(self.tokens)):
             raise ValueError(f"k {self.k.shape} and v {self.v.shape} must be [L, B, K, {len(self.tokens)}, H]")
 
     @property
@@ -95,7 +96,7 @@ class Snapshot:
         return self.k.nbytes + self.v.nbytes + sum(a.nbytes for a in self.logits.values())
 
     def segment(self, start: int, stop: int) -> dict:
-        return {"k": self.k[:, :, :, start:stop], "v": self.v[:, :, :, start:stop]}
+        return {"k": self.k[seq_index(start, stop)], "v": self.v[seq_index(start, stop)]}
 
 
 # ---- one file ------------------------------------------------------------------------------------------
@@ -218,8 +219,9 @@ def _check_dims(path, snap: "Snapshot", ident: dict) -> None:
     """Refuse arrays the engine cannot use (a file may carry the right fingerprint and other shapes)."""
     if "kv_dims" not in ident:
         return
-    L, B, K, H = ident["kv_dims"]
-    want = (L, B, K, snap.length, H)
+    want = list(ident["kv_dims"])  # [L, B, K, H]
+    want.insert(SEQ_AXIS, snap.length)
+    want = tuple(want)
     if snap.k.shape != want or snap.k.dtype.name != ident["kv_dtype"] or snap.v.dtype != snap.k.dtype:
         raise SnapshotError(f"{path} holds keys/values {snap.k.dtype.name} {list(snap.k.shape)}; this engine "
                             f"needs {ident['kv_dtype']} {list(want)}")

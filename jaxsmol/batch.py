@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.config import Config
-from jaxsmol.kv import KVCache
+from jaxsmol.kv import SEQ_AXIS, KVCache, seq_index
 from jaxsmol.model import forward
 from jaxsmol.params import Params
 from jaxsmol.sampling import SamplingParams, sample_rows, split_seed, top_logprobs
@@ -74,10 +74,12 @@ def relayout(batch: KVCache, rows: jax.Array, width: int, capacity: int) -> KVCa
     src = jnp.maximum(rows, 0)
 
     def move(a):  # [L, W, K, S, H] -> [L, width, K, capacity, H]
-        taken = jnp.take(a, src, axis=1)[:, :, :, :capacity]
-        pad = capacity - taken.shape[3]
+        taken = jnp.take(a, src, axis=1)[seq_index(0, capacity)]
+        pad = capacity - taken.shape[SEQ_AXIS]
         if pad > 0:  # static shapes: growing the capacity
-            taken = jnp.pad(taken, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+            widths = [(0, 0)] * taken.ndim
+            widths[SEQ_AXIS] = (0, pad)
+            taken = jnp.pad(taken, widths)
         return jnp.where(keep[None, :, None, None, None], taken, jnp.zeros((), a.dtype))
 
     return KVCache(k=move(batch.k), v=move(batch.v), pos=jnp.where(keep, batch.pos[src], 0))

@@ -1,11 +1,12 @@
 """The KV cache: an immutable pytree of keys, values and the number of positions written.
 
     k, v: [L, B, K, S, H]  (layers, batch, kv heads, slots, head dim); S is the allocated capacity
+    pos:  int32 []         positions 0..pos-1 hold this sequence's keys/values
 
 Heads before slots: attention reads a block of slots as [B, K, C, H], the batch-major layout of XLA's
 batched matmul, so no block is transposed (copied) before its two products (measured on the decode
-attention over 2000 positions: 0.73x the time of the [L, B, S, K, H] layout, the same bits).
-    pos:  int32 []         positions 0..pos-1 hold this sequence's keys/values
+attention over 2000 positions: 0.73x the time of the [L, B, S, K, H] layout, the same bits). Code
+outside the forward slices slots with `seq_index`, never with a hard-coded axis.
 
 Slots at or beyond `pos` may hold stale values (padding of a chunk, or an older, longer sequence
 that a snapshot came from). They never influence a result: a query at position q attends only to
@@ -28,6 +29,11 @@ from jaxsmol.config import Config
 from jaxsmol.sharding import kv_sharding
 
 SEQ_AXIS = 3  # the slot axis of k and v
+
+
+def seq_index(start: int | None = None, stop: int | None = None) -> tuple:
+    """The index of slots [start, stop) of a k or v array (device or host): a[seq_index(0, n)]."""
+    return (slice(None),) * SEQ_AXIS + (slice(start, stop),)
 
 
 @flax.struct.dataclass
@@ -60,7 +66,7 @@ class KVCache:
         assert 0 <= start <= stop <= int(self.pos), (start, stop, int(self.pos))
 
         def cut(a):
-            out = np.array(np.asarray(a)[:, :, :, start:stop])  # np.array copies
+            out = np.array(np.asarray(a)[seq_index(start, stop)])  # np.array copies
             out.flags.writeable = False
             return out
 
@@ -86,8 +92,8 @@ def aligned_host_prefix(a: np.ndarray, n: int, multiple: int) -> np.ndarray:
     raw = np.empty(nbytes + 64, np.uint8)
     offset = (-raw.ctypes.data) % 64
     out = raw[offset:offset + nbytes].view(a.dtype).reshape(shape)
-    out[:, :, :, :n] = a[:, :, :, :n]
-    out[:, :, :, n:] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
+    out[seq_index(0, n)] = a[seq_index(0, n)]
+    out[seq_index(n)] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
     return out
 
 

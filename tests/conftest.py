@@ -23,10 +23,15 @@ sharing them lets the jitted forward's compile cache be reused across test files
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # make_checkpoint, for the tests
 
 
 def pytest_configure(config):
@@ -77,10 +82,6 @@ def tiny_model_dir(tmp_path_factory, model_dir):
     """A checkpoint directory of a two-layer size (tools/make_checkpoint.py TINY: random float32 weights)
     with the bundled model's tokenizer: for tests of the CLI, the daemon and the benchmark whose subject
     is not the real weights. Its programs compile in a fraction of a second (the real model's: seconds)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from make_checkpoint import TINY, make_checkpoint
 
     return make_checkpoint(TINY, tmp_path_factory.mktemp("tiny-model"), dtype="float32", tokenizer_dir=model_dir)

@@ -6,13 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_checkpoint import SIZES, TINY, hf_config, make_checkpoint  # noqa: E402
+from make_checkpoint import SIZES, TINY, hf_config, make_checkpoint  # tools/, on the path via conftest
 
 
 @pytest.fixture(scope="module")

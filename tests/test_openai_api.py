@@ -4,7 +4,8 @@ client and raw HTTP): content parts and roles, every prompt form, echo + logprob
 and tenants (API keys, namespaces, admin routes).
 
 Two daemons, started together and shared by the module: `api` (the real model, open, prefix cache on)
-and `keyed` (`--api-keys FILE`, on the two-layer checkpoint: its tests are about keys and namespaces). Cache-dependent tests use a fresh `cache_salt`.
+and `keyed` (`--api-keys FILE`, on the two-layer checkpoint: its tests are about keys and namespaces).
+Cache-dependent tests use a fresh `cache_salt`.
 """
 
 from __future__ import annotations
