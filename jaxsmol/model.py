@@ -26,6 +26,7 @@ from jaxsmol.config import Config
 from jaxsmol.kv import KVCache
 from jaxsmol.params import LayerParams, Params
 from jaxsmol.rope import apply_rope, rope_tables
+from jaxsmol import decode_kernels
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
 NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
@@ -34,6 +35,14 @@ NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and n
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * w
+
+
+def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
+    """x [..., Din] @ w [Din, Dout] -> [..., Dout]: decode-step rows through the small-row kernel
+    when cfg.decode_kernels, XLA's dot otherwise (every prefill chunk: see decode_kernels.py)."""
+    if cfg.decode_kernels and decode_kernels.matmul_applies(x, w):
+        return decode_kernels.matmul(x, w)
+    return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 
 
 ATTN_TILE = 64  # queries are processed in tiles of this many rows (see `attention`)
@@ -110,19 +119,24 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     dt = w.wq.dtype  # the dtype of the matrix products' inputs (see the module docstring)
     layer = jnp.int32(i)
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps).astype(dt)
-    q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, K * G, H)
-    k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, K, H)
-    v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, K, H)
+    q = linear(h, w.wq, cfg).reshape(B, T, K * G, H)
+    k = linear(h, w.wk, cfg).reshape(B, T, K, H)
+    v = linear(h, w.wv, cfg).reshape(B, T, K, H)
     q = apply_rope(q, sin, cos) * (H ** -0.5)
     k = apply_rope(k, sin, cos)
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
-    a = attention(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos).reshape(B, T, K * G * H)
-    x = x + jnp.einsum("btn,nd->btd", a.astype(dt), w.wo, preferred_element_type=jnp.float32)
+    q = q.reshape(B, T, K, G, H)
+    if cfg.decode_kernels and decode_kernels.attention_applies(q, k_all):
+        a = decode_kernels.attention(q, k_all, v_all, i, pos)
+    else:
+        a = attention(q, k_all, v_all, layer, pos)
+    a = a.reshape(B, T, K * G * H)
+    x = x + linear(a.astype(dt), w.wo, cfg, jnp.float32)
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps).astype(dt)
-    gate = jnp.einsum("btd,df->btf", h, w.w_gate)  # [B, T, F]
-    up = jnp.einsum("btd,df->btf", h, w.w_up)
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, preferred_element_type=jnp.float32)
+    gate = linear(h, w.w_gate, cfg)  # [B, T, F]
+    up = linear(h, w.w_up, cfg)
+    x = x + linear(jax.nn.silu(gate) * up, w.w_down, cfg, jnp.float32)
     return x, k_all, v_all
 
 
@@ -152,5 +166,5 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(dt)
-    logits = jnp.einsum("...d,dv->...v", x, params.unembed, preferred_element_type=jnp.float32)
+    logits = linear(x, params.unembed, cfg, jnp.float32)  # [B, V] or [B, T, V]
     return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

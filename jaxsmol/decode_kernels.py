@@ -1,0 +1,141 @@
+"""Two float32 kernels for decode steps, written in C++ (decode_kernels.cc) and called from the
+jitted forward through JAX's foreign function interface (`jax.ffi`):
+
+- `matmul`, for fewer than 64 rows. XLA:CPU's dot packs a weight panel before every product, which
+  at 2-16 rows costs more than the arithmetic; the kernel streams each weight row once and applies
+  it to every row. Each output element is one fused multiply-add chain over k in order.
+- `attention` of one query per row over its own cache. XLA's blocked attention copies every
+  256-slot block of a batch's cache before its matmuls and runs every row to the longest row's
+  position; the kernel reads each row's keys and values in place, up to its own position.
+
+Both give a row the same bits whatever else is in the batch. Prefill chunks (>= 64 rows) keep XLA's
+GEMM and blocked attention: the prompt path, and with it cached == uncached, is unchanged.
+
+The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
+CPU (`-march=native`) and kept under the data directory, keyed by source, flags, jaxlib and CPU.
+Where it cannot be built (no compiler) or is switched off (`JAXSMOL_DECODE_KERNELS=off`), the forward
+uses XLA's dot, with one line on stderr saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("decode_kernels.cc")
+TARGETS = {"jaxsmol_small_matmul": "JaxsmolSmallMatmul", "jaxsmol_decode_attention": "JaxsmolDecodeAttention"}
+MAX_ROWS = 63  # from 64 rows on, XLA's GEMM runs: prefill chunks are >= 64 rows (the exactness rule)
+LANES = 16  # the kernel's vector width in floats: N must be a multiple
+FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
+
+_lock = threading.Lock()
+_status: bool | None = None  # None until the first call of available()
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (a library built with -march=native runs only where they match)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def _build() -> Path:
+    """Compile decode_kernels.cc into a shared library under the data directory (once per key)."""
+    from jaxsmol.default_model import data_home
+
+    cxx = os.environ.get("CXX", "c++")
+    source = SOURCE.read_bytes()
+    key = hashlib.blake2b(digest_size=12)
+    for part in (source, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
+                 _cpu_signature().encode()):
+        key.update(part)
+    out = data_home() / "kernels" / f"decode_kernels-{key.hexdigest()}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
+        raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {' | '.join(errors) or done.stderr[-300:]}")
+    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+def available() -> bool:
+    """Build (or find) and register the kernels once per process; False, with one line on stderr,
+    where it is switched off or cannot be built."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _load()
+        return _status
+
+
+def _load() -> bool:
+    if os.environ.get("JAXSMOL_DECODE_KERNELS", "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (RuntimeError, OSError, AttributeError) as e:
+        print(f"jaxsmol: the decode kernels are not available ({e}); decode steps use XLA's dot and attention",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def configure(cfg, dtype, mesh=None):
+    """cfg with `decode_kernels` set: on for float32 weights on one CPU device where the kernels load.
+    (A mesh partitions the forward with GSPMD, which cannot split a custom call.)"""
+    use = (jnp.dtype(dtype) == jnp.float32 and mesh is None and jax.default_backend() == "cpu"
+           and available())
+    return cfg if cfg.decode_kernels == use else dataclasses.replace(cfg, decode_kernels=use)
+
+
+def matmul_applies(x: jax.Array, w: jax.Array) -> bool:
+    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.decode_kernels): few rows, float32."""
+    rows = x.size // x.shape[-1]
+    return (rows <= MAX_ROWS and x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
+            and w.shape[1] % LANES == 0)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] float32 through the kernel (available() must be True)."""
+    lead, (K, N) = x.shape[:-1], w.shape
+    call = jax.ffi.ffi_call("jaxsmol_small_matmul", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    return call(x.reshape(-1, K), w).reshape(*lead, N)
+
+
+def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
+    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: one query per row, float32."""
+    return q.shape[1] == 1 and q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in (16, 32, 64, 128)
+
+
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array) -> jax.Array:
+    """q [B, 1, K, G, H] at positions pos (a scalar or [B]) over cache layer `layer` of k_all, v_all
+    [L, B, K, S, H] (the query's own key already written) -> [B, 1, K, G, H]."""
+    B = q.shape[0]
+    pos = jnp.broadcast_to(pos.astype(jnp.int32), (B,))
+    call = jax.ffi.ffi_call("jaxsmol_decode_attention", jax.ShapeDtypeStruct(q[:, 0].shape, jnp.float32))
+    return call(q[:, 0], k_all, v_all, pos, layer=np.int64(layer))[:, None]

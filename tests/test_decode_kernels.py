@@ -1,0 +1,122 @@
+"""The C++ decode kernels (jaxsmol/decode_kernels.py): a small-row matmul and one-query attention.
+
+They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
+whatever else shares its call, read nothing beyond a row's position, leave prefill untouched, and be
+switched on only where they apply (float32, one device) and off cleanly where they cannot be built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsmol import decode_kernels, model, programs
+from jaxsmol.kv import KVCache
+
+pytestmark = pytest.mark.skipif(not decode_kernels.available(),
+                                reason="no C++ compiler: test_kernels_off_without_a_compiler covers it")
+_matmul = jax.jit(decode_kernels.matmul)
+_attend = jax.jit(decode_kernels.attention, static_argnums=3)
+_xla_attend = jax.jit(model.attention)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 48), (16, 1536, 576), (17, 100, 80),
+                                   (40, 64, 16)])
+def test_matmul_matches_a_float64_reference(M, K, N):
+    rng = np.random.default_rng(M * K + N)
+    x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((K, N), np.float32)
+    got = np.asarray(_matmul(jnp.asarray(x), jnp.asarray(w)))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [2, 8, 16, 21])
+def test_matmul_rows_do_not_depend_on_the_others(M):
+    """A row alone gets exactly the bits it gets among M rows (one FMA chain over k in order)."""
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, 576), np.float32))
+    w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
+    together = np.asarray(_matmul(x, w))
+    for r in (0, M // 2, M - 1):
+        np.testing.assert_array_equal(together[r], np.asarray(_matmul(x[r:r + 1], w))[0])
+
+
+def _cache(rng, L=2, B=4, K=2, S=512, H=64):
+    k = rng.standard_normal((L, B, K, S, H)).astype(np.float32)
+    v = rng.standard_normal((L, B, K, S, H)).astype(np.float32)
+    return k, v
+
+
+def test_attention_matches_xla_blocked_attention_per_row_positions():
+    rng = np.random.default_rng(0)
+    k, v = _cache(rng)
+    q = jnp.asarray(rng.standard_normal((4, 1, 2, 3, 64)).astype(np.float32) * 0.125)
+    pos = jnp.asarray([0, 17, 300, 511], jnp.int32)
+    got = _attend(q, jnp.asarray(k), jnp.asarray(v), 1, pos)
+    want = _xla_attend(q, jnp.asarray(k), jnp.asarray(v), jnp.int32(1), pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)
+    scalar = _attend(q, jnp.asarray(k), jnp.asarray(v), 0, jnp.int32(40))
+    np.testing.assert_allclose(np.asarray(scalar), np.asarray(_xla_attend(q, jnp.asarray(k), jnp.asarray(v),
+                                                                          jnp.int32(0), jnp.int32(40))),
+                               rtol=0, atol=2e-6)
+
+
+def test_attention_reads_nothing_beyond_a_rows_position_and_rows_are_independent():
+    rng = np.random.default_rng(1)
+    k, v = _cache(rng)
+    pos = np.asarray([5, 200, 64, 511], np.int32)
+    q = jnp.asarray(rng.standard_normal((4, 1, 2, 3, 64)).astype(np.float32))
+    clean = np.asarray(_attend(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
+    for b, p in enumerate(pos):  # stale slots past each row's position hold NaN
+        k[:, b, :, p + 1:], v[:, b, :, p + 1:] = np.nan, np.nan
+    dirty = np.asarray(_attend(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
+    np.testing.assert_array_equal(dirty, clean)
+    alone = _attend(q[2:3], jnp.asarray(k[:, 2:3]), jnp.asarray(v[:, 2:3]), 1, jnp.asarray(pos[2:3]))
+    np.testing.assert_array_equal(np.asarray(alone)[0], clean[2])
+
+
+def test_decode_uses_the_kernels_and_prefill_keeps_xlas_bits(tiny_cfg, params):
+    """With the kernels on, a 64-row prefill chunk is bit-identical to the XLA forward (cached ==
+    uncached is untouched) and a decode step agrees with it to float32 rounding."""
+    on = dataclasses.replace(tiny_cfg, decode_kernels=True)
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, tiny_cfg.vocab_size, (1, 64)), jnp.int32)
+    step = jnp.asarray([[7]], jnp.int32)
+    results = {}
+    for name, cfg in (("xla", tiny_cfg), ("kernels", on)):
+        first, kv = programs.forward(params, prompt, jnp.int32(64), KVCache.zeros(cfg, 256), cfg)
+        second, _ = programs.forward(params, step, jnp.int32(1), kv, cfg)
+        results[name] = np.asarray(first), np.asarray(second)
+    np.testing.assert_array_equal(results["kernels"][0], results["xla"][0])
+    np.testing.assert_allclose(results["kernels"][1], results["xla"][1], rtol=0, atol=1e-4)
+    hlo = programs.forward.lower(params, step, jnp.int32(1), KVCache.zeros(on, 256), on).as_text()
+    assert "jaxsmol_decode_attention" in hlo and "jaxsmol_small_matmul" in hlo
+
+
+def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine):
+    """float32 on one device: on; bfloat16: off. (A mesh: off, asserted in tests/test_sharding.py.)"""
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    assert tiny_engine.cfg.decode_kernels
+    assert not Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.decode_kernels
+
+
+def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
+    """No C++ compiler: one line on stderr says so, and generation runs on XLA's dot."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXSMOL_HOME=str(tmp_path / "home"))
+    code = ("from jaxsmol.engine import Engine\n"
+            f"e = Engine.load({str(tiny_model_dir)!r}, progress=False)\n"
+            "from jaxsmol.sampling import SamplingParams\n"
+            "g = e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+            "print('kernels', e.cfg.decode_kernels, len(g.output_ids))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kernels False 3" in done.stdout
+    assert "decode kernels are not available" in done.stderr and "no-such-compiler" in done.stderr
