@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol import programs, decode_kernels
+from jaxsmol import programs, cpu_kernels
 from jaxsmol.kv import KVCache, aligned_host_prefix
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
@@ -137,7 +137,7 @@ class Engine:
         """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
         if mesh is not None:
             params = shard_params(params, mesh)
-        cfg = decode_kernels.configure(cfg, params.embed.dtype, mesh)
+        cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
         self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None
@@ -163,7 +163,7 @@ class Engine:
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
-        cfg = decode_kernels.configure(cfg, dtype, mesh)  # before on_config, which may compile programs
+        cfg = cpu_kernels.configure(cfg, dtype, mesh)  # before on_config, which may compile programs
         if on_config is not None:
             on_config(cfg, tokenizer)
         params = load_params(model_dir, cfg, getattr(jnp, dtype))

@@ -14,6 +14,10 @@ Dtypes: the matrix products run in the weights' dtype (float32 or bfloat16) and 
 dtype too, while the residual stream, RoPE, the softmax and the logits are float32 whatever the weights
 (so the residual stream keeps one dtype, and bfloat16 loses precision only where it saves memory).
 With float32 weights every cast is a no-op.
+
+With `cfg.cpu_kernels` (float32 on one CPU device; the Engine sets it), attention and the matmuls of
+decode steps run C++ kernels instead (cpu_kernels.py); the functions below are then the reference
+they are tested against, and what bfloat16 weights and device meshes run.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from jaxsmol.config import Config
 from jaxsmol.kv import KVCache
 from jaxsmol.params import LayerParams, Params
 from jaxsmol.rope import apply_rope, rope_tables
-from jaxsmol import decode_kernels
+from jaxsmol import cpu_kernels
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
 NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
@@ -39,9 +43,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
     """x [..., Din] @ w [Din, Dout] -> [..., Dout]: decode-step rows through the small-row kernel
-    when cfg.decode_kernels, XLA's dot otherwise (every prefill chunk: see decode_kernels.py)."""
-    if cfg.decode_kernels and decode_kernels.matmul_applies(x, w):
-        return decode_kernels.matmul(x, w)
+    when cfg.cpu_kernels, XLA's dot otherwise (every prefill chunk, >= 64 rows: see cpu_kernels.py)."""
+    if cfg.cpu_kernels and cpu_kernels.matmul_applies(x, w):
+        return cpu_kernels.matmul(x, w)
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 
 
@@ -127,8 +131,8 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
     q = q.reshape(B, T, K, G, H)
-    if cfg.decode_kernels and decode_kernels.attention_applies(q, k_all):
-        a = decode_kernels.attention(q, k_all, v_all, i, pos)
+    if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
+        a = cpu_kernels.attention(q, k_all, v_all, i, pos)
     else:
         a = attention(q, k_all, v_all, layer, pos)
     a = a.reshape(B, T, K * G * H)

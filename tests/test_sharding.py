@@ -49,7 +49,7 @@ for tp, dp in [(4, 1), (2, 2), (1, 4)]:
         "wq_spec": str(eng.params.layers[0].wq.sharding.spec),
         "kv_spec": str(eng.new_cache(64).k.sharding.spec),
         "fingerprint_differs": eng.fingerprint != single.fingerprint,
-        "decode_kernels": eng.cfg.decode_kernels,
+        "cpu_kernels": eng.cfg.cpu_kernels,
     }
 # a host snapshot has no layout: a state taken on a 4-way mesh is placed on one device, and back
 eng = Engine(cfg, params, None, ctx=1024, mesh=make_mesh(tp=4))
@@ -71,7 +71,7 @@ def test_sharded_forward_matches_single_device_and_cache_stays_exact():
         assert r["same_tokens_as_single"], name
         assert r["reused"] == 200 and r["warm_equals_cold_bitwise"], name  # cached == uncached holds
         assert r["fingerprint_differs"], name  # caches never mix states of different layouts
-        assert not r["decode_kernels"], name  # GSPMD cannot partition the C++ decode kernels
+        assert not r["cpu_kernels"], name  # GSPMD cannot partition the C++ kernels
     assert out["layouts"]["tp4dp1"]["wq_spec"].endswith("(None, 'model')")  # Q columns split 4 ways
     assert out["layouts"]["tp4dp1"]["kv_spec"].endswith("'model', None, None)")  # kv heads split
     assert "'model'" in out["layouts"]["tp2dp2"]["wq_spec"]

@@ -65,7 +65,8 @@ async def long_prompts(client, url, rng, stop: asyncio.Event) -> int:
 
 async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed: int) -> dict:
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=clients + 4)
+    # no keep-alive: llama-server closes idle connections, and a pooled one then fails mid-run
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client:
         stop = asyncio.Event()
         background = asyncio.create_task(long_prompts(client, url, rng, stop)) if with_long else None

@@ -1,8 +1,10 @@
-"""The C++ decode kernels (jaxsmol/decode_kernels.py): a small-row matmul and one-query attention.
+"""The C++ CPU kernels (jaxsmol/cpu_kernels.py): a small-row matmul and causal attention.
 
 They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
-whatever else shares its call, read nothing beyond a row's position, leave prefill untouched, and be
-switched on only where they apply (float32, one device) and off cleanly where they cannot be built.
+whatever else shares its call (batch rows, or the chunk a query row arrives in), read nothing beyond
+a row's position, and be switched on only where they apply (float32, one device) and off cleanly
+where they cannot be built. (Cached == uncached with them on: tests/test_bitwise.py and the prefix
+cache tests, whose engines have them on.)
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol import decode_kernels, model, programs
+from jaxsmol import cpu_kernels, model, programs
 from jaxsmol.kv import KVCache
 
-pytestmark = pytest.mark.skipif(not decode_kernels.available(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C++ compiler: test_kernels_off_without_a_compiler covers it")
-_matmul = jax.jit(decode_kernels.matmul)
-_attend = jax.jit(decode_kernels.attention, static_argnums=3)
+_matmul = jax.jit(cpu_kernels.matmul)
+_attend = jax.jit(cpu_kernels.attention, static_argnums=3)
 _xla_attend = jax.jit(model.attention)
 
 
@@ -54,18 +56,29 @@ def _cache(rng, L=2, B=4, K=2, S=512, H=64):
     return k, v
 
 
-def test_attention_matches_xla_blocked_attention_per_row_positions():
-    rng = np.random.default_rng(0)
-    k, v = _cache(rng)
-    q = jnp.asarray(rng.standard_normal((4, 1, 2, 3, 64)).astype(np.float32) * 0.125)
-    pos = jnp.asarray([0, 17, 300, 511], jnp.int32)
-    got = _attend(q, jnp.asarray(k), jnp.asarray(v), 1, pos)
-    want = _xla_attend(q, jnp.asarray(k), jnp.asarray(v), jnp.int32(1), pos)
+@pytest.mark.parametrize("T,pos", [(1, [0, 17, 300, 511]), (1, 40), (64, [0, 64, 200, 448]), (128, 128)])
+def test_attention_matches_xla_blocked_attention(T, pos):
+    rng = np.random.default_rng(T)
+    k, v = (jnp.asarray(a) for a in _cache(rng))
+    q = jnp.asarray(rng.standard_normal((4, T, 2, 3, 64)).astype(np.float32) * 0.125)
+    pos = jnp.asarray(pos, jnp.int32)
+    got = _attend(q, k, v, 1, pos)
+    want = _xla_attend(q, k, v, jnp.int32(1), pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)
-    scalar = _attend(q, jnp.asarray(k), jnp.asarray(v), 0, jnp.int32(40))
-    np.testing.assert_allclose(np.asarray(scalar), np.asarray(_xla_attend(q, jnp.asarray(k), jnp.asarray(v),
-                                                                          jnp.int32(0), jnp.int32(40))),
-                               rtol=0, atol=2e-6)
+
+
+def test_attention_row_bits_do_not_depend_on_the_chunk():
+    """A query row gets the same bits alone (a decode step), in a 64-row chunk or in a 128-row one:
+    each row is computed on its own, in position order."""
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(a) for a in _cache(rng, B=1))
+    q = jnp.asarray(rng.standard_normal((1, 128, 2, 3, 64)).astype(np.float32) * 0.125)
+    whole = np.asarray(_attend(q, k, v, 0, jnp.int32(64)))  # rows at positions 64..191
+    second_half = np.asarray(_attend(q[:, 64:], k, v, 0, jnp.int32(128)))
+    np.testing.assert_array_equal(second_half, whole[:, 64:])
+    for t in (0, 77, 127):
+        alone = np.asarray(_attend(q[:, t:t + 1], k, v, 0, jnp.int32(64 + t)))
+        np.testing.assert_array_equal(alone[:, 0], whole[:, t])
 
 
 def test_attention_reads_nothing_beyond_a_rows_position_and_rows_are_independent():
@@ -82,10 +95,10 @@ def test_attention_reads_nothing_beyond_a_rows_position_and_rows_are_independent
     np.testing.assert_array_equal(np.asarray(alone)[0], clean[2])
 
 
-def test_decode_uses_the_kernels_and_prefill_keeps_xlas_bits(tiny_cfg, params):
-    """With the kernels on, a 64-row prefill chunk is bit-identical to the XLA forward (cached ==
-    uncached is untouched) and a decode step agrees with it to float32 rounding."""
-    on = dataclasses.replace(tiny_cfg, decode_kernels=True)
+def test_forward_with_the_kernels_agrees_with_xla(tiny_cfg, params):
+    """With the kernels on, a 64-row prefill chunk and a decode step agree with the XLA forward to
+    float32 rounding, and the decode step's program calls both kernels."""
+    on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, tiny_cfg.vocab_size, (1, 64)), jnp.int32)
     step = jnp.asarray([[7]], jnp.int32)
     results = {}
@@ -93,10 +106,10 @@ def test_decode_uses_the_kernels_and_prefill_keeps_xlas_bits(tiny_cfg, params):
         first, kv = programs.forward(params, prompt, jnp.int32(64), KVCache.zeros(cfg, 256), cfg)
         second, _ = programs.forward(params, step, jnp.int32(1), kv, cfg)
         results[name] = np.asarray(first), np.asarray(second)
-    np.testing.assert_array_equal(results["kernels"][0], results["xla"][0])
+    np.testing.assert_allclose(results["kernels"][0], results["xla"][0], rtol=0, atol=1e-4)
     np.testing.assert_allclose(results["kernels"][1], results["xla"][1], rtol=0, atol=1e-4)
     hlo = programs.forward.lower(params, step, jnp.int32(1), KVCache.zeros(on, 256), on).as_text()
-    assert "jaxsmol_decode_attention" in hlo and "jaxsmol_small_matmul" in hlo
+    assert "jaxsmol_attention" in hlo and "jaxsmol_small_matmul" in hlo
 
 
 def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine):
@@ -104,8 +117,8 @@ def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
 
-    assert tiny_engine.cfg.decode_kernels
-    assert not Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.decode_kernels
+    assert tiny_engine.cfg.cpu_kernels
+    assert not Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.cpu_kernels
 
 
 def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
@@ -115,8 +128,8 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
             f"e = Engine.load({str(tiny_model_dir)!r}, progress=False)\n"
             "from jaxsmol.sampling import SamplingParams\n"
             "g = e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))\n"
-            "print('kernels', e.cfg.decode_kernels, len(g.output_ids))")
+            "print('kernels', e.cfg.cpu_kernels, len(g.output_ids))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "kernels False 3" in done.stdout
-    assert "decode kernels are not available" in done.stderr and "no-such-compiler" in done.stderr
+    assert "CPU kernels are not available" in done.stderr and "no-such-compiler" in done.stderr

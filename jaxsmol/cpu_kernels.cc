@@ -1,6 +1,6 @@
-// Two float32 kernels for decode steps, called from the jitted forward through XLA's FFI
-// (decode_kernels.py): a matmul for few rows, and attention of one query per row over its cache.
-// Both give each row the same bits whatever the other rows of the batch hold or how many there are.
+// Two float32 kernels called from the jitted forward through XLA's FFI (cpu_kernels.py): a matmul
+// for few rows (decode steps), and causal attention (prefill chunks and decode steps). Both give
+// each row the same bits whatever the other rows of the call hold or how many there are.
 //
 // ---- SmallMatmul: y[M, N] = x[M, K] @ w[K, N], M = the batch width (< 64) ----
 //
@@ -134,16 +134,18 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, Matrix x, Matrix w, OutMatrix y) {
 }
 
 
-// ---- DecodeAttention: one query per row over positions 0..pos[b] of its own cache ----
+// ---- Attention: each query row over positions 0..its own of its row's cache ----
 //
 // Why: XLA reads the cache in 256-slot blocks through dynamic slices, and for a batch (or several kv
 // heads) a block is not contiguous, so every block of every layer was copied before its two matmuls
-// (0.4 ms per slice at 16 rows); and every row paid for the longest row's blocks. Here each (row,
-// kv head) reads its own keys and values in place, only up to its own position.
+// (0.4 ms per slice at 16 rows); every row paid for the longest row's blocks; and the masked
+// running softmax over 64-row query tiles ran at ~40 GFLOP/s in prefill. Here each (query row, kv
+// head) reads its keys and values in place, only up to its own position, on its own: its bits do
+// not depend on the chunk or batch it arrives in.
 //
-// q [B, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H], pos [B] (the query's
-// position; its key is already in the cache) -> out [B, K, G, H]. Softmax in two passes: scores,
-// then max, exp and sum, then P V, each in position order.
+// q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H], pos [B] (row b's
+// first query position; the chunk's keys are already in the cache) -> out [B, T, K, G, H].
+// Softmax in two passes: scores, then max, exp and sum, then P V, each in position order.
 
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -207,29 +209,30 @@ void AttendOne(const float* q, const float* keys, const float* values, float* ou
   }
 }
 
-using Heads = ffi::Buffer<ffi::F32, 4>;
+using Queries = ffi::Buffer<ffi::F32, 5>;
 using Cache = ffi::Buffer<ffi::F32, 5>;
 using Positions = ffi::Buffer<ffi::S32, 1>;
-using OutHeads = ffi::ResultBuffer<ffi::F32, 4>;
+using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, Heads q, Cache k_all, Cache v_all, Positions pos, OutHeads out,
-                           int64_t layer) {
+ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, Positions pos, OutQueries out,
+                     int64_t layer) {
   const auto qd = q.dimensions(), cd = k_all.dimensions();
-  const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], L = cd[0], S = cd[3];
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
-    return ffi::Error::InvalidArgument("decode attention: shapes of q, cache and pos disagree");
+    return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
   void (*attend)(const float*, const float*, const float*, float*, int64_t, int64_t, float*) =
       H == 16 ? &AttendOne<1> : H == 32 ? &AttendOne<2> : H == 64 ? &AttendOne<4> : H == 128 ? &AttendOne<8> : nullptr;
-  if (!attend) return ffi::Error::InvalidArgument("decode attention: head_dim must be 16, 32, 64 or 128");
+  if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   const float *qs = q.typed_data(), *ks = k_all.typed_data(), *vs = v_all.typed_data();
   const int32_t* ps = pos.typed_data();
   float* os = out->typed_data();
-  ParallelFor(pool, B * K, [=](int64_t bk) {
-    const int64_t b = bk / K;
-    const int64_t n = std::min<int64_t>(std::max<int32_t>(ps[b], 0), S - 1) + 1;
-    const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kv head] in [L, B, K, S, H]
+  // one task per (row, query position, kv head), in [B, T, K] order: q and out are [B, T, K, G, H]
+  ParallelFor(pool, B * T * K, [=](int64_t btk) {
+    const int64_t b = btk / (T * K), t = btk / K % T, kh = btk % K;
+    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b] + t, 0), S - 1) + 1;
+    const int64_t slots = ((layer * B + b) * K + kh) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
     std::vector<float> scores((n + kLanes - 1) / kLanes * kLanes);
-    attend(qs + bk * G * H, ks + slots, vs + slots, os + bk * G * H, G, n, scores.data());
+    attend(qs + btk * G * H, ks + slots, vs + slots, os + btk * G * H, G, n, scores.data());
   });
   return ffi::Error::Success();
 }
@@ -243,12 +246,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolSmallMatmul, SmallMatmul,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolDecodeAttention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<Heads>()
+                                  .Arg<Queries>()
                                   .Arg<Cache>()
                                   .Arg<Cache>()
                                   .Arg<Positions>()
-                                  .Ret<Heads>()
+                                  .Ret<Queries>()
                                   .Attr<int64_t>("layer"));

@@ -1,20 +1,21 @@
-"""Two float32 kernels for decode steps, written in C++ (decode_kernels.cc) and called from the
-jitted forward through JAX's foreign function interface (`jax.ffi`):
+"""Two float32 CPU kernels, written in C++ (cpu_kernels.cc) and called from the jitted forward
+through JAX's foreign function interface (`jax.ffi`):
 
-- `matmul`, for fewer than 64 rows. XLA:CPU's dot packs a weight panel before every product, which
-  at 2-16 rows costs more than the arithmetic; the kernel streams each weight row once and applies
-  it to every row. Each output element is one fused multiply-add chain over k in order.
-- `attention` of one query per row over its own cache. XLA's blocked attention copies every
-  256-slot block of a batch's cache before its matmuls and runs every row to the longest row's
-  position; the kernel reads each row's keys and values in place, up to its own position.
-
-Both give a row the same bits whatever else is in the batch. Prefill chunks (>= 64 rows) keep XLA's
-GEMM and blocked attention: the prompt path, and with it cached == uncached, is unchanged.
+- `matmul`, for decode steps (fewer than 64 rows). XLA:CPU's dot packs a weight panel before every
+  product, which at 2-16 rows costs more than the arithmetic; the kernel streams each weight row
+  once and applies it to every row. Each output element is one fused multiply-add chain over k in
+  order, so a row's bits do not depend on the other rows. Prefill chunks (>= 64 rows) keep XLA's GEMM.
+- `attention`, causal, for prefill chunks and decode steps alike. XLA's blocked attention copies
+  every 256-slot block of the cache before its matmuls (a batch's or several heads' block is not
+  contiguous) and runs every row to the chunk's or batch's last position; the kernel reads each
+  (row, kv head)'s keys and values in place, up to that query's own position. Each query row is
+  computed on its own in position order, so its bits do not depend on the chunk or batch carrying it,
+  and cached == uncached holds as before.
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
 CPU (`-march=native`) and kept under the data directory, keyed by source, flags, jaxlib and CPU.
-Where it cannot be built (no compiler) or is switched off (`JAXSMOL_DECODE_KERNELS=off`), the forward
-uses XLA's dot, with one line on stderr saying why.
+Where it cannot be built (no compiler) or is switched off (`JAXSMOL_CPU_KERNELS=off`), the forward
+uses XLA's dot and attention, with one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("decode_kernels.cc")
-TARGETS = {"jaxsmol_small_matmul": "JaxsmolSmallMatmul", "jaxsmol_decode_attention": "JaxsmolDecodeAttention"}
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+TARGETS = {"jaxsmol_small_matmul": "JaxsmolSmallMatmul", "jaxsmol_attention": "JaxsmolAttention"}
 MAX_ROWS = 63  # from 64 rows on, XLA's GEMM runs: prefill chunks are >= 64 rows (the exactness rule)
 LANES = 16  # the kernel's vector width in floats: N must be a multiple
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
@@ -54,7 +55,7 @@ def _cpu_signature() -> str:
 
 
 def _build() -> Path:
-    """Compile decode_kernels.cc into a shared library under the data directory (once per key)."""
+    """Compile cpu_kernels.cc into a shared library under the data directory (once per key)."""
     from jaxsmol.default_model import data_home
 
     cxx = os.environ.get("CXX", "c++")
@@ -63,7 +64,7 @@ def _build() -> Path:
     for part in (source, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
                  _cpu_signature().encode()):
         key.update(part)
-    out = data_home() / "kernels" / f"decode_kernels-{key.hexdigest()}.so"
+    out = data_home() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,29 +93,29 @@ def available() -> bool:
 
 
 def _load() -> bool:
-    if os.environ.get("JAXSMOL_DECODE_KERNELS", "").strip().lower() in ("off", "0", "false", "no"):
+    if os.environ.get("JAXSMOL_CPU_KERNELS", "").strip().lower() in ("off", "0", "false", "no"):
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (RuntimeError, OSError, AttributeError) as e:
-        print(f"jaxsmol: the decode kernels are not available ({e}); decode steps use XLA's dot and attention",
+        print(f"jaxsmol: the CPU kernels are not available ({e}); the forward uses XLA's dot and attention",
               file=sys.stderr)
         return False
     return True
 
 
 def configure(cfg, dtype, mesh=None):
-    """cfg with `decode_kernels` set: on for float32 weights on one CPU device where the kernels load.
+    """cfg with `cpu_kernels` set: on for float32 weights on one CPU device where the kernels load.
     (A mesh partitions the forward with GSPMD, which cannot split a custom call.)"""
     use = (jnp.dtype(dtype) == jnp.float32 and mesh is None and jax.default_backend() == "cpu"
            and available())
-    return cfg if cfg.decode_kernels == use else dataclasses.replace(cfg, decode_kernels=use)
+    return cfg if cfg.cpu_kernels == use else dataclasses.replace(cfg, cpu_kernels=use)
 
 
 def matmul_applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.decode_kernels): few rows, float32."""
+    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.cpu_kernels): few rows, float32."""
     rows = x.size // x.shape[-1]
     return (rows <= MAX_ROWS and x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
             and w.shape[1] % LANES == 0)
@@ -128,14 +129,14 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
-    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: one query per row, float32."""
-    return q.shape[1] == 1 and q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in (16, 32, 64, 128)
+    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: float32, H in 16..128."""
+    return q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in (16, 32, 64, 128)
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array) -> jax.Array:
-    """q [B, 1, K, G, H] at positions pos (a scalar or [B]) over cache layer `layer` of k_all, v_all
-    [L, B, K, S, H] (the query's own key already written) -> [B, 1, K, G, H]."""
-    B = q.shape[0]
-    pos = jnp.broadcast_to(pos.astype(jnp.int32), (B,))
-    call = jax.ffi.ffi_call("jaxsmol_decode_attention", jax.ShapeDtypeStruct(q[:, 0].shape, jnp.float32))
-    return call(q[:, 0], k_all, v_all, pos, layer=np.int64(layer))[:, None]
+    """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
+    [B]) over cache layer `layer` of k_all, v_all [L, B, K, S, H] (the chunk's keys already written)
+    -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk."""
+    pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
+    call = jax.ffi.ffi_call("jaxsmol_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_all, v_all, pos, layer=np.int64(layer))
