@@ -209,6 +209,65 @@ void AttendOne(const float* q, const float* keys, const float* values, float* ou
   }
 }
 
+// Up to 16 query rows of one (row, kv head) at once, one row per lane: rows r < R at positions
+// first + r, their G queries at q + r * q_stride ([G, H] each), written to out + r * q_stride.
+// Every lane runs the same operations in position order, a key past a row's position giving it a
+// score of -inf and a weight of exactly 0, so a row's bits do not depend on the other lanes or on
+// the chunk: a prefill chunk of any length (or offset) gives a row the same result. (Decode steps,
+// one query per row, take AttendOne: there 15 of 16 lanes would idle.)
+template <int HV>
+void AttendRows(const float* q, int64_t q_stride, const float* keys, const float* values, float* out,
+                int64_t G, int64_t R, int64_t first, int64_t S) {
+  constexpr int64_t H = HV * kLanes;
+  constexpr int kKeys = 8;  // keys scored together: independent FMA chains
+  const int64_t n = std::min(first + R - 1, S - 1) + 1;  // keys the last row sees
+  const int64_t padded = (n + kKeys - 1) / kKeys * kKeys;
+  std::vector<float> qt(G * H * kLanes, 0.0f), scores(G * padded * kLanes);
+  for (int64_t r = 0; r < R; ++r)  // q transposed: qt[g][h] is a vector over rows
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < H; ++h) qt[(g * H + h) * kLanes + r] = q[r * q_stride + g * H + h];
+  Vec row_pos;  // a lane past R can see nothing
+  for (int r = 0; r < kLanes; ++r) row_pos[r] = r < R ? static_cast<float>(std::min(first + r, S - 1)) : -1.0f;
+  const Vec minus_inf = Vec{} - INFINITY;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qt.data() + g * H * kLanes;
+    float* sg = scores.data() + g * padded * kLanes;
+    Vec m = minus_inf;
+    for (int64_t p = 0; p < padded; p += kKeys) {
+      Vec acc[kKeys] = {};
+      for (int64_t h = 0; h < H; ++h) {
+        const Vec qh = Load(qg + h * kLanes);
+        for (int k = 0; k < kKeys; ++k) acc[k] += qh * keys[std::min(p + k, n - 1) * H + h];
+      }
+      for (int k = 0; k < kKeys; ++k) {
+        const Vec s = static_cast<float>(p + k) <= row_pos ? acc[k] : minus_inf;
+        m = s > m ? s : m;
+        Store(sg + (p + k) * kLanes, s);
+      }
+    }
+    Vec l = Vec{};
+    for (int64_t p = 0; p < n; ++p) {
+      const Vec s = Load(sg + p * kLanes);
+      const Vec e = s > minus_inf ? ExpNonPositive(s - m) : Vec{};
+      l += e;
+      Store(sg + p * kLanes, e);
+    }
+    const Vec inv = 1.0f / l;
+    constexpr int kChunk = 16;  // output vectors (head dims) accumulated per pass over the keys
+    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+      Vec acc[kChunk] = {};
+      for (int64_t p = 0; p < n; ++p) {
+        const Vec e = Load(sg + p * kLanes);
+        for (int j = 0; j < kChunk; ++j) acc[j] += e * values[p * H + h0 + j];
+      }
+      for (int j = 0; j < kChunk; ++j) {
+        const Vec o = acc[j] * inv;
+        for (int64_t r = 0; r < R; ++r) out[r * q_stride + g * H + h0 + j] = o[r];
+      }
+    }
+  }
+}
+
 using Queries = ffi::Buffer<ffi::F32, 5>;
 using Cache = ffi::Buffer<ffi::F32, 5>;
 using Positions = ffi::Buffer<ffi::S32, 1>;
@@ -222,17 +281,32 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
   void (*attend)(const float*, const float*, const float*, float*, int64_t, int64_t, float*) =
       H == 16 ? &AttendOne<1> : H == 32 ? &AttendOne<2> : H == 64 ? &AttendOne<4> : H == 128 ? &AttendOne<8> : nullptr;
+  void (*attend_rows)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                      int64_t) = H == 16 ? &AttendRows<1> : H == 32 ? &AttendRows<2> : H == 64 ? &AttendRows<4>
+                                                                   : H == 128 ? &AttendRows<8> : nullptr;
   if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   const float *qs = q.typed_data(), *ks = k_all.typed_data(), *vs = v_all.typed_data();
   const int32_t* ps = pos.typed_data();
   float* os = out->typed_data();
-  // one task per (row, query position, kv head), in [B, T, K] order: q and out are [B, T, K, G, H]
-  ParallelFor(pool, B * T * K, [=](int64_t btk) {
-    const int64_t b = btk / (T * K), t = btk / K % T, kh = btk % K;
-    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b] + t, 0), S - 1) + 1;
-    const int64_t slots = ((layer * B + b) * K + kh) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
-    std::vector<float> scores((n + kLanes - 1) / kLanes * kLanes);
-    attend(qs + btk * G * H, ks + slots, vs + slots, os + btk * G * H, G, n, scores.data());
+  const int64_t row_stride = K * G * H;  // q and out are [B, T, K, G, H]
+  if (T == 1) {  // decode: one task per (row, kv head)
+    ParallelFor(pool, B * K, [=](int64_t bk) {
+      const int64_t b = bk / K, kh = bk % K;
+      const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b], 0), S - 1) + 1;
+      const int64_t slots = ((layer * B + b) * K + kh) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
+      std::vector<float> scores((n + kLanes - 1) / kLanes * kLanes);
+      attend(qs + bk * G * H, ks + slots, vs + slots, os + bk * G * H, G, n, scores.data());
+    });
+    return ffi::Error::Success();
+  }
+  // a chunk: one task per (row, kv head, tile of 16 query positions)
+  const int64_t tiles = (T + kLanes - 1) / kLanes;
+  ParallelFor(pool, B * K * tiles, [=](int64_t task) {
+    const int64_t b = task / (K * tiles), kh = task / tiles % K, t0 = task % tiles * kLanes;
+    const int64_t slots = ((layer * B + b) * K + kh) * S * H;
+    const int64_t offset = (b * T + t0) * row_stride + kh * G * H;
+    attend_rows(qs + offset, row_stride, ks + slots, vs + slots, os + offset, G, std::min<int64_t>(kLanes, T - t0),
+                std::max<int64_t>(ps[b], 0) + t0, S);
   });
   return ffi::Error::Success();
 }
