@@ -96,7 +96,7 @@ class BatchSettings:
     max_batch: int = 16  # decode rows
     kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
     batch_invariant: bool = False  # decode always at max_batch rows (see the module docstring)
-    chunk_rows: int = 128  # prefill rows per step while others decode: the longest stall a newcomer causes
+    chunk_rows: int = 64  # prefill rows per step while others decode: the longest stall a newcomer causes
 
 
 class Scheduler:
