@@ -177,13 +177,16 @@ inline Vec ExpNonPositive(Vec x) {
   return p * scale;
 }
 
-// One (row, kv head): G queries q [G, H] over n positions of keys/values [n, H] -> out [G, H].
-// HV = H / 16 vectors per head vector; scores is scratch of at least n rounded up to 16.
+// One (row, kv head), keys p0..p1-1: G queries q [G, H] -> the running-softmax state of that key
+// range, m [G] (max score), l [G] (sum of exp(score - m)) and acc [G, H] (sum of exp(score - m) v),
+// unnormalized. HV = H / 16 vectors per head vector; scores is scratch of at least p1 - p0 + 16.
 template <int HV>
-void AttendOne(const float* q, const float* keys, const float* values, float* out, int64_t G, int64_t n,
-               float* scores) {
+void AttendKeys(const float* q, const float* keys, const float* values, int64_t G, int64_t p0, int64_t p1,
+                float* scores, float* m_out, float* l_out, float* acc_out) {
   constexpr int64_t H = HV * kLanes;
-  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes;
+  keys += p0 * H;
+  values += p0 * H;
   for (int64_t g = 0; g < G; ++g) {
     Vec qv[HV];
     for (int j = 0; j < HV; ++j) qv[j] = Load(q + g * H + kLanes * j);
@@ -204,17 +207,55 @@ void AttendOne(const float* q, const float* keys, const float* values, float* ou
     Vec acc[HV] = {};
     for (int64_t p = 0; p < n; ++p)
       for (int j = 0; j < HV; ++j) acc[j] += scores[p] * Load(values + p * H + kLanes * j);
-    const float inv = 1.0f / LaneSum(l);
-    for (int j = 0; j < HV; ++j) Store(out + g * H + kLanes * j, acc[j] * inv);
+    m_out[g] = m;
+    l_out[g] = LaneSum(l);
+    for (int j = 0; j < HV; ++j) Store(acc_out + g * H + kLanes * j, acc[j]);
   }
 }
 
-// Up to 16 query rows of one (row, kv head) at once, one row per lane: rows r < R at positions
-// first + r, their G queries at q + r * q_stride ([G, H] each), written to out + r * q_stride.
-// Every lane runs the same operations in position order, a key past a row's position giving it a
-// score of -inf and a weight of exactly 0, so a row's bits do not depend on the other lanes or on
-// the chunk: a prefill chunk of any length (or offset) gives a row the same result. (Decode steps,
-// one query per row, take AttendOne: there 15 of 16 lanes would idle.)
+// A decode step's attention for one query per row. Each (row, kv head) is split into kDecodeParts
+// key ranges (from kSplitFrom keys on), computed as separate tasks and merged in order, so that 3 kv
+// heads keep 2 threads busy; the split depends only on the row's own position, so a row's bits do
+// not depend on the batch.
+constexpr int64_t kDecodeParts = 2, kSplitFrom = 256;
+
+template <int HV>
+void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const float* vs, const int32_t* ps,
+                  float* os, int64_t layer, int64_t B, int64_t K, int64_t G, int64_t S) {
+  constexpr int64_t H = HV * kLanes;
+  const int64_t P = kDecodeParts;
+  std::vector<float> m(B * K * P * G), l(B * K * P * G), acc(B * K * P * G * H);
+  ParallelFor(pool, B * K * P, [&, qs, ks, vs, ps](int64_t task) {
+    const int64_t bk = task / P, part = task % P, b = bk / K;
+    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b], 0), S - 1) + 1;
+    const int64_t parts = n >= kSplitFrom ? P : 1;
+    if (part >= parts) return;
+    const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
+    const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
+    std::vector<float> scores(p1 - p0 + kLanes);
+    AttendKeys<HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
+                   &acc[task * G * H]);
+  });
+  for (int64_t bk = 0; bk < B * K; ++bk) {  // merge the parts, in order
+    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[bk / K], 0), S - 1) + 1;
+    const int64_t parts = n >= kSplitFrom ? P : 1;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(bk * P + part) * G + g]);
+      float scale[kDecodeParts], sum = 0.0f;
+      for (int64_t part = 0; part < parts; ++part) {
+        scale[part] = std::exp(m[(bk * P + part) * G + g] - mx);
+        sum += l[(bk * P + part) * G + g] * scale[part];
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float v = 0.0f;
+        for (int64_t part = 0; part < parts; ++part) v += acc[((bk * P + part) * G + g) * H + h] * scale[part];
+        os[(bk * G + g) * H + h] = v / sum;
+      }
+    }
+  }
+}
+
 template <int HV>
 void AttendRows(const float* q, int64_t q_stride, const float* keys, const float* values, float* out,
                 int64_t G, int64_t R, int64_t first, int64_t S) {
@@ -279,24 +320,20 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
-  void (*attend)(const float*, const float*, const float*, float*, int64_t, int64_t, float*) =
-      H == 16 ? &AttendOne<1> : H == 32 ? &AttendOne<2> : H == 64 ? &AttendOne<4> : H == 128 ? &AttendOne<8> : nullptr;
+  void (*attend_decode)(ffi::ThreadPool&, const float*, const float*, const float*, const int32_t*, float*,
+                        int64_t, int64_t, int64_t, int64_t, int64_t) =
+      H == 16 ? &AttendDecode<1> : H == 32 ? &AttendDecode<2> : H == 64 ? &AttendDecode<4>
+                                 : H == 128 ? &AttendDecode<8> : nullptr;
   void (*attend_rows)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t,
                       int64_t) = H == 16 ? &AttendRows<1> : H == 32 ? &AttendRows<2> : H == 64 ? &AttendRows<4>
                                                                    : H == 128 ? &AttendRows<8> : nullptr;
-  if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
+  if (!attend_rows) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   const float *qs = q.typed_data(), *ks = k_all.typed_data(), *vs = v_all.typed_data();
   const int32_t* ps = pos.typed_data();
   float* os = out->typed_data();
   const int64_t row_stride = K * G * H;  // q and out are [B, T, K, G, H]
-  if (T == 1) {  // decode: one task per (row, kv head)
-    ParallelFor(pool, B * K, [=](int64_t bk) {
-      const int64_t b = bk / K, kh = bk % K;
-      const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b], 0), S - 1) + 1;
-      const int64_t slots = ((layer * B + b) * K + kh) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
-      std::vector<float> scores((n + kLanes - 1) / kLanes * kLanes);
-      attend(qs + bk * G * H, ks + slots, vs + slots, os + bk * G * H, G, n, scores.data());
-    });
+  if (T == 1) {  // a decode step
+    attend_decode(pool, qs, ks, vs, ps, os, layer, B, K, G, S);
     return ffi::Error::Success();
   }
   // a chunk: one task per (row, kv head, tile of 16 query positions)
