@@ -5,7 +5,8 @@ Each `step()` does, in order:
      in the prefix cache and its state restored into a one-row staging cache (prefill / insert /
      generate, as in JetStream);
   2. prefill chunks of that request (>= 64 rows each, so its prompt state has the bits of a cold
-     prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing);
+     prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing,
+     and then one chunk of at most half of that per prompt, so a long prompt advances in short steps);
      while that budget lasts, the next waiting requests are admitted and prefilled too (a burst of
      short prompts joins a few per step); or else, when no row decodes (or a waiting prompt needs
      it), one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
@@ -96,7 +97,7 @@ class BatchSettings:
     max_batch: int = 16  # decode rows
     kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
     batch_invariant: bool = False  # decode always at max_batch rows (see the module docstring)
-    chunk_rows: int = 64  # prefill rows per step while others decode: the longest stall a newcomer causes
+    chunk_rows: int = 128  # prefill rows per step while others decode (one prompt: at most half)
 
 
 class Scheduler:
@@ -162,18 +163,23 @@ class Scheduler:
         them), a full 512-row chunk when none do."""
         return self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
 
+    def _chunk_cap(self) -> int:
+        """The longest chunk of one prompt in a step: half the budget while rows decode, so that a
+        long prompt advances in short chunks while a burst of short prompts still joins two per step."""
+        return max(PREFILL_BUCKETS[0], self.chunk_rows // 2) if self.live_rows else PREFILL_BUCKETS[-1]
+
     def _prefill_newcomers(self) -> bool:
         """Prefill chunks of waiting requests, one after another, while the step's row budget lasts:
-        a burst of short prompts is admitted several per step rather than one per decode step.
-        Returns whether any prompt work was done."""
-        used, worked = 0, False
+        a burst of short prompts is admitted several per step rather than one per decode step; while
+        rows decode, a prompt gets one chunk per step. Returns whether any prompt work was done."""
+        used, worked, chunked = 0, False, None
         while self._row_budget() - used >= PREFILL_BUCKETS[0]:
             if self.prefilling is None:
                 self._admit()
-            if self.prefilling is None:
+            if self.prefilling is None or (self.prefilling is chunked and self.live_rows):
                 break
-            worked = True
-            used += self._prefill_chunk(self._row_budget() - used)
+            worked, chunked = True, self.prefilling
+            used += self._prefill_chunk(min(self._row_budget() - used, self._chunk_cap()))
         return worked
 
     def run(self) -> None:
