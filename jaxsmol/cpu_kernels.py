@@ -13,7 +13,7 @@ through JAX's foreign function interface (`jax.ffi`):
   and cached == uncached holds as before.
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
-CPU (`-march=native`) and kept under the data directory, keyed by source, flags, jaxlib and CPU.
+CPU (`-march=native`) and kept under the data directory, keyed by source, flags, jax version and CPU.
 Where it cannot be built (no compiler) or is switched off (`JAXSMOL_CPU_KERNELS=off`), the forward
 uses XLA's dot and attention, with one line on stderr saying why.
 """
