@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.answers import AnswerQueue
+from cache.batch_settings import BatchSettings
 from cache.prefix_cache import PrefixCache
 from cache.records import Lookup
 from cache.requests import Finished, Request
@@ -82,36 +83,13 @@ class SchedulerStats:
     relayouts: int = 0
 
 
-def widths_for(max_batch: int) -> tuple[int, ...]:
-    """The batch widths used: powers of two below max_batch, and max_batch."""
-    widths, w = [], 1
-    while w < max_batch:
-        widths.append(w)
-        w *= 2
-    return tuple(widths) + (max_batch,)
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSettings:
-    """How a Scheduler batches (the daemon's --max-batch, --kv-cache-bytes, --batch-invariant, --prefill-chunk)."""
-    max_batch: int = 16  # decode rows
-    kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
-    batch_invariant: bool = False  # decode always at max_batch rows (see the module docstring)
-    chunk_rows: int = 128  # prefill rows per step while others decode (one prompt: at most half)
-
-
 class Scheduler:
     def __init__(self, cache: PrefixCache, **settings):
         """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows)."""
-        s = BatchSettings(**settings)
-        if s.max_batch < 1:
-            raise JaxsmolError(f"max_batch must be >= 1, got {s.max_batch}")
-        if s.chunk_rows not in PREFILL_BUCKETS:
-            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {s.chunk_rows}")
+        self.settings = s = BatchSettings(**settings)
         self.cache, self.engine = cache, cache.engine
-        self.max_batch, self.kv_bytes, self.chunk_rows = s.max_batch, s.kv_bytes, s.chunk_rows
-        self.batch_invariant = s.batch_invariant
-        self.widths = (s.max_batch,) if s.batch_invariant else widths_for(s.max_batch)
+        self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
+        self.widths = s.widths
         self.pending: collections.deque[Request] = collections.deque()
         self.prefilling: _Prefill | None = None
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
@@ -153,33 +131,25 @@ class Scheduler:
         decode step of all rows."""
         self._drop_cancelled()
         if not self._prefill_newcomers() and self.saves.may_run(rows_decoding=self.live_rows > 0):
-            self.saves.step(self._row_budget())
+            self.saves.step(self.settings.step_rows(self.live_rows > 0))
         if self.live_rows:
             self._decode()
         self._maybe_shrink()
-
-    def _row_budget(self) -> int:
-        """Prefill rows a step may run: chunk_rows while rows decode (their next token waits for
-        them), a full 512-row chunk when none do."""
-        return self.chunk_rows if self.live_rows else PREFILL_BUCKETS[-1]
-
-    def _chunk_cap(self) -> int:
-        """The longest chunk of one prompt in a step: half the budget while rows decode, so that a
-        long prompt advances in short chunks while a burst of short prompts still joins two per step."""
-        return max(PREFILL_BUCKETS[0], self.chunk_rows // 2) if self.live_rows else PREFILL_BUCKETS[-1]
 
     def _prefill_newcomers(self) -> bool:
         """Prefill chunks of waiting requests, one after another, while the step's row budget lasts:
         a burst of short prompts is admitted several per step rather than one per decode step; while
         rows decode, a prompt gets one chunk per step. Returns whether any prompt work was done."""
         used, worked, chunked = 0, False, None
-        while self._row_budget() - used >= PREFILL_BUCKETS[0]:
+        while self.settings.step_rows(self.live_rows > 0) - used >= PREFILL_BUCKETS[0]:
             if self.prefilling is None:
                 self._admit()
             if self.prefilling is None or (self.prefilling is chunked and self.live_rows):
                 break
             worked, chunked = True, self.prefilling
-            used += self._prefill_chunk(min(self._row_budget() - used, self._chunk_cap()))
+            decoding = self.live_rows > 0
+            used += self._prefill_chunk(min(self.settings.step_rows(decoding) - used,
+                                            self.settings.chunk_cap(decoding)))
         return worked
 
     def run(self) -> None:

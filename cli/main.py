@@ -102,7 +102,7 @@ def _cacheprobe(args) -> int:
 
 
 def _serve(args) -> int:
-    from cache.scheduler import BatchSettings
+    from cache.batch_settings import BatchSettings
     from cli.serve import serve
     from jaxsmol.engine import PREFILL_BUCKETS
     from cli.tenants import Tenants

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache.prefix_cache import PrefixCache
-from cache.scheduler import BatchSettings
+from cache.batch_settings import BatchSettings
 from cli import protocol as P
 from cli.completions import Completions
 from cli.events import DEFAULT_WRITE_TIMEOUT_S

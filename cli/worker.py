@@ -17,7 +17,8 @@ import threading
 
 from cache.prefix_cache import PrefixCache
 from cache.requests import Finished, Request
-from cache.scheduler import BatchSettings, Scheduler
+from cache.batch_settings import BatchSettings
+from cache.scheduler import Scheduler
 from cli.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.scoring import score

@@ -224,11 +224,12 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
                   float* os, int64_t layer, int64_t B, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
   const int64_t P = kDecodeParts;
+  const auto keys_of = [ps, S](int64_t b) { return std::min<int64_t>(std::max<int32_t>(ps[b], 0), S - 1) + 1; };
+  const auto parts_of = [P](int64_t n) { return n >= kSplitFrom ? P : 1; };
   std::vector<float> m(B * K * P * G), l(B * K * P * G), acc(B * K * P * G * H);
-  ParallelFor(pool, B * K * P, [&, qs, ks, vs, ps](int64_t task) {
+  ParallelFor(pool, B * K * P, [&, qs, ks, vs](int64_t task) {
     const int64_t bk = task / P, part = task % P, b = bk / K;
-    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[b], 0), S - 1) + 1;
-    const int64_t parts = n >= kSplitFrom ? P : 1;
+    const int64_t n = keys_of(b), parts = parts_of(n);
     if (part >= parts) return;
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
     const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
@@ -237,8 +238,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
                    &acc[task * G * H]);
   });
   for (int64_t bk = 0; bk < B * K; ++bk) {  // merge the parts, in order
-    const int64_t n = std::min<int64_t>(std::max<int64_t>(ps[bk / K], 0), S - 1) + 1;
-    const int64_t parts = n >= kSplitFrom ? P : 1;
+    const int64_t parts = parts_of(keys_of(bk / K));
     for (int64_t g = 0; g < G; ++g) {
       float mx = -INFINITY;
       for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(bk * P + part) * G + g]);
@@ -314,37 +314,34 @@ using Cache = ffi::Buffer<ffi::F32, 5>;
 using Positions = ffi::Buffer<ffi::S32, 1>;
 using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
+// Attention with head dim H = 16 HV over [B, T, K, G, H] queries.
+template <int HV>
+void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const float* vs, const int32_t* ps,
+               float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
+  constexpr int64_t H = HV * kLanes;
+  if (T == 1) return AttendDecode<HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
+  // a chunk: one task per (row, kv head, tile of 16 query positions)
+  const int64_t tiles = (T + kLanes - 1) / kLanes, row_stride = K * G * H;  // q and out are [B, T, K, G, H]
+  ParallelFor(pool, B * K * tiles, [=](int64_t task) {
+    const int64_t b = task / (K * tiles), kh = task / tiles % K, t0 = task % tiles * kLanes;
+    const int64_t slots = ((layer * B + b) * K + kh) * S * H;
+    const int64_t offset = (b * T + t0) * row_stride + kh * G * H;
+    AttendRows<HV>(qs + offset, row_stride, ks + slots, vs + slots, os + offset, G,
+                   std::min<int64_t>(kLanes, T - t0), std::max<int64_t>(ps[b], 0) + t0, S);
+  });
+}
+
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, Positions pos, OutQueries out,
                      int64_t layer) {
   const auto qd = q.dimensions(), cd = k_all.dimensions();
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
-  void (*attend_decode)(ffi::ThreadPool&, const float*, const float*, const float*, const int32_t*, float*,
-                        int64_t, int64_t, int64_t, int64_t, int64_t) =
-      H == 16 ? &AttendDecode<1> : H == 32 ? &AttendDecode<2> : H == 64 ? &AttendDecode<4>
-                                 : H == 128 ? &AttendDecode<8> : nullptr;
-  void (*attend_rows)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t,
-                      int64_t) = H == 16 ? &AttendRows<1> : H == 32 ? &AttendRows<2> : H == 64 ? &AttendRows<4>
-                                                                   : H == 128 ? &AttendRows<8> : nullptr;
-  if (!attend_rows) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
-  const float *qs = q.typed_data(), *ks = k_all.typed_data(), *vs = v_all.typed_data();
-  const int32_t* ps = pos.typed_data();
-  float* os = out->typed_data();
-  const int64_t row_stride = K * G * H;  // q and out are [B, T, K, G, H]
-  if (T == 1) {  // a decode step
-    attend_decode(pool, qs, ks, vs, ps, os, layer, B, K, G, S);
-    return ffi::Error::Success();
-  }
-  // a chunk: one task per (row, kv head, tile of 16 query positions)
-  const int64_t tiles = (T + kLanes - 1) / kLanes;
-  ParallelFor(pool, B * K * tiles, [=](int64_t task) {
-    const int64_t b = task / (K * tiles), kh = task / tiles % K, t0 = task % tiles * kLanes;
-    const int64_t slots = ((layer * B + b) * K + kh) * S * H;
-    const int64_t offset = (b * T + t0) * row_stride + kh * G * H;
-    attend_rows(qs + offset, row_stride, ks + slots, vs + slots, os + offset, G, std::min<int64_t>(kLanes, T - t0),
-                std::max<int64_t>(ps[b], 0) + t0, S);
-  });
+  auto* attend = H == 16 ? &AttendAll<1> : H == 32 ? &AttendAll<2> : H == 64 ? &AttendAll<4>
+               : H == 128 ? &AttendAll<8> : nullptr;
+  if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
+  attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
+         B, T, K, G, S);
   return ffi::Error::Success();
 }
 

@@ -49,6 +49,14 @@ def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 
 
+def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, pos: jax.Array, cfg: Config) -> jax.Array:
+    """Causal attention of q [B, T, K, G, H] over layer i of the cache: the C++ kernel when
+    cfg.cpu_kernels, `attention` (XLA) otherwise."""
+    if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
+        return cpu_kernels.attention(q, k_all, v_all, i, pos)
+    return attention(q, k_all, v_all, jnp.int32(i), pos)
+
+
 ATTN_TILE = 64  # queries are processed in tiles of this many rows (see `attention`)
 
 
@@ -130,12 +138,7 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     k = apply_rope(k, sin, cos)
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
-    q = q.reshape(B, T, K, G, H)
-    if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
-        a = cpu_kernels.attention(q, k_all, v_all, i, pos)
-    else:
-        a = attention(q, k_all, v_all, layer, pos)
-    a = a.reshape(B, T, K * G * H)
+    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, i, pos, cfg).reshape(B, T, K * G * H)
     x = x + linear(a.astype(dt), w.wo, cfg, jnp.float32)
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps).astype(dt)
     gate = linear(h, w.w_gate, cfg)  # [B, T, F]

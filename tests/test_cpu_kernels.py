@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,11 +21,16 @@ import pytest
 from jaxsmol import cpu_kernels, model, programs
 from jaxsmol.kv import KVCache
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="no C++ compiler: test_kernels_off_without_a_compiler covers it")
-_matmul = jax.jit(cpu_kernels.matmul)
-_attend = jax.jit(cpu_kernels.attention, static_argnums=3)
-_xla_attend = jax.jit(model.attention)
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    """The kernels are what these tests test: without a C++ compiler that is a failed install step."""
+    if not cpu_kernels.available():
+        pytest.fail("the CPU kernels did not build: install a C++ compiler (Debian: apt-get install g++), "
+                    "see the stderr line above", pytrace=False)
+
+
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 48), (16, 1536, 576), (17, 100, 80),
@@ -34,7 +38,7 @@ _xla_attend = jax.jit(model.attention)
 def test_matmul_matches_a_float64_reference(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((K, N), np.float32)
-    got = np.asarray(_matmul(jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(w)))
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(want).max())
 
@@ -45,9 +49,9 @@ def test_matmul_rows_do_not_depend_on_the_others(M):
     rng = np.random.default_rng(M)
     x = jnp.asarray(rng.standard_normal((M, 576), np.float32))
     w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
-    together = np.asarray(_matmul(x, w))
+    together = np.asarray(cpu_kernels.matmul(x, w))
     for r in (0, M // 2, M - 1):
-        np.testing.assert_array_equal(together[r], np.asarray(_matmul(x[r:r + 1], w))[0])
+        np.testing.assert_array_equal(together[r], np.asarray(cpu_kernels.matmul(x[r:r + 1], w))[0])
 
 
 def _cache(rng, L=2, B=4, K=2, S=512, H=64):
@@ -62,8 +66,8 @@ def test_attention_matches_xla_blocked_attention(T, pos):
     k, v = (jnp.asarray(a) for a in _cache(rng))
     q = jnp.asarray(rng.standard_normal((4, T, 2, 3, 64)).astype(np.float32) * 0.125)
     pos = jnp.asarray(pos, jnp.int32)
-    got = _attend(q, k, v, 1, pos)
-    want = _xla_attend(q, k, v, jnp.int32(1), pos)
+    got = cpu_kernels.attention(q, k, v, 1, pos)
+    want = model.attention(q, k, v, jnp.int32(1), pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6)
 
 
@@ -74,11 +78,11 @@ def test_attention_row_bits_do_not_depend_on_the_chunk():
     rng = np.random.default_rng(3)
     k, v = (jnp.asarray(a) for a in _cache(rng, B=1))
     q = jnp.asarray(rng.standard_normal((1, 128, 2, 3, 64)).astype(np.float32) * 0.125)
-    whole = np.asarray(_attend(q, k, v, 0, jnp.int32(64)))  # rows at positions 64..191
-    second_half = np.asarray(_attend(q[:, 64:], k, v, 0, jnp.int32(128)))
+    whole = np.asarray(cpu_kernels.attention(q, k, v, 0, jnp.int32(64)))  # rows at positions 64..191
+    second_half = np.asarray(cpu_kernels.attention(q[:, 64:], k, v, 0, jnp.int32(128)))
     np.testing.assert_array_equal(second_half, whole[:, 64:])
     for t in (0, 77, 120):
-        short = np.asarray(_attend(q[:, t:t + 5], k, v, 0, jnp.int32(64 + t)))
+        short = np.asarray(cpu_kernels.attention(q[:, t:t + 5], k, v, 0, jnp.int32(64 + t)))
         np.testing.assert_array_equal(short, whole[:, t:t + 5])
 
 
@@ -87,13 +91,13 @@ def test_attention_reads_nothing_beyond_a_rows_position_and_rows_are_independent
     k, v = _cache(rng)
     pos = np.asarray([5, 200, 64, 511], np.int32)
     q = jnp.asarray(rng.standard_normal((4, 1, 2, 3, 64)).astype(np.float32))
-    clean = np.asarray(_attend(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
+    clean = np.asarray(cpu_kernels.attention(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
     for b, p in enumerate(pos):  # stale slots past each row's position hold NaN
         k[:, b, :, p + 1:], v[:, b, :, p + 1:] = np.nan, np.nan
-    dirty = np.asarray(_attend(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
+    dirty = np.asarray(cpu_kernels.attention(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
     np.testing.assert_array_equal(dirty, clean)
     for b in range(4):  # 511 is split into two key ranges (from 256 keys): by position, not by batch
-        alone = _attend(q[b:b + 1], jnp.asarray(k[:, b:b + 1]), jnp.asarray(v[:, b:b + 1]), 1, jnp.asarray(pos[b:b + 1]))
+        alone = cpu_kernels.attention(q[b:b + 1], jnp.asarray(k[:, b:b + 1]), jnp.asarray(v[:, b:b + 1]), 1, jnp.asarray(pos[b:b + 1]))
         np.testing.assert_array_equal(np.asarray(alone)[0], clean[b])
 
 

@@ -120,7 +120,7 @@ def client(model_dir, tmp_path_factory):
     tokenizer and chat template."""
     from fastapi.testclient import TestClient
 
-    from cache.scheduler import BatchSettings
+    from cache.batch_settings import BatchSettings
     from cli.serve import create_app
     from jaxsmol.config import Config
     from jaxsmol.engine import Engine

@@ -14,7 +14,8 @@ import pytest
 from cache.prefix_cache import PrefixCache
 from cache.requests import Collector, Request
 from cache.many import generate_many
-from cache.scheduler import Scheduler, widths_for
+from cache.batch_settings import widths_for
+from cache.scheduler import Scheduler
 from jaxsmol import programs
 from jaxsmol.engine import capacity_for
 from jaxsmol.sampling import SamplingParams

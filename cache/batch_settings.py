@@ -1,0 +1,46 @@
+"""How a Scheduler batches: its settings (the daemon's --max-batch, --kv-cache-bytes,
+--batch-invariant, --prefill-chunk), the ladder of batch widths, and the prompt rows a step may run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxsmol.engine import PREFILL_BUCKETS
+from jaxsmol.errors import JaxsmolError
+
+
+def widths_for(max_batch: int) -> tuple[int, ...]:
+    """The batch widths used: powers of two below max_batch, and max_batch."""
+    widths, w = [], 1
+    while w < max_batch:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (max_batch,)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    max_batch: int = 16  # decode rows
+    kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
+    batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler.py)
+    chunk_rows: int = 128  # prefill rows per step while others decode (one prompt: at most half)
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise JaxsmolError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.chunk_rows not in PREFILL_BUCKETS:
+            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {self.chunk_rows}")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (self.max_batch,) if self.batch_invariant else widths_for(self.max_batch)
+
+    def step_rows(self, decoding: bool) -> int:
+        """Prompt rows a step may run: chunk_rows while rows decode (their next token waits for
+        them), a full 512-row chunk when none do."""
+        return self.chunk_rows if decoding else PREFILL_BUCKETS[-1]
+
+    def chunk_cap(self, decoding: bool) -> int:
+        """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
+        a long prompt advances in short chunks while a burst of short prompts still joins two per step."""
+        return max(PREFILL_BUCKETS[0], self.chunk_rows // 2) if decoding else PREFILL_BUCKETS[-1]
