@@ -14,12 +14,13 @@ there while its budget allows, a lookup that finds a longer prefix there than in
 first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
 
-Exactness: a warm run gives the bits of a cold run. Prefill chunks are >= 64 rows wherever they
-start (see jaxsmol/engine.py), and the generated tokens' state is saved only after re-prefilling
-it the same way (`exact=True`), because single-token decode rows differ from prefill rows in the
-last bits on XLA:CPU. With exact=False (the non-bitwise fast path) a short suffix after a restore is
-prefilled in 1, 16 or 32 rows instead of 64, and the decode state is saved as is: cheaper, but a
-warm run may then differ from a cold one in the last bits (and rarely in a sampled token).
+Exactness: a warm run gives the bits of a cold run. Prefill chunks come from the engine's exact
+buckets wherever they start (see jaxsmol/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
+the CPU kernels), and the generated tokens' state is saved only after re-prefilling it the same way
+(`exact=True`), because single-token decode rows differ from prefill rows in the last bits. With
+exact=False (the non-bitwise fast path) a short suffix after a restore may take fewer rows than the
+exact buckets allow (one row for one token; 16 or 32 on XLA's matmul), and the decode state is saved as is: cheaper, but a warm run may then differ from a cold one in
+the last bits (and rarely in a sampled token).
 """
 
 from __future__ import annotations

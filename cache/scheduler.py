@@ -4,8 +4,8 @@ Each `step()` does, in order:
   1. admission: the oldest waiting request, if decode rows will be free for its choices, is looked up
      in the prefix cache and its state restored into a one-row staging cache (prefill / insert /
      generate, as in JetStream);
-  2. prefill chunks of that request (>= 64 rows each, so its prompt state has the bits of a cold
-     prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing,
+  2. prefill chunks of that request (from the engine's exact buckets, so its prompt state has the bits
+     of a cold prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing,
      and then one chunk of at most half of that per prompt, so a long prompt advances in short steps);
      while that budget lasts, the next waiting requests are admitted and prefilled too (a burst of
      short prompts joins a few per step); or else, when no row decodes (or a waiting prompt needs
@@ -211,7 +211,7 @@ class Scheduler:
     def _prefill_chunk(self, max_rows: int) -> int:
         """One chunk (at most max_rows rows) of the request being prefilled; returns the rows it ran."""
         p = self.prefilling
-        rows = chunk_length(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
+        rows = chunk_length(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self.engine.buckets(self._exact(p)))
         try:
             logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
             done = int(p.kv.pos) >= len(p.lookup.prompt)

@@ -1,19 +1,22 @@
-"""Two float32 CPU kernels, written in C++ (cpu_kernels.cc) and called from the jitted forward
-through JAX's foreign function interface (`jax.ffi`):
+"""Two float32 CPU kernels, written in C++ and called from the jitted forward through JAX's foreign
+function interface (`jax.ffi`):
 
-- `matmul`, for decode steps (fewer than 64 rows). XLA:CPU's dot packs a weight panel before every
-  product, which at 2-16 rows costs more than the arithmetic; the kernel streams each weight row
-  once and applies it to every row. Each output element is one fused multiply-add chain over k in
-  order, so a row's bits do not depend on the other rows. Prefill chunks (>= 64 rows) keep XLA's GEMM.
-- `attention`, causal, for prefill chunks and decode steps alike. XLA's blocked attention copies
-  every 256-slot block of the cache before its matmuls (a batch's or several heads' block is not
-  contiguous) and runs every row to the chunk's or batch's last position; the kernel reads each
-  (row, kv head)'s keys and values in place, up to that query's own position. Each query row is
-  computed on its own in position order, so its bits do not depend on the chunk or batch carrying it,
-  and cached == uncached holds as before.
+- `matmul` (cpu_matmul.cc), for every matmul of the model. Each output element is one fused
+  multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
+  other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
+  as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
+  without the kernels needs >= 64-row chunks). Few rows (decode steps) stream each weight row once;
+  XLA:CPU's dot packs a weight panel before every product, which at 2-16 rows costs more than the
+  arithmetic. Many rows (prefill chunks) run a packed, cache-blocked GEMM, as fast as XLA's.
+- `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked
+  attention copies every 256-slot block of the cache before its matmuls (a batch's or several heads'
+  block is not contiguous) and runs every row to the chunk's or batch's last position; the kernel
+  reads each (row, kv head)'s keys and values in place, up to that query's own position. Each query
+  row is computed on its own in position order, so its bits do not depend on the chunk or batch
+  carrying it (a decode step's single row takes a different, split path: T == 1 differs from T >= 2).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
-CPU (`-march=native`) and kept under the data directory, keyed by source, flags, jax version and CPU.
+CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
 Where it cannot be built (no compiler) or is switched off (`JAXSMOL_CPU_KERNELS=off`), the forward
 uses XLA's dot and attention, with one line on stderr saying why.
 """
@@ -34,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-TARGETS = {"jaxsmol_small_matmul": "JaxsmolSmallMatmul", "jaxsmol_attention": "JaxsmolAttention"}
-MAX_ROWS = 63  # from 64 rows on (every prefill chunk), XLA's GEMM is the faster one
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
+TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_attention": "JaxsmolAttention"}
 LANES = 16  # the kernel's vector width in floats: N must be a multiple
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -55,13 +58,12 @@ def _cpu_signature() -> str:
 
 
 def _build() -> Path:
-    """Compile cpu_kernels.cc into a shared library under the data directory (once per key)."""
+    """Compile the kernel sources into one shared library under the data directory (once per key)."""
     from jaxsmol.default_model import data_home
 
     cxx = os.environ.get("CXX", "c++")
-    source = SOURCE.read_bytes()
     key = hashlib.blake2b(digest_size=12)
-    for part in (source, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in (*SOURCES, HEADER)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
                  _cpu_signature().encode()):
         key.update(part)
     out = data_home() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
@@ -69,7 +71,7 @@ def _build() -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -77,7 +79,7 @@ def _build() -> Path:
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
-        raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {' | '.join(errors) or done.stderr[-300:]}")
+        raise RuntimeError(f"{cxx} failed on the kernel sources: {' | '.join(errors) or done.stderr[-300:]}")
     os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     return out
 
@@ -115,16 +117,14 @@ def configure(cfg, dtype, mesh=None):
 
 
 def matmul_applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.cpu_kernels): few rows, float32."""
-    rows = x.size // x.shape[-1]
-    return (rows <= MAX_ROWS and x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
-            and w.shape[1] % LANES == 0)
+    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.cpu_kernels): float32, N % 16 == 0."""
+    return x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % LANES == 0
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] float32 through the kernel (available() must be True)."""
     lead, (K, N) = x.shape[:-1], w.shape
-    call = jax.ffi.ffi_call("jaxsmol_small_matmul", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    call = jax.ffi.ffi_call("jaxsmol_matmul", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     return call(x.reshape(-1, K), w).reshape(*lead, N)
 
 

@@ -4,15 +4,20 @@ Compiled programs come from programs.py (the one jit site). Prompts are prefille
 `PREFILL_BUCKETS`, with the true length traced, and caches are allocated with capacities from a
 doubling ladder, so the number of compiled forward programs is bounded (`compile_bound`).
 
-Every prefill chunk has at least 64 rows, wherever it starts. On XLA:CPU the rows of `x @ W` are
-bit-identical for any row count >= 64 (not for 1..56), and attention blocks are aligned to absolute
-positions (see model.py), so a prompt prefilled from a restored prefix gives exactly the bits of
-a prompt prefilled from zero. That is what makes the prefix cache exact.
+A prompt prefilled from a restored prefix gives exactly the bits of a prompt prefilled from zero,
+because a prompt row's bits do not depend on the chunk that carries it. That is what makes the
+prefix cache exact. On XLA:CPU the rows of `x @ W` are bit-identical for any row count >= 64 (not
+for 1..56), so every prefill chunk has at least 64 rows, wherever it starts, and attention blocks
+are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 on
+one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
+prefill may also use 16- and 32-row chunks: a short suffix after a restore costs 16 rows, not 64.
+(Single rows are decode steps, whose attention takes another path: never a prefill chunk.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +28,7 @@ import numpy as np
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
-from jaxsmol.kv import KVCache, aligned_host_prefix
+from jaxsmol.kv import KVCache, aligned_host_prefix, staging_bytes
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, seed_key
@@ -31,10 +36,19 @@ from jaxsmol.sharding import describe, kv_sharding, shard_params
 from jaxsmol.generation import Generation
 from jaxsmol.structured import all_allowed
 
-PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps prefill bit-exact (see above)
+PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps XLA's prefill bit-exact (see above)
+ROW_EXACT_BUCKETS = (16, 32) + PREFILL_BUCKETS  # exact with the CPU kernels (see above)
 # The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
 # padding, but those rows differ from a cold prefill's in the last bits.
 FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
+
+
+def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int, ...]:
+    """The chunk lengths a prefill may use: bit-exact ones (which depend on the matmul in use), or
+    the fast path's."""
+    if not exact:
+        return FAST_BUCKETS
+    return ROW_EXACT_BUCKETS if cpu_kernels else PREFILL_BUCKETS
 MIN_CAPACITY = 2 * ATTN_BLOCK
 
 def compiled_programs(program: str = "forward") -> int:
@@ -44,18 +58,17 @@ def compiled_programs(program: str = "forward") -> int:
     return programs.compiled_count(program)
 
 
-def chunk_length(n_left: int, max_rows: int = PREFILL_BUCKETS[-1], exact: bool = True) -> int:
+def chunk_length(n_left: int, max_rows: int = PREFILL_BUCKETS[-1], buckets: tuple = PREFILL_BUCKETS) -> int:
     """The padded length T of the next chunk of n_left tokens still to prefill, at most max_rows real
-    ones: the smallest bucket that holds them (the largest bucket when none does)."""
-    buckets = PREFILL_BUCKETS if exact else FAST_BUCKETS
+    ones: the smallest of `buckets` that holds them (the largest when none does)."""
     return next((b for b in buckets if b >= min(n_left, max_rows)), buckets[-1])
 
 
-def chunk_plan(n: int, exact: bool = True) -> list[int]:
+def chunk_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
     """Chunk lengths (padded) to prefill n tokens: 512s, then the smallest bucket that holds the rest."""
     plan = []
     while n > 0:
-        T = chunk_length(n, exact=exact)
+        T = chunk_length(n, buckets=buckets)
         plan.append(T)
         n -= min(T, n)
     return plan
@@ -97,13 +110,13 @@ def capacity_for(slots: int) -> int:
     return cap
 
 
-def compile_bound(ctx: int, exact: bool = True) -> int:
+def compile_bound(ctx: int, buckets: tuple = FAST_BUCKETS) -> int:
     """At most this many forward programs are ever compiled for a context of `ctx` tokens:
     one per (chunk length, capacity) plus one decode program per capacity."""
     n_caps = 1
     while capacity_for(ctx + PREFILL_BUCKETS[-1]) > MIN_CAPACITY * 2 ** (n_caps - 1):
         n_caps += 1
-    lengths = set(PREFILL_BUCKETS if exact else FAST_BUCKETS) | {1}
+    lengths = set(buckets) | {1}
     return len(lengths) * n_caps
 
 
@@ -114,9 +127,10 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     from jaxsmol.params import abstract_params
 
     params = abstract_params(cfg, getattr(jnp, dtype))
-    cap = capacity_for(max(sum(chunk_plan(n_prompt)), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
+    plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
+    cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
     kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype)))
-    for T in sorted(set(chunk_plan(n_prompt)) | ({1} if max_tokens > 1 else set())):
+    for T in sorted(set(plan) | ({1} if max_tokens > 1 else set())):
         tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
         programs.forward.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.int32), kv, cfg).compile()
         jnp.asarray(np.zeros((1, T), np.int32)).block_until_ready()  # the host -> device copy of a chunk
@@ -143,6 +157,8 @@ class Engine:
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
         self._pool: dict[int, list[KVCache]] = {}  # capacity -> finished caches (see recycle)
+        self._staging: list[np.ndarray] = [np.empty(0, np.uint8)] * 2  # restore's host buffers (k, v)
+        self._staging_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
@@ -212,8 +228,10 @@ class Engine:
     @property
     def pool_bytes(self) -> int:
         """Bytes of the finished caches kept for reuse: at most POOL_PER_CAPACITY per capacity on the
-        ladder, so under 2 * POOL_PER_CAPACITY * (the largest capacity) * kv_bytes_per_token."""
-        return sum(kv.nbytes for free in list(self._pool.values()) for kv in list(free))
+        ladder, so under 2 * POOL_PER_CAPACITY * (the largest capacity) * kv_bytes_per_token; plus
+        restore's two host staging buffers, each at most the largest restored prefix's k or v."""
+        return (sum(kv.nbytes for free in list(self._pool.values()) for kv in list(free))
+                + sum(raw.nbytes for raw in self._staging))
 
     def new_cache(self, slots: int) -> KVCache:
         cap = capacity_for(slots)
@@ -228,14 +246,28 @@ class Engine:
         mesh whatever layout computed it."""
         n = int(snapshot.pos) if length is None else length
         kv = self.new_cache(slots)  # a recycled buffer when one is free
-        k, v = (aligned_host_prefix(a, n, ATTN_BLOCK) for a in (snapshot.k, snapshot.v))
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
-        return programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
+        with self._staging_lock:  # one restore at a time uses the staging buffers
+            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, self._staging_buffer(i, staging_bytes(a, n, ATTN_BLOCK)))
+                    for i, a in enumerate((snapshot.k, snapshot.v)))
+            kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
+            return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
+
+    def _staging_buffer(self, i: int, nbytes: int) -> np.ndarray:
+        """Host buffer i (0: keys, 1: values) of at least nbytes, kept for the next restore: fresh
+        memory of this size costs more to fault in than the copy (47 MB: ~60 ms fresh, ~7 ms reused)."""
+        if self._staging[i].nbytes < nbytes:
+            self._staging[i] = np.empty(nbytes, np.uint8)
+        return self._staging[i]
+
+    def buckets(self, exact: bool = True) -> tuple[int, ...]:
+        """The prefill chunk lengths this engine uses (see prefill_buckets)."""
+        return prefill_buckets(exact, self.cfg.cpu_kernels)
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
-        chunks_end = start + sum(chunk_plan(n_prompt - start, exact))
+        chunks_end = start + sum(chunk_plan(n_prompt - start, self.buckets(exact)))
         return max(chunks_end, n_prompt + max_tokens)
 
     def prefill(self, ids: list[int], kv: KVCache, exact: bool = True) -> tuple[jax.Array, KVCache]:
@@ -255,10 +287,10 @@ class Engine:
         returns (logits [1, V] after the chunk's last token, kv).
 
         A chunk that would run past the cache's capacity starts earlier instead, recomputing a few
-        positions already written: a >= 64-row chunk gives every row the same bits wherever it starts
+        positions already written: an exact chunk gives every row the same bits wherever it starts
         (module docstring), so they are rewritten unchanged."""
         pos = int(kv.pos)
-        T = chunk_length(len(ids) - pos, max_rows, exact)
+        T = chunk_length(len(ids) - pos, max_rows, self.buckets(exact))
         begin = max(min(pos, kv.capacity - T), 0)
         n = min(T, len(ids) - begin)
         chunk = np.zeros((1, T), np.int32)

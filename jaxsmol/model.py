@@ -36,9 +36,29 @@ ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
 NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, in_order: bool = False) -> jax.Array:
+    """x [..., D] normalized by its root mean square, times w [D]. in_order (with the CPU kernels):
+    the sum of squares in a fixed order, so a row's bits do not depend on how many rows there are."""
     x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * w
+    mean_square = _mean_square_in_order(x32) if in_order else jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * lax.rsqrt(mean_square + eps)).astype(x.dtype) * w
+
+
+def _mean_square_in_order(x: jax.Array) -> jax.Array:
+    """mean(x * x) over the last axis [..., D] -> [..., 1], summed as 16 lanes over D / 16 steps in
+    order, then the lanes pairwise. XLA:CPU tiles a reduction differently for different row counts
+    (measured: D = 64, rows of a 32-row chunk differ from the same rows in a 64-row one); elementwise
+    adds it does not reorder."""
+    *lead, D = x.shape
+    lanes = 16 if D % 16 == 0 else 1
+    sq = (x * x).reshape(*lead, D // lanes, lanes)
+    acc = sq[..., 0, :]
+    for j in range(1, D // lanes):
+        acc = acc + sq[..., j, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc / D
 
 
 def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
@@ -130,7 +150,7 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     dt = w.wq.dtype  # the dtype of the matrix products' inputs (see the module docstring)
     layer = jnp.int32(i)
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps).astype(dt)
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     q = linear(h, w.wq, cfg).reshape(B, T, K * G, H)
     k = linear(h, w.wk, cfg).reshape(B, T, K, H)
     v = linear(h, w.wv, cfg).reshape(B, T, K, H)
@@ -140,7 +160,7 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
     a = attend(q.reshape(B, T, K, G, H), k_all, v_all, i, pos, cfg).reshape(B, T, K * G * H)
     x = x + linear(a.astype(dt), w.wo, cfg, jnp.float32)
-    h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps).astype(dt)
+    h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     gate = linear(h, w.w_gate, cfg)  # [B, T, F]
     up = linear(h, w.w_up, cfg)
     x = x + linear(jax.nn.silu(gate) * up, w.w_down, cfg, jnp.float32)
@@ -172,6 +192,6 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
         x, k_all, v_all = decoder_layer(w, x, k_all, v_all, i, pos, sin, cos, cfg)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(dt)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     logits = linear(x, params.unembed, cfg, jnp.float32)  # [B, V] or [B, T, V]
     return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (jaxsmol/cpu_kernels.py): a small-row matmul and causal attention.
+"""The C++ CPU kernels (jaxsmol/cpu_kernels.py): the matmul (few-row and packed paths) and causal attention.
 
 They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
 whatever else shares its call (batch rows, or the chunk a query row arrives in), read nothing beyond
@@ -34,7 +34,7 @@ def kernels_built():
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 48), (16, 1536, 576), (17, 100, 80),
-                                   (40, 64, 16)])
+                                   (40, 64, 16), (31, 200, 48), (32, 576, 192), (45, 400, 80), (512, 576, 1536)])
 def test_matmul_matches_a_float64_reference(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((K, N), np.float32)
@@ -43,12 +43,13 @@ def test_matmul_matches_a_float64_reference(M, K, N):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(want).max())
 
 
-@pytest.mark.parametrize("M", [2, 8, 16, 21])
-def test_matmul_rows_do_not_depend_on_the_others(M):
-    """A row alone gets exactly the bits it gets among M rows (one FMA chain over k in order)."""
+@pytest.mark.parametrize("M,K", [(2, 576), (8, 576), (16, 576), (21, 576), (32, 576), (64, 1536), (130, 400)])
+def test_matmul_rows_do_not_depend_on_the_others(M, K):
+    """A row alone gets exactly the bits it gets among M rows (one FMA chain over k in order), across
+    the few-row path (M < 32) and the packed one, and a K that is no multiple of its 192-row blocks."""
     rng = np.random.default_rng(M)
-    x = jnp.asarray(rng.standard_normal((M, 576), np.float32))
-    w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
+    x = jnp.asarray(rng.standard_normal((M, K), np.float32))
+    w = jnp.asarray(rng.standard_normal((K, 1536), np.float32))
     together = np.asarray(cpu_kernels.matmul(x, w))
     for r in (0, M // 2, M - 1):
         np.testing.assert_array_equal(together[r], np.asarray(cpu_kernels.matmul(x[r:r + 1], w))[0])
@@ -115,7 +116,41 @@ def test_forward_with_the_kernels_agrees_with_xla(tiny_cfg, params):
     np.testing.assert_allclose(results["kernels"][0], results["xla"][0], rtol=0, atol=1e-4)
     np.testing.assert_allclose(results["kernels"][1], results["xla"][1], rtol=0, atol=1e-4)
     hlo = programs.forward.lower(params, step, jnp.int32(1), KVCache.zeros(on, 256), on).as_text()
-    assert "jaxsmol_attention" in hlo and "jaxsmol_small_matmul" in hlo
+    assert "jaxsmol_attention" in hlo and "jaxsmol_matmul" in hlo
+
+
+@pytest.mark.parametrize("chunks", [[(1, 16), (299, 512)], [(16, 16), (284, 512)], [(20, 32), (100, 128), (180, 256)],
+                                    [(64, 64), (236, 256)]])
+def test_a_prompt_rows_bits_do_not_depend_on_its_chunks(tiny_cfg, params, chunks):
+    """With the kernels, every row of a prefill chunk of >= 2 rows has the same bits (its logits and
+    its keys and values) whatever the chunk's size or start: what lets the exact prefix cache use
+    16- and 32-row chunks (jaxsmol/engine.py). (Without them, XLA's GEMM and row reductions differ
+    below 64 rows.)"""
+    cfg = dataclasses.replace(tiny_cfg, cpu_kernels=True)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 300)
+
+    def prefill(plan):
+        kv, logits, done = KVCache.zeros(cfg, 1024), [], 0
+        for n, T in plan:
+            chunk = np.zeros((1, T), np.int32)
+            chunk[0, :n] = ids[done:done + n]
+            out, kv = programs.forward(params, jnp.asarray(chunk), jnp.int32(n), kv, cfg, all_logits=True)
+            logits.append(np.asarray(out[0, :n]))
+            done += n
+        return np.concatenate(logits), np.asarray(kv.k)[..., :done, :], np.asarray(kv.v)[..., :done, :]
+
+    for got, want in zip(prefill(chunks), prefill([(300, 512)])):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rms_norm_in_order_agrees_and_ignores_the_row_count():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(576).astype(np.float32))
+    together = np.asarray(model.rms_norm(x, w, 1e-5, in_order=True))
+    np.testing.assert_allclose(together, np.asarray(model.rms_norm(x, w, 1e-5)), rtol=2e-6, atol=2e-6)
+    for rows in (1, 2, 16, 32):
+        np.testing.assert_array_equal(np.asarray(model.rms_norm(x[:rows], w, 1e-5, in_order=True)), together[:rows])
 
 
 def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.engine import (MIN_CAPACITY, PREFILL_BUCKETS, Engine, capacity_for, chunk_plan,
+from jaxsmol.engine import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, Engine, capacity_for,
+                            chunk_plan, prefill_buckets,
                             compile_bound, compiled_programs)
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model import ATTN_BLOCK
@@ -107,12 +108,12 @@ def test_compiled_programs_are_bounded(tiny_engine):
             pass
 
     # every reachable (chunk, capacity) pair, and decode at both capacities, once
-    for n in (10, 100, 200, 400):
+    for n in (10, 20, 50, 100, 200, 400):  # every bucket (16 and 32 with the CPU kernels, see engine.py)
         run(n, 3)  # capacity 512
         run(n, 600, stop_ids=everything)  # capacity 1024, no decode step
     run(600, 3)  # 512 + 128 chunks, capacity 1024, decode at 1024
     covered = compiled_programs()
-    assert 0 < covered <= compile_bound(ctx)
+    assert 0 < covered <= compile_bound(ctx, tiny_engine.buckets())
 
     def random_pass(seed):
         rng = np.random.default_rng(seed)
@@ -123,7 +124,7 @@ def test_compiled_programs_are_bounded(tiny_engine):
                 top_p=float(rng.choice([1.0, 0.9])))
 
     random_pass(1)
-    assert compiled_programs() == covered <= compile_bound(ctx)
+    assert compiled_programs() == covered <= compile_bound(ctx, tiny_engine.buckets())
     random_pass(2)
     assert compiled_programs() == covered
     assert compiled_programs("sample") == 1
@@ -318,6 +319,9 @@ def test_chunk_plan():
     assert chunk_plan(1) == [64] and chunk_plan(64) == [64] and chunk_plan(65) == [128]
     assert chunk_plan(300) == [512] and chunk_plan(512) == [512]
     assert chunk_plan(513) == [512, 64] and chunk_plan(1100) == [512, 512, 128]
+    assert chunk_plan(10, ROW_EXACT_BUCKETS) == [16] and chunk_plan(520, ROW_EXACT_BUCKETS) == [512, 16]
+    assert prefill_buckets(True, cpu_kernels=True) == ROW_EXACT_BUCKETS
+    assert prefill_buckets(True, cpu_kernels=False) == PREFILL_BUCKETS and prefill_buckets(False) == FAST_BUCKETS
     for n in range(1, 2200, 7):
         plan = chunk_plan(n)
         assert set(plan) <= set(PREFILL_BUCKETS) and all(t == 512 for t in plan[:-1])
@@ -335,13 +339,16 @@ def test_capacity_for():
 
 def test_compile_bound_values():
     # capacities 512, 1024, 2048 for ctx 1024 (a 512-chunk may overhang ctx); 4 buckets + decode each
-    assert compile_bound(1024) == 5 * 3
-    assert compile_bound(2048) == 5 * 4
-    assert compile_bound(1) == 5 * 2
+    assert compile_bound(1024, PREFILL_BUCKETS) == 5 * 3
+    assert compile_bound(2048, PREFILL_BUCKETS) == 5 * 4
+    assert compile_bound(1, PREFILL_BUCKETS) == 5 * 2
+    # by default, the fast path's buckets (a superset of every exact set): 1, 16, 32 and the four
+    assert set(ROW_EXACT_BUCKETS) < set(FAST_BUCKETS) and compile_bound(1024) == 7 * 3
 
 
 def test_slots_needed_covers_padding_and_decode(tiny_engine):
-    assert tiny_engine.slots_needed(0, 10, 5) == 64
+    assert tiny_engine.cfg.cpu_kernels  # so its exact chunks may have 16 rows (engine.py)
+    assert tiny_engine.slots_needed(0, 10, 5) == 16 and tiny_engine.slots_needed(0, 10, 5, exact=False) == 16
     assert tiny_engine.slots_needed(0, 10, 100) == 110
     assert tiny_engine.slots_needed(0, 600, 0) == 640
     assert tiny_engine.slots_needed(500, 600, 0) == 628

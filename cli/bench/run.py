@@ -23,8 +23,8 @@ def _meta(args, engine, plan, sections, load0) -> dict:
         "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
         "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
-        "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx),
-        "compile_bound_fast": compile_bound(engine.ctx, exact=False),
+        "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx, engine.buckets()),
+        "compile_bound_fast": compile_bound(engine.ctx, engine.buckets(exact=False)),
         "sections": sections + (["hf"] if args.compare == "hf" else []),
         "plan": dict(plan),
     }

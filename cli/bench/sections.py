@@ -49,7 +49,8 @@ def section_compilations(engine, plan, rng) -> dict:
     return {
         "requests": plan["workload_requests"], "prompt_min": min(lengths), "prompt_max": max(lengths),
         "max_tokens": [1, plan["workload_max_tokens"]], "forward_programs": programs,
-        "bound": compile_bound(engine.ctx), "ctx": engine.ctx, "within_bound": programs <= compile_bound(engine.ctx),
+        "bound": compile_bound(engine.ctx, engine.buckets()), "ctx": engine.ctx,
+        "within_bound": programs <= compile_bound(engine.ctx, engine.buckets()),
         "wall_s": now() - t0, "hits": s.hits, "exact_hits": s.exact_hits, "misses": s.misses,
         "tokens_reused": s.tokens_reused, "tokens_prefilled": s.tokens_prefilled,
     }

@@ -1,140 +1,5 @@
-// Two float32 kernels called from the jitted forward through XLA's FFI (cpu_kernels.py): a matmul
-// for few rows (decode steps), and causal attention (prefill chunks and decode steps). Both give
-// each row the same bits whatever the other rows of the call hold or how many there are.
-//
-// ---- SmallMatmul: y[M, N] = x[M, K] @ w[K, N], M = the batch width (< 64) ----
-//
-// Why: XLA:CPU (like OpenBLAS) packs a panel of the weight before every product; at 2-16 rows that
-// packing costs more than the arithmetic, so an 8-row decode step cost 2.6x a one-row step although
-// both stream the same weights. This kernel reads each weight row once, straight from the [K, N]
-// row-major array the rest of the model uses, and applies it to every row while it is in registers.
-//
-// Summation order: every output element is one fused multiply-add chain over k = 0, 1, ..., K-1,
-// whatever M, the thread count or the tiling. So a row's result does not depend on how many other
-// rows share the call (batch-invariant), and repeated calls give identical bits.
-//
-// Work split: the N columns are cut into panels (about N / threads, at most 1024 wide); the calling
-// thread and XLA's intra-op pool take panels from a shared counter, so the caller never waits on a
-// task that has not started, only on panels another thread is computing.
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-
-#include <cmath>
-#include <vector>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
-namespace {
-
-constexpr int kLanes = 16;        // floats per vector
-constexpr int64_t kRowsPerPass = 16;  // rows held in registers at once (more rows: another pass)
-constexpr int64_t kBlockK = 16;   // weight rows per register block (accumulators go to y between); 8-64 measured
-constexpr int64_t kMaxPanel = 1024;
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-
-// Columns per register block: fewer rows leave registers for more independent accumulators.
-constexpr int TilesFor(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : rows >= 2 ? 4 : 8; }
-
-// y[0:R, n:n + 16 T] += xt[k0:k1] @ w[k0:k1, n:n + 16 T], the accumulators held in registers.
-template <int R, int T>
-inline void Block(const float* xt, const float* w, float* y, int64_t N, int64_t k0, int64_t k1, int64_t n) {
-  Vec acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = k0 ? Load(y + r * N + n + kLanes * t) : Vec{};
-  for (int64_t k = k0; k < k1; ++k) {
-    Vec wk[T];
-    for (int t = 0; t < T; ++t) wk[t] = Load(w + k * N + n + kLanes * t);
-    for (int r = 0; r < R; ++r) {
-      const float xs = xt[k * R + r];
-      for (int t = 0; t < T; ++t) acc[r][t] += xs * wk[t];  // contracted to one FMA
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) Store(y + r * N + n + kLanes * t, acc[r][t]);
-}
-
-// y[0:R, n0:n1] for one pass of R rows; xt is that pass's rows transposed, [K, R]. The k blocks are
-// the outer loop so that the weight is read as kBlockK sequential streams, each row once.
-template <int R>
-void Panel(const float* xt, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int T = TilesFor(R);
-  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-    const int64_t k1 = std::min(k0 + kBlockK, K);
-    int64_t n = n0;
-    for (; n + kLanes * T <= n1; n += kLanes * T) Block<R, T>(xt, w, y, N, k0, k1, n);
-    for (; n < n1; n += kLanes) Block<R, 1>(xt, w, y, N, k0, k1, n);  // a panel's last columns
-  }
-}
-
-using PanelFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-template <int... Rs>
-constexpr PanelFn kPanels[] = {nullptr, &Panel<Rs>...};
-constexpr auto& kPanelFor = kPanels<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
-
-// Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Tasks take indices from
-// a shared counter, so the caller never waits on a task that has not started, only on indices
-// another thread is computing (no deadlock when every pool thread is busy).
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, fn] {
-    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      fn(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));  // each task its own copy
-  work();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
-
-using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: a template's comma would split the macro's arguments
-using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
-
-ffi::Error SmallMatmul(ffi::ThreadPool pool, Matrix x, Matrix w, OutMatrix y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (w.dimensions()[0] != K || y->dimensions()[0] != M || y->dimensions()[1] != N || N % kLanes)
-    return ffi::Error::InvalidArgument("small matmul: needs x [M, K], w [K, N], y [M, N], N % 16 == 0");
-  // each pass of <= 16 rows transposed to [K, rows], so a k step's rows are adjacent
-  std::vector<float> xt(M * K);
-  const float* xs = x.typed_data();
-  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-    const int64_t rows = std::min(kRowsPerPass, M - m0);
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < rows; ++r) xt[m0 * K + k * rows + r] = xs[(m0 + r) * K + k];
-  }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t block = kLanes * TilesFor(static_cast<int>(std::min(M, kRowsPerPass)));
-  int64_t panel = std::min(kMaxPanel, (N + threads - 1) / threads);
-  panel = std::max(block, (panel + block - 1) / block * block);
-  const float* wd = w.typed_data();
-  float* yd = y->typed_data();
-  ParallelFor(pool, (N + panel - 1) / panel, [&xt, wd, yd, M, K, N, panel](int64_t p) {
-    const int64_t n0 = p * panel, n1 = std::min(n0 + panel, N);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-      const int64_t rows = std::min(kRowsPerPass, M - m0);
-      kPanelFor[rows](xt.data() + m0 * K, wd, yd + m0 * N, K, N, n0, n1);
-    }
-  });
-  return ffi::Error::Success();
-}
-
-
-// ---- Attention: each query row over positions 0..its own of its row's cache ----
+// Causal attention for the jitted forward (cpu_kernels.py), float32: each query row over positions
+// 0..its own of its row's cache.
 //
 // Why: XLA reads the cache in 256-slot blocks through dynamic slices, and for a batch (or several kv
 // heads) a block is not contiguous, so every block of every layer was copied before its two matmuls
@@ -146,6 +11,9 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, Matrix x, Matrix w, OutMatrix y) {
 // q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H], pos [B] (row b's
 // first query position; the chunk's keys are already in the cache) -> out [B, T, K, G, H].
 // Softmax in two passes: scores, then max, exp and sum, then P V, each in position order.
+#include "cpu_kernels.h"
+
+namespace {
 
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -346,13 +214,6 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolSmallMatmul, SmallMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<Matrix>()
-                                  .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention,
                               ffi::Ffi::Bind()

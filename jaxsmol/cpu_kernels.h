@@ -1,0 +1,48 @@
+// What the two kernel sources share (cpu_matmul.cc, cpu_attention.cc; built into one library by
+// cpu_kernels.py): the vector type and XLA's thread pool as a parallel-for.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;  // floats per vector
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Tasks take indices from
+// a shared counter, so the caller never waits on a task that has not started, only on indices
+// another thread is computing (no deadlock when every pool thread is busy).
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, fn] {
+    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));  // each task its own copy
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+}  // namespace
