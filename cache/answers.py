@@ -1,7 +1,7 @@
 """Answers waiting to be stored for the next turn, re-prefilled a chunk at a time (cache/scheduler.py).
 
 A finished choice's prompt + answer is stored in the prefix cache by re-prefilling the answer in
->= 64-row chunks from the stored prompt (so the next turn gets the bits a cold prefill computes).
+prefill chunks (the engine's exact buckets) from the stored prompt (so the next turn gets the bits a cold prefill computes).
 Storing an answer is speculative work (the next turn may never come), so it yields to requests:
 the scheduler runs a chunk only in a step where no prompt is being prefilled and no row decodes,
 unless a waiting prompt continues that answer (`wanted_by` moves it to the front and marks it

@@ -6,8 +6,8 @@ vector [W]: each row is one sequence at its own position. `decode_rows` is the o
 `jax.vmap` of the scalar-position forward computes the same, but XLA:CPU turns its per-row cache
 writes into scatters that copy the cache: 2.8x the cost of one row at 8 rows, against 1.8x here.)
 
-JetStream's shape: a newcomer is prefilled alone, as a single sequence (B = 1, >= 64-row chunks, so
-its prompt state has the bits of a cold prefill), then `insert_row` writes that state into a free
+JetStream's shape: a newcomer is prefilled alone, as a single sequence (B = 1, exact prefill chunks,
+so its prompt state has the bits of a cold prefill), then `insert_row` writes that state into a free
 row with `dynamic_update_slice`; `decode_rows` then advances every row by one token per call.
 `relayout` moves rows into a batch of another width or capacity (when the batch grows or shrinks).
 

@@ -188,13 +188,17 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const fl
                float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
   if (T == 1) return AttendDecode<HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
-  // a chunk: one task per (row, kv head, tile of 16 query positions)
+  // a chunk: one task per (row, kv head, tile of 16 query positions), or, when that leaves threads
+  // idle (a short chunk: 3 kv heads on 2 threads), per query head too: each head's rows are
+  // computed the same way either way, only the keys are read once per head instead of per kv head
   const int64_t tiles = (T + kLanes - 1) / kLanes, row_stride = K * G * H;  // q and out are [B, T, K, G, H]
-  ParallelFor(pool, B * K * tiles, [=](int64_t task) {
-    const int64_t b = task / (K * tiles), kh = task / tiles % K, t0 = task % tiles * kLanes;
+  const int64_t heads = B * K * tiles < 4 * pool.num_threads() ? G : 1, per_task = G / heads;
+  ParallelFor(pool, B * K * heads * tiles, [=](int64_t task) {
+    const int64_t b = task / (K * heads * tiles), kh = task / (heads * tiles) % K;
+    const int64_t g = task / tiles % heads * per_task, t0 = task % tiles * kLanes;
     const int64_t slots = ((layer * B + b) * K + kh) * S * H;
-    const int64_t offset = (b * T + t0) * row_stride + kh * G * H;
-    AttendRows<HV>(qs + offset, row_stride, ks + slots, vs + slots, os + offset, G,
+    const int64_t offset = (b * T + t0) * row_stride + (kh * G + g) * H;
+    AttendRows<HV>(qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task,
                    std::min<int64_t>(kLanes, T - t0), std::max<int64_t>(ps[b], 0) + t0, S);
   });
 }

@@ -41,6 +41,7 @@ ROW_EXACT_BUCKETS = (16, 32) + PREFILL_BUCKETS  # exact with the CPU kernels (se
 # The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
 # padding, but those rows differ from a cold prefill's in the last bits.
 FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
+MIN_CAPACITY = 2 * ATTN_BLOCK
 
 
 def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int, ...]:
@@ -49,7 +50,7 @@ def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int,
     if not exact:
         return FAST_BUCKETS
     return ROW_EXACT_BUCKETS if cpu_kernels else PREFILL_BUCKETS
-MIN_CAPACITY = 2 * ATTN_BLOCK
+
 
 def compiled_programs(program: str = "forward") -> int:
     """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this

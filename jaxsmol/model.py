@@ -62,8 +62,8 @@ def _mean_square_in_order(x: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
-    """x [..., Din] @ w [Din, Dout] -> [..., Dout]: decode-step rows through the small-row kernel
-    when cfg.cpu_kernels, XLA's dot otherwise (every prefill chunk, >= 64 rows: see cpu_kernels.py)."""
+    """x [..., Din] @ w [Din, Dout] -> [..., Dout]: through the C++ matmul when cfg.cpu_kernels (its
+    rows' bits do not depend on the row count: see cpu_kernels.py), XLA's dot otherwise."""
     if cfg.cpu_kernels and cpu_kernels.matmul_applies(x, w):
         return cpu_kernels.matmul(x, w)
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)

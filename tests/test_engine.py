@@ -368,3 +368,22 @@ def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
     assert engine.pool_bytes == Engine.POOL_PER_CAPACITY * caches[0].nbytes  # the extra one is dropped
     engine.new_cache(100)
     assert engine.pool_bytes == (Engine.POOL_PER_CAPACITY - 1) * caches[0].nbytes
+
+
+def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
+    """Restores copy a host snapshot through two staging buffers (keys, values) kept between calls,
+    counted in pool_bytes; a shorter restore reuses them, and the restored positions are the snapshot's."""
+    from jaxsmol.params import init_random
+
+    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
+    _, kv = engine.prefill(_ids(300, 0), engine.new_cache(engine.slots_needed(0, 300, 0)))
+    snapshot = jax.device_get(kv)
+    first = engine.restore(snapshot, 512, 300)
+    staged = [raw.ctypes.data for raw in engine._staging]
+    assert engine.pool_bytes == sum(raw.nbytes for raw in engine._staging) > 0
+    second = engine.restore(snapshot, 512, 60)
+    assert [raw.ctypes.data for raw in engine._staging] == staged  # reused, not allocated again
+    for got, n in ((first, 300), (second, 60)):
+        assert int(got.pos) == n
+        for a, b in ((got.k, snapshot.k), (got.v, snapshot.v)):
+            np.testing.assert_array_equal(np.asarray(a)[..., :n, :], b[..., :n, :])
