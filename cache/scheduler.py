@@ -43,7 +43,7 @@ from cache.prefix_cache import PrefixCache
 from cache.records import Lookup
 from cache.requests import Finished, Request
 from jaxsmol import programs
-from jaxsmol.engine import PREFILL_BUCKETS, capacity_for, chunk_length
+from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
@@ -211,7 +211,7 @@ class Scheduler:
     def _prefill_chunk(self, max_rows: int) -> int:
         """One chunk (at most max_rows rows) of the request being prefilled; returns the rows it ran."""
         p = self.prefilling
-        rows = chunk_length(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self.engine.buckets(self._exact(p)))
+        rows = self.engine.chunk_rows(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
         try:
             logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
             done = int(p.kv.pos) >= len(p.lookup.prompt)

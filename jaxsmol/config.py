@@ -27,8 +27,8 @@ class Config:
     tie_embeddings: bool = True
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
-    # An execution choice, not part of the checkpoint: attention, and the matmuls of decode steps,
-    # run the C++ kernels of cpu_kernels.py. Set by cpu_kernels.configure (the Engine does); off by default.
+    # An execution choice, not part of the checkpoint: attention and every matmul run the C++
+    # kernels of cpu_kernels.py. Set by cpu_kernels.configure (the Engine does); off by default.
     cpu_kernels: bool = False
 
     def __post_init__(self):

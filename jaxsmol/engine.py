@@ -17,6 +17,7 @@ prefill may also use 16- and 32-row chunks: a short suffix after a restore costs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from pathlib import Path
 from typing import Callable
@@ -28,7 +29,7 @@ import numpy as np
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
-from jaxsmol.kv import KVCache, aligned_host_prefix, staging_bytes
+from jaxsmol.kv import KVCache, aligned_host_prefix
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams, seed_key
@@ -250,7 +251,7 @@ class Engine:
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
         with self._staging_lock:  # one restore at a time uses the staging buffers
-            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, self._staging_buffer(i, staging_bytes(a, n, ATTN_BLOCK)))
+            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, functools.partial(self._staging_buffer, i))
                     for i, a in enumerate((snapshot.k, snapshot.v)))
             kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
             return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
@@ -265,6 +266,10 @@ class Engine:
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
         """The prefill chunk lengths this engine uses (see prefill_buckets)."""
         return prefill_buckets(exact, self.cfg.cpu_kernels)
+
+    def chunk_rows(self, n_left: int, max_rows: int = PREFILL_BUCKETS[-1], exact: bool = True) -> int:
+        """The padded length of the next chunk `prefill_chunk` runs with n_left tokens still to prefill."""
+        return chunk_length(n_left, max_rows, self.buckets(exact))
 
     def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
         """Cache slots a request touches: the padded prefill chunks and every decode position."""
@@ -291,7 +296,7 @@ class Engine:
         positions already written: an exact chunk gives every row the same bits wherever it starts
         (module docstring), so they are rewritten unchanged."""
         pos = int(kv.pos)
-        T = chunk_length(len(ids) - pos, max_rows, self.buckets(exact))
+        T = self.chunk_rows(len(ids) - pos, max_rows, exact)
         begin = max(min(pos, kv.capacity - T), 0)
         n = min(T, len(ids) - begin)
         chunk = np.zeros((1, T), np.int32)

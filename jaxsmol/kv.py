@@ -82,26 +82,20 @@ class KVCache:
         return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
 
 
-def aligned_host_prefix(a: np.ndarray, n: int, multiple: int, raw: np.ndarray | None = None) -> np.ndarray:
+def aligned_host_prefix(a: np.ndarray, n: int, multiple: int, alloc=None) -> np.ndarray:
     """The first n positions of a host k or v [L, B, K, >=n, H], zero-padded to a multiple of
     `multiple` slots (bounding the shapes `load_prefix` compiles for), in 64-byte aligned memory so
-    that `jax.device_put(..., may_alias=True)` can use it without a copy on CPU. `raw` (uint8, at
-    least staging_bytes(...) long) is the memory to use; a fresh buffer when None."""
+    that `jax.device_put(..., may_alias=True)` can use it without a copy on CPU. `alloc(nbytes)`
+    returns the uint8 memory to use (at least nbytes); a fresh buffer when None."""
     P = -(-n // multiple) * multiple
     shape = a.shape[:SEQ_AXIS] + (P,) + a.shape[SEQ_AXIS + 1:]
     nbytes = int(np.prod(shape)) * a.dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8) if raw is None else raw
+    raw = (alloc or (lambda size: np.empty(size, np.uint8)))(nbytes + 64)
     offset = (-raw.ctypes.data) % 64
     out = raw[offset:offset + nbytes].view(a.dtype).reshape(shape)
     out[seq_index(0, n)] = a[seq_index(0, n)]
     out[seq_index(n)] = 0  # finite: masked slots must never hold NaN (0 * NaN would leak through)
     return out
-
-
-def staging_bytes(a: np.ndarray, n: int, multiple: int) -> int:
-    """The raw bytes aligned_host_prefix(a, n, multiple) needs."""
-    P = -(-n // multiple) * multiple
-    return int(np.prod(a.shape[:SEQ_AXIS] + (P,) + a.shape[SEQ_AXIS + 1:])) * a.dtype.itemsize + 64
 
 
 def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array) -> KVCache:

@@ -15,8 +15,8 @@ dtype too, while the residual stream, RoPE, the softmax and the logits are float
 (so the residual stream keeps one dtype, and bfloat16 loses precision only where it saves memory).
 With float32 weights every cast is a no-op.
 
-With `cfg.cpu_kernels` (float32 on one CPU device; the Engine sets it), attention and the matmuls of
-decode steps run C++ kernels instead (cpu_kernels.py); the functions below are then the reference
+With `cfg.cpu_kernels` (float32 on one CPU device; the Engine sets it), attention and every matmul
+run C++ kernels instead (cpu_kernels.py), and the RMS norm sums in a fixed order; the functions below are then the reference
 they are tested against, and what bfloat16 weights and device meshes run.
 """
 
