@@ -40,7 +40,9 @@ import numpy as np
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_attention": "JaxsmolAttention"}
-LANES = 16  # the kernel's vector width in floats: N must be a multiple
+PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
+HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -108,29 +110,65 @@ def _load() -> bool:
     return True
 
 
+def fits(cfg) -> bool:
+    """Whether every matmul and attention of cfg's model fits the kernels: each matmul's output width
+    a whole number of weight panels, and a head size the attention kernel handles. (All or nothing:
+    one op left to XLA would make a prompt row's bits depend on its chunk again.)"""
+    widths = (cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, cfg.vocab_size)
+    return all(n % PANEL == 0 for n in widths) and cfg.head_dim in HEAD_DIMS
+
+
 def configure(cfg, dtype, mesh=None):
-    """cfg with `cpu_kernels` set: on for float32 weights on one CPU device where the kernels load.
-    (A mesh partitions the forward with GSPMD, which cannot split a custom call.)"""
-    use = (jnp.dtype(dtype) == jnp.float32 and mesh is None and jax.default_backend() == "cpu"
+    """cfg with `cpu_kernels` set: on for float32 weights on one CPU device where the kernels load and
+    the model's shapes fit them. (A mesh partitions the forward with GSPMD, which cannot split a
+    custom call.) Params for a cfg with the kernels on are packed (pack_params)."""
+    use = (jnp.dtype(dtype) == jnp.float32 and mesh is None and jax.default_backend() == "cpu" and fits(cfg)
            and available())
     return cfg if cfg.cpu_kernels == use else dataclasses.replace(cfg, cpu_kernels=use)
 
 
-def matmul_applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether x [..., K] @ w [K, N] goes to the kernel (given cfg.cpu_kernels): float32, N % 16 == 0."""
-    return x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % LANES == 0
+def pack(w):
+    """A weight [K, N] (numpy or jax) -> the kernel's layout [N / 32, K, 32]: each 32-column panel
+    contiguous over k, so a matmul streams it sequentially (see cpu_matmul.cc)."""
+    K, N = w.shape
+    if N % PANEL:
+        raise ValueError(f"a packed weight needs N % {PANEL} == 0, got [{K}, {N}]")
+    panels = w.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2)
+    return np.ascontiguousarray(panels) if isinstance(w, np.ndarray) else panels
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] float32 through the kernel (available() must be True)."""
-    lead, (K, N) = x.shape[:-1], w.shape
+def unpack(panels):
+    """pack's inverse: [N / 32, K, 32] -> [K, N]."""
+    P, K, _ = panels.shape
+    return panels.transpose(1, 0, 2).reshape(K, P * PANEL)
+
+
+def is_packed(w) -> bool:
+    return w.ndim == 3
+
+
+def pack_params(params, packed: bool = True):
+    """params with every matmul weight packed (the layers' matrices and the unembedding; not the
+    embedding table, whose rows are gathered), or with packed=False every one unpacked: the layout
+    a cfg with the kernels on, or off, needs. Weights already in that layout are kept."""
+    def convert(w):
+        return w if is_packed(w) == packed else pack(w) if packed else unpack(w)
+    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES}) for layer in params.layers)
+    return params.replace(layers=layers, unembed=convert(params.unembed))
+
+
+def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+    """x [..., K] @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
+    (available() must be True)."""
+    P, K, _ = panels.shape
+    lead, N = x.shape[:-1], P * PANEL
     call = jax.ffi.ffi_call("jaxsmol_matmul", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
-    return call(x.reshape(-1, K), w).reshape(*lead, N)
+    return call(x.reshape(-1, K), panels).reshape(*lead, N)
 
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
     """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: float32, H in 16..128."""
-    return q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in (16, 32, 64, 128)
+    return q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in HEAD_DIMS
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array) -> jax.Array:

@@ -151,9 +151,12 @@ class Engine:
     def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None,
                  mesh=None):
         """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
+        cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
+        # the weights' layout follows cfg (a no-op for params loaded with it; another engine's
+        # params may come packed or not)
+        params = cpu_kernels.pack_params(params, packed=cfg.cpu_kernels)
         if mesh is not None:
             params = shard_params(params, mesh)
-        cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
         self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None

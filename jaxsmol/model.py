@@ -63,8 +63,11 @@ def _mean_square_in_order(x: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
     """x [..., Din] @ w [Din, Dout] -> [..., Dout]: through the C++ matmul when cfg.cpu_kernels (its
-    rows' bits do not depend on the row count: see cpu_kernels.py), XLA's dot otherwise."""
-    if cfg.cpu_kernels and cpu_kernels.matmul_applies(x, w):
+    rows' bits do not depend on the row count: see cpu_kernels.py; w then comes packed,
+    [Dout / 32, Din, 32]), XLA's dot otherwise."""
+    if cfg.cpu_kernels:
+        if not cpu_kernels.is_packed(w):
+            raise ValueError("cfg.cpu_kernels needs its params packed: cpu_kernels.pack_params(params)")
         return cpu_kernels.matmul(x, w)
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 

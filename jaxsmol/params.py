@@ -17,13 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsmol import cpu_kernels
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 
 
 @flax.struct.dataclass
 class LayerParams:
-    """One decoder layer."""
+    """One decoder layer. Matrices are [in, out], or packed [out / 32, in, 32] when the config runs
+    the CPU kernels (cpu_kernels.pack)."""
     attn_norm: jax.Array  # [D]
     wq: jax.Array  # [D, N*H]
     wk: jax.Array  # [D, K*H]
@@ -130,7 +132,8 @@ def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
 
 def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     """Map HF tensors (a dict of arrays, or a `Checkpoint`) to `Params`, asserting every shape;
-    a missing or unexpected tensor is an error. Tensors are read one at a time."""
+    a missing or unexpected tensor is an error. Tensors are read one at a time. With
+    cfg.cpu_kernels the matrices come packed for the kernel (cpu_kernels.pack_params)."""
     shape_of = tensors.shape if isinstance(tensors, Checkpoint) else (lambda name: tuple(tensors[name].shape))
     names = {k for k in tensors.keys() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
@@ -146,9 +149,12 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         if shape_of(name) != shape:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
-    def weight(i, suffix, shape):  # [in, out] (HF's [out, in] transposed), or a norm's [D]
+    def matrix(a):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra matrix)
+        return jnp.asarray(cpu_kernels.pack(a.T) if cfg.cpu_kernels else np.ascontiguousarray(a.T), dtype)
+
+    def weight(i, suffix, shape):  # a matrix, or a norm's [D]
         a = tensors[f"model.layers.{i}.{suffix}"]
-        return jnp.asarray(np.ascontiguousarray(a.T) if len(shape) == 2 else a, dtype)
+        return matrix(a) if len(shape) == 2 else jnp.asarray(a, dtype)
 
     layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
                    for i in range(cfg.n_layers))
@@ -156,7 +162,7 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     return Params(embed=jnp.asarray(embed, dtype), layers=layers,
                   final_norm=jnp.asarray(tensors["model.norm.weight"], dtype),
-                  unembed=jnp.asarray(np.ascontiguousarray(head.T), dtype))
+                  unembed=matrix(head))
 
 
 def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params:
@@ -168,8 +174,9 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     (or while) the weights load."""
     sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     layer = LayerParams(**{field: sds(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
-    return Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=(layer,) * cfg.n_layers,
-                  final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
+    params = Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=(layer,) * cfg.n_layers,
+                    final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
+    return jax.eval_shape(cpu_kernels.pack_params, params) if cfg.cpu_kernels else params
 
 
 def init_random(cfg: Config, seed: int = 0, dtype=jnp.float32) -> Params:

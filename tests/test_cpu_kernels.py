@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,12 +34,12 @@ def kernels_built():
 
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 48), (16, 1536, 576), (17, 100, 80),
-                                   (40, 64, 16), (31, 200, 48), (32, 576, 192), (45, 400, 80), (512, 576, 1536)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 64), (16, 1536, 576), (17, 100, 96),
+                                   (40, 64, 32), (31, 200, 64), (32, 576, 192), (45, 400, 96), (512, 576, 1536)])
 def test_matmul_matches_a_float64_reference(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((K, N), np.float32)
-    got = np.asarray(cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(cpu_kernels.matmul(jnp.asarray(x), jnp.asarray(cpu_kernels.pack(w))))
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(want).max())
 
@@ -49,7 +50,7 @@ def test_matmul_rows_do_not_depend_on_the_others(M, K):
     the few-row path (M < 32) and the packed one, and a K that is no multiple of its 192-row blocks."""
     rng = np.random.default_rng(M)
     x = jnp.asarray(rng.standard_normal((M, K), np.float32))
-    w = jnp.asarray(rng.standard_normal((K, 1536), np.float32))
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((K, 1536), np.float32)))
     together = np.asarray(cpu_kernels.matmul(x, w))
     for r in (0, M // 2, M - 1):
         np.testing.assert_array_equal(together[r], np.asarray(cpu_kernels.matmul(x[r:r + 1], w))[0])
@@ -109,13 +110,14 @@ def test_forward_with_the_kernels_agrees_with_xla(tiny_cfg, params):
     prompt = jnp.asarray(np.random.default_rng(2).integers(0, tiny_cfg.vocab_size, (1, 64)), jnp.int32)
     step = jnp.asarray([[7]], jnp.int32)
     results = {}
-    for name, cfg in (("xla", tiny_cfg), ("kernels", on)):
-        first, kv = programs.forward(params, prompt, jnp.int32(64), KVCache.zeros(cfg, 256), cfg)
-        second, _ = programs.forward(params, step, jnp.int32(1), kv, cfg)
+    packed = cpu_kernels.pack_params(params)
+    for name, cfg, p in (("xla", tiny_cfg, params), ("kernels", on, packed)):
+        first, kv = programs.forward(p, prompt, jnp.int32(64), KVCache.zeros(cfg, 256), cfg)
+        second, _ = programs.forward(p, step, jnp.int32(1), kv, cfg)
         results[name] = np.asarray(first), np.asarray(second)
     np.testing.assert_allclose(results["kernels"][0], results["xla"][0], rtol=0, atol=1e-4)
     np.testing.assert_allclose(results["kernels"][1], results["xla"][1], rtol=0, atol=1e-4)
-    hlo = programs.forward.lower(params, step, jnp.int32(1), KVCache.zeros(on, 256), on).as_text()
+    hlo = programs.forward.lower(packed, step, jnp.int32(1), KVCache.zeros(on, 256), on).as_text()
     assert "jaxsmol_attention" in hlo and "jaxsmol_matmul" in hlo
 
 
@@ -127,6 +129,7 @@ def test_a_prompt_rows_bits_do_not_depend_on_its_chunks(tiny_cfg, params, chunks
     16- and 32-row chunks (jaxsmol/engine.py). (Without them, XLA's GEMM and row reductions differ
     below 64 rows.)"""
     cfg = dataclasses.replace(tiny_cfg, cpu_kernels=True)
+    params = cpu_kernels.pack_params(params)
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 300)
 
     def prefill(plan):
@@ -141,6 +144,27 @@ def test_a_prompt_rows_bits_do_not_depend_on_its_chunks(tiny_cfg, params, chunks
 
     for got, want in zip(prefill(chunks), prefill([(300, 512)])):
         np.testing.assert_array_equal(got, want)
+
+
+def test_packed_weights_round_trip_and_are_required(tiny_cfg, params):
+    """pack/unpack are inverses; the loader packs under the kernels; a forward with the kernels on
+    and unpacked params is an error naming the fix, not a silent fallback."""
+    from jaxsmol.params import abstract_params
+
+    w = np.arange(6 * 64, dtype=np.float32).reshape(6, 64)
+    assert cpu_kernels.pack(w).shape == (2, 6, 32) and cpu_kernels.pack(w)[1, 2, 3] == w[2, 35]
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(cpu_kernels.pack(jnp.asarray(w)))), w)
+    with pytest.raises(ValueError, match="N % 32"):
+        cpu_kernels.pack(w[:, :48])
+    on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
+    packed = cpu_kernels.pack_params(params)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed.layers[1].w_down)), np.asarray(params.layers[1].w_down))
+    assert jax.tree.map(lambda a: a.shape, abstract_params(on)) == jax.tree.map(lambda a: a.shape, packed)
+    assert packed.embed.shape == params.embed.shape  # gathered by row: never packed
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.pack_params(packed, packed=False).unembed), np.asarray(params.unembed))
+    with pytest.raises(ValueError, match="pack_params"):
+        programs.forward(params, jnp.zeros((1, 16), jnp.int32), jnp.int32(16), KVCache.zeros(on, 256), on)
+    assert not cpu_kernels.fits(dataclasses.replace(tiny_cfg, ffn_dim=144))  # 144 % 32: kernels off
 
 
 def test_rms_norm_in_order_agrees_and_ignores_the_row_count():

@@ -212,7 +212,7 @@ def test_prefill_then_decode_equals_one_forward(params, tiny_cfg, n):
 
 
 @pytest.mark.parametrize("n", [600, 1000])
-def test_chunked_prefill_equals_one_shot(tiny_engine, params, n):
+def test_chunked_prefill_equals_one_shot(tiny_engine, n):
     from jaxsmol.engine import chunk_plan
 
     assert len(chunk_plan(n)) == 2
@@ -220,7 +220,7 @@ def test_chunked_prefill_equals_one_shot(tiny_engine, params, n):
     kv = tiny_engine.new_cache(tiny_engine.slots_needed(0, n, 0))
     logits, kv = tiny_engine.prefill(ids, kv)
     assert int(kv.pos) == n
-    ref_logits, ref_kv = _run(params, tiny_engine.cfg, ids, T=CAP, all_logits=True)
+    ref_logits, ref_kv = _run(tiny_engine.params, tiny_engine.cfg, ids, T=CAP, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref_logits[0, n - 1]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(kv.k[:, :, :, :n]), np.asarray(ref_kv.k[:, :, :, :n]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(kv.v[:, :, :, :n]), np.asarray(ref_kv.v[:, :, :, :n]), atol=1e-5)
