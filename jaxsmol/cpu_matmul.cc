@@ -28,6 +28,7 @@ namespace {
 constexpr int64_t kPanel = 32;       // columns per weight panel (the packed layout)
 constexpr int kPanelVecs = kPanel / kLanes;
 constexpr int64_t kAhead = 16;       // few rows: prefetch distance in weight rows (2 KB)
+constexpr int64_t kBlockRows = 32;   // few rows, 10-16 per pass: weight rows per k block (4 KB, in L1)
 constexpr int64_t kRowsPerPass = 16; // few rows: rows held in registers at once (more: another pass)
 constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
 
@@ -52,13 +53,41 @@ inline void Block(const float* xt, const float* panel, float* y, int64_t K, int6
     for (int v = 0; v < V; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
 }
 
-// One pass of R rows over one panel: 10 or more rows leave no registers for two vectors of
-// accumulators, so they take the panel's halves one after the other (the second from cache).
+// Rows [0, R) of a pass whose xt rows are LD apart, over weight rows k0..k1 of a panel, two vectors:
+// `first` starts the chains at 0, otherwise they continue from y.
+template <int R, int LD>
+inline void Part(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first,
+                 bool ahead) {
+  Vec acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (ahead)
+      for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(panel + (k + kAhead) * kPanel + kLanes * v);
+    Vec wk[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
+    for (int r = 0; r < R; ++r) {
+      const float xs = xt[k * LD + r];
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanelVecs; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
+}
+
+// One pass of R rows over one panel. Up to 9 rows hold accumulators for the panel's two vectors.
+// More rows take turns in two groups (8 and R - 8) on each kBlockRows-row block of the panel: the
+// block comes from memory for the first group and from L1 for the second, so the weight streams in
+// while both compute. (16 rows x 1 vector over the whole panel, then its other half, made each
+// weight load serve half the FMAs: 1.35x the time at 16 rows, measured on its own.)
 template <int R>
 void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
   if constexpr (R >= 10) {
-    Block<R, 1>(xt, panel, y, K, N, true);
-    Block<R, 1>(xt, panel + kLanes, y + kLanes, K, N, false);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
+      const int64_t k1 = std::min(k0 + kBlockRows, K);
+      Part<8, R>(xt, panel, y, N, k0, k1, k0 == 0, true);
+      Part<R - 8, R>(xt + 8, panel, y + 8 * N, N, k0, k1, k0 == 0, false);
+    }
   } else {
     Block<R, kPanelVecs>(xt, panel, y, K, N, true);
   }
