@@ -104,6 +104,25 @@ def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
     assert all(len(s.results[0].output_ids) == 20 for s in sinks)
 
 
+def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
+    """Six requests at once: the batch grows straight to the width they need (one move of the live
+    rows, not one per rung of 1, 2, 4, 8), but never past kv_bytes."""
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8)
+    for p in prompts(9, [30, 40, 50, 20, 60, 10]):
+        sched.submit(Request(p, [SamplingParams(max_tokens=20)], Collector()))
+    sched.step()
+    assert len(sched.rows) == 8 and sched.stats.relayouts == 1
+    sched.run()
+    assert sched.stats.relayouts <= 2  # and shrinking back once the rows finish
+    per_row = capacity_for(60 + 20) * tiny_engine.kv_bytes_per_token
+    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, kv_bytes=4 * per_row)
+    for p in prompts(9, [30, 40, 50, 20, 60, 10]):
+        tight.submit(Request(p, [SamplingParams(max_tokens=20)], Collector()))
+    tight.step()
+    assert len(tight.rows) == 4 and tight.kv_bytes_held <= 4 * per_row
+    tight.run()
+
+
 def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=2)
     sinks = [Collector() for _ in range(3)]
