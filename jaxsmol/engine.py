@@ -145,6 +145,21 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
                            jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype))))
 
 
+# The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.
+NUMERICS_SOURCES = ("model.py", "rope.py", "kv.py", "cpu_matmul.cc", "cpu_attention.cc", "cpu_kernels.h")
+
+
+@functools.cache
+def numerics_identity() -> str:
+    """A hash of the code that computes KV states: part of every engine's fingerprint."""
+    import hashlib
+
+    h = hashlib.blake2b(jax.__version__.encode(), digest_size=8)
+    for name in NUMERICS_SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()
+
+
 class Engine:
     """A loaded model. Stateless between requests: every request gets its own immutable caches."""
 
@@ -193,12 +208,15 @@ class Engine:
     # ---- identity -------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """A hash of config, dtype and every weight byte, plus the device layout: caches keyed by it
-        never mix models, nor states computed under different shardings (their last bits differ)."""
+        """A hash of config, dtype and every weight byte, of the code that computes the states, plus
+        the device layout: caches keyed by it (snapshots on disk too) never mix models, nor states
+        computed by another version of the forward or under different shardings (their last bits
+        differ)."""
         if self._fingerprint is None:
             import hashlib
 
             h = hashlib.blake2b(repr(self.cfg).encode(), digest_size=16)
+            h.update(numerics_identity().encode())
             for leaf in jax.tree.leaves(self.params):
                 h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
                 h.update(np.asarray(leaf).tobytes())

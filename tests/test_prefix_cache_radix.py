@@ -144,6 +144,21 @@ def test_fingerprint_covers_weights_config_and_dtype():
     assert Engine(cfg, init_random(cfg, seed=0, dtype=jnp.bfloat16), None).fingerprint != base
 
 
+def test_fingerprint_covers_the_code_of_the_forward(monkeypatch):
+    """A snapshot stored (on disk) by a version of the forward or kernels whose bits differ must not
+    be restored by another: the fingerprint hashes those sources."""
+    from jaxsmol import engine
+
+    cfg = Config.tiny()
+    base = Engine(cfg, init_random(cfg, seed=0), None).fingerprint
+    engine.numerics_identity.cache_clear()
+    monkeypatch.setattr(engine, "NUMERICS_SOURCES", engine.NUMERICS_SOURCES[:-1])
+    try:
+        assert Engine(cfg, init_random(cfg, seed=0), None).fingerprint != base
+    finally:
+        engine.numerics_identity.cache_clear()
+
+
 # ---- radix: LRU under a small budget, entries in use ------------------------------------------
 
 def test_lru_under_a_small_budget(eng, bpt, payload_bytes):
