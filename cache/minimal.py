@@ -43,8 +43,8 @@ class SingleSnapshotStore:
             return 0
         return min(common_prefix_len(prompt, s.tokens), len(prompt) - 1)
 
-    def lookup(self, namespace, tokens) -> Hit:
-        reused = self.reusable_len(namespace, tokens)
+    def lookup(self, namespace, tokens, gather: bool = True) -> Hit:
+        reused = self.reusable_len(namespace, tokens)  # one snapshot, already whole: nothing to defer
         return Hit(matched=reused, reused=reused, value=self.snapshot.value if reused else None,
                    nearest_len=len(self.snapshot.tokens) if self.snapshot else 0)
 

@@ -279,11 +279,12 @@ class PrefixCache:
         it has the bits a cold prefill of the next turn would compute (see the module docstring).
         None if the prompt was evicted meanwhile (nothing to extend)."""
         tokens = list(lk.prompt) + list(output_ids)
-        hit = self.store.lookup(lk.ns, tokens)
+        hit = self.store.lookup(lk.ns, tokens, gather=False)
         if hit.matched < len(lk.prompt) or hit.matched == len(tokens):
             self.store.release(hit.lease)  # evicted meanwhile, or already stored: nothing to do
             return None
-        return AnswerSave(lk, tokens, hit.lease, KVCache.from_segment(hit.value))
+        store, lease, n = self.store, hit.lease, hit.reused
+        return AnswerSave(lk, tokens, lease, lambda: KVCache.from_segment(store.gather(lease, n)))
 
     def finish_answer(self, save: "AnswerSave", kv: KVCache | None, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""

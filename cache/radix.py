@@ -137,11 +137,19 @@ class RadixStore:
         return Match(length=depth, path=path, payload=path[-1].payload if exact else None, nearest_len=nearest)
 
     def gather(self, match: Match, length: int | None = None):
-        """The value of the first `length` (default: match.length) positions, as one pytree."""
+        """The value of the first `length` (default: match.length) positions, as one pytree.
+
+        Read from the match's deepest node up through its parents, so a match pinned earlier still
+        gathers its own positions after inserts have split its edges (a split keeps the pinned node as
+        the lower half and puts a new node above it)."""
         length = match.length if length is None else length
         assert 0 < length <= match.length
+        chain, node = [], match.path[-1]
+        while node is not None and node.tokens:  # up to the namespace's root (no tokens)
+            chain.append(node)
+            node = node.parent
         parts, depth = [], 0
-        for node in match.path:
+        for node in reversed(chain):
             take = min(len(node.tokens), length - depth)
             parts.append(node.segment if take == len(node.tokens) else self._slice(node.segment, 0, take))
             depth += take

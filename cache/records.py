@@ -7,7 +7,9 @@ Plain data shared by cache/prefix_cache.py (which fills them) and cache/schedule
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
+from typing import Callable
 
 import numpy as np
 
@@ -71,8 +73,16 @@ class Lookup:
 
 @dataclasses.dataclass
 class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `lease`)."""
+    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `lease`).
+
+    The prefix is read from the store when first needed: at the save's first chunk, not when the
+    request finishes (a 700-token prompt's state is a 32 MB copy, which delayed the decode step of
+    every other row)."""
     lookup: Lookup
     tokens: list[int]
     lease: object
-    prefix: KVCache
+    read_prefix: Callable[[], KVCache]
+
+    @functools.cached_property
+    def prefix(self) -> KVCache:
+        return self.read_prefix()

@@ -6,7 +6,8 @@ anything about models: a value is a pytree of host arrays whose leaves share a s
 jaxsmol, {"k", "v"} segments of the KV cache), plus an optional payload per stored key (for jaxsmol,
 the logits after the key's last token, which answer an identical prompt with no forward).
 
-    lookup(ns, tokens) -> Hit     the longest stored prefix, pinned until release(hit.lease)
+    lookup(ns, tokens, gather=True) -> Hit   the longest stored prefix, pinned until release(hit.lease)
+                                  (gather=False: its value read later, by gather(hit.lease, hit.reused))
     insert(ns, tokens, value_of, payload=None) -> positions newly stored
     state(ns, tokens) -> (tokens, value, {length: payload}) of the longest stored prefix, or None
     add(ns, tokens, value_of, payloads)   store a key and an exact entry per payload (files, disk)
@@ -38,7 +39,9 @@ class RadixPrefixStore(RadixStore):
     keeps_last_position = True  # a whole prompt is stored, with its last logits as the payload
     max_keys = None
 
-    def lookup(self, namespace, tokens) -> Hit:
+    def lookup(self, namespace, tokens, gather: bool = True) -> Hit:
+        """gather=False leaves hit.value None: `gather(hit.lease, hit.reused)` reads it later, while
+        the lease holds it (a copy the caller may not need yet)."""
         match = self.match(namespace, tokens)
         n = len(tokens)
         exact = match.payload is not None
@@ -46,7 +49,8 @@ class RadixPrefixStore(RadixStore):
         hit = Hit(matched=match.length, reused=reused, payload=match.payload, nearest_len=match.nearest_len)
         if reused:
             self.acquire(match)
-            hit.lease, hit.value = match, self.gather(match, reused)
+            hit.lease = match
+            hit.value = self.gather(match, reused) if gather else None
         return hit
 
     def release(self, lease) -> None:

@@ -34,6 +34,21 @@ def test_longest_match_ends_inside_an_edge():
     assert s.match("ns", (7, 1, 2)).length == 0
 
 
+def test_a_pinned_match_gathers_its_positions_after_its_edges_split():
+    """A lease read later (an answer's prefix is gathered at its first chunk, cache/records.py) still
+    gives its own positions after inserts split the edges it runs through."""
+    s = RadixStore(BIG)
+    put(s, "ns", (1, 2, 3, 4, 5, 6))
+    put(s, "ns", (1, 2, 3, 4, 5, 6, 7, 8, 9))
+    m = s.match("ns", (1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    s.acquire(m)
+    put(s, "ns", (1, 2, 8))  # splits (1..6) after 2
+    put(s, "ns", (1, 2, 3, 4, 5, 6, 7, 1))  # splits (7, 8, 9) after 7
+    for length in (9, 7, 4):
+        assert_tree_equal(s.gather(m, length), value((1, 2, 3, 4, 5, 6, 7, 8, 9), 0, length))
+    s.release(m)
+
+
 def test_longest_among_several_keys_and_gather_prefix_lengths():
     s = RadixStore(BIG)
     keys = [(1, 2, 3), (1, 2, 3, 4, 5), (1, 2, 7, 8), (1, 9), (5, 5, 5, 5)]
