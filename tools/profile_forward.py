@@ -25,8 +25,10 @@ import time
 from pathlib import Path
 
 # (function, source-text fragment) -> category; the first match wins, the fragment is matched
-# against the model.py line the instruction came from.
+# against the source line the instruction came from (model.py, or cpu_kernels.py for the kernels).
 CATEGORIES = [
+    ("matmul", "", "matmuls (C++ kernel; the LM head's too)"),
+    ("attention", "call(q, k_all", "attention (C++ kernel)"),
     ("block", "", "attention: softmax, mask, running max"),
     ("_attention_tile", "", "attention: setup and output"),
     ("attention", "", "attention: query tiling"),
