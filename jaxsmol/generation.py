@@ -100,9 +100,9 @@ class Generation:
         self.timings.prefilled_tokens = n - self._prefix_len
         self.prompt_logits = np.asarray(logits[0])
         self.timings.prefill_s = time.perf_counter() - t0
-        if self._on_prefill is not None:
-            self._on_prefill(kv, logits)  # before decode donates kv
         if sp.max_tokens == 0:
+            if self._on_prefill is not None:
+                self._on_prefill(kv, logits)
             self.kv, self.finish_reason, self.pos = kv, "length", n
             self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
             return
@@ -132,7 +132,12 @@ class Generation:
             self.output_ids, self.logprobs, self.text = stream.output_ids, stream.logprobs, stream.text
             self.finish_reason = stream.finish_reason
             self.timings.generated_tokens = len(self.output_ids)
-            yield step
+            try:
+                yield step
+            finally:  # the prompt's state is stored once its first token is out (not on the time to
+                # first token: a radix split or a fresh host copy took 45-70 ms), before decode donates kv
+                if i == 0 and self._on_prefill is not None:
+                    self._on_prefill(kv, logits)
             if stream.done:
                 break
         self.kv = kv
