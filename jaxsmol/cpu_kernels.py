@@ -5,9 +5,11 @@ function interface (`jax.ffi`):
   multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
   other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
   as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
-  without the kernels needs >= 64-row chunks). Few rows (decode steps) stream each weight row once;
-  XLA:CPU's dot packs a weight panel before every product, which at 2-16 rows costs more than the
-  arithmetic. Many rows (prefill chunks) run a packed, cache-blocked GEMM, as fast as XLA's.
+  without the kernels needs >= 64-row chunks). Its weights are packed once, at load, in 32-column
+  panels (`pack`, `pack_params`), so every call streams them sequentially. Few rows (decode steps)
+  stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which at
+  2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over
+  the panels, as fast as XLA's.
 - `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked
   attention copies every 256-slot block of the cache before its matmuls (a batch's or several heads'
   block is not contiguous) and runs every row to the chunk's or batch's last position; the kernel

@@ -10,13 +10,14 @@
 // The weight comes packed (cpu_kernels.pack, once at load): [N / 32, K, 32], each 32-column panel
 // contiguous over k. A panel's k-th row is 128 adjacent bytes, so both paths read the weight as one
 // sequential stream per thread, and the many-row path needs no packing of its own. Row-major [K, N]
-// read 16 columns at a time was 16 row streams 4 KB apart, which the hardware prefetchers did not
-// keep up with: 1.35x slower for 1-16-row steps, measured on these 2 cores.
+// read 16 columns at a time was 16 row streams 2-6 KB apart, which the hardware prefetchers did not
+// keep up with: 1.16x / 1.64x / 1.51x the time at 1 / 8 / 16 rows (tools/time_matmuls.py).
 //
 // Two paths, by row count:
 // - Few rows (decode steps, M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of the weight
 //   before every product; at 2-16 rows that costs more than the arithmetic. This path applies each
-//   weight row to every row of x while it is in registers, prefetching the panel kAhead rows ahead.
+//   weight row to every row of x while it is in registers (see PanelPass), prefetching the panel
+//   kAhead rows ahead.
 // - Many rows (prefill chunks). BLIS's blocking: x packed once into groups of 14 rows, k-major; per
 //   thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32 register tile (28
 //   accumulators) over that block, loaded from y and stored back between blocks, so each element is
