@@ -33,38 +33,19 @@ constexpr int64_t kBlockRows = 32;   // few rows, 10-16 per pass: weight rows pe
 constexpr int64_t kRowsPerPass = 16; // few rows: rows held in registers at once (more: another pass)
 constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
 
-// ---- Few rows ----
-
-// y[0:R, 0:16 V] = xt @ panel[:, 0:16 V]: xt [K, R] (a pass's rows, transposed), the panel's rows
-// kPanel apart. `ahead` prefetches the whole panel row kAhead rows on (the first pass over a panel).
-template <int R, int V>
-inline void Block(const float* xt, const float* panel, float* y, int64_t K, int64_t N, bool ahead) {
-  Vec acc[R][V] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    if (ahead)
-      for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(panel + (k + kAhead) * kPanel + kLanes * v);
-    Vec wk[V];
-    for (int v = 0; v < V; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
-    for (int r = 0; r < R; ++r) {
-      const float xs = xt[k * R + r];
-      for (int v = 0; v < V; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
-}
-
-// Rows [0, R) of a pass whose xt rows are LD apart, over weight rows k0..k1 of a panel, two vectors:
-// `first` starts the chains at 0, otherwise they continue from y.
-template <int R, int LD>
-inline void Part(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first,
-                 bool ahead) {
+// The one register tile every path runs: y[0:R, 0:32] (row stride N) over rows k0..k1 of a panel
+// (its rows kPanel apart), x given k-major as xt[k LD + r]. `first` starts the chains at 0, otherwise
+// they continue from y, so each element stays one FMA chain in k order whatever the blocking. Ahead
+// > 0 prefetches the panel (and x, with PrefetchX) that many rows on.
+template <int R, int LD, int64_t Ahead, bool PrefetchX>
+inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
   Vec acc[R][kPanelVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead)
-      for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(panel + (k + kAhead) * kPanel + kLanes * v);
+    if constexpr (Ahead > 0)
+      for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(panel + (k + Ahead) * kPanel + kLanes * v);
+    if constexpr (PrefetchX) __builtin_prefetch(xt + (k + Ahead) * LD);
     Vec wk[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
     for (int r = 0; r < R; ++r) {
@@ -76,21 +57,23 @@ inline void Part(const float* xt, const float* panel, float* y, int64_t N, int64
     for (int v = 0; v < kPanelVecs; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
 }
 
-// One pass of R rows over one panel. Up to 9 rows hold accumulators for the panel's two vectors.
-// More rows take turns in two groups (8 and R - 8) on each kBlockRows-row block of the panel: the
-// block comes from memory for the first group and from L1 for the second, so the weight streams in
-// while both compute. (16 rows x 1 vector over the whole panel, then its other half, made each
-// weight load serve half the FMAs: 1.35x the time at 16 rows, measured on its own.)
+// ---- Few rows ----
+
+// One pass of R rows (xt [K, R], transposed) over one panel. Up to 9 rows hold accumulators for the
+// panel's two vectors. More rows take turns in two groups (8 and R - 8) on each kBlockRows-row block
+// of the panel: the block comes from memory for the first group and from L1 for the second, so the
+// weight streams in while both compute. (16 rows x 1 vector over the whole panel, then its other
+// half, made each weight load serve half the FMAs: 1.35x the time at 16 rows, measured on its own.)
 template <int R>
 void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
   if constexpr (R >= 10) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
       const int64_t k1 = std::min(k0 + kBlockRows, K);
-      Part<8, R>(xt, panel, y, N, k0, k1, k0 == 0, true);
-      Part<R - 8, R>(xt + 8, panel, y + 8 * N, N, k0, k1, k0 == 0, false);
+      Tile<8, R, kAhead, false>(xt, panel, y, N, k0, k1, k0 == 0);
+      Tile<R - 8, R, 0, false>(xt + 8, panel, y + 8 * N, N, k0, k1, k0 == 0);
     }
   } else {
-    Block<R, kPanelVecs>(xt, panel, y, K, N, true);
+    Tile<R, R, kAhead, false>(xt, panel, y, N, 0, K, true);
   }
 }
 
@@ -122,30 +105,10 @@ constexpr int kGroup = 14;        // the register tile: 14 rows x 2 vectors
 constexpr int64_t kBlockK = 192;  // panel rows per block: 24 KB stays in L1; 96-576 measured
 constexpr int64_t kPrefetch = 8;  // k steps ahead: 1.07x the speed of none in the model (16: the same)
 
-// y[0:R, 0:32] (row stride N) over one block of a panel: xp [kc, R], wp [kc, 32]; `first` starts
-// the chains at 0, otherwise they continue from y.
-template <int R>
-inline void Tile(const float* xp, const float* wp, float* y, int64_t N, int64_t kc, bool first) {
-  Vec acc[R][kPanelVecs];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
-  for (int64_t k = 0; k < kc; ++k) {
-    for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(wp + (k + kPrefetch) * kPanel + kLanes * v);
-    __builtin_prefetch(xp + (k + kPrefetch) * R);
-    Vec wk[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) wk[v] = Load(wp + k * kPanel + kLanes * v);
-    for (int r = 0; r < R; ++r) {
-      const float xs = xp[k * R + r];
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
-}
-
-using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, bool);
+// One block (rows k0..k1) of one panel for one group of R rows of xp (k-major, R apart).
+using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, bool);
 template <int... Rs>
-constexpr TileFn kTiles[] = {nullptr, &Tile<Rs>...};
+constexpr TileFn kTiles[] = {nullptr, &Tile<Rs, Rs, kPrefetch, true>...};
 constexpr auto& kTileFor = kTiles<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>;
 
 // Rows g0..g0+rows of x [M, K] -> one group of xp, k-major over the whole K: xp[g0 K + k rows + r].
@@ -163,7 +126,7 @@ void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K,
     for (int64_t g = 0; g < M; g += kGroup) {
       const int64_t rows = std::min<int64_t>(kGroup, M - g);
       for (int64_t p = p0; p < p1; ++p)
-        kTileFor[rows](xp + g * K + k0 * rows, w + (p * K + k0) * kPanel, y + g * N + p * kPanel, N, kc, k0 == 0);
+        kTileFor[rows](xp + g * K, w + p * K * kPanel, y + g * N + p * kPanel, N, k0, k0 + kc, k0 == 0);
     }
   }
 }
