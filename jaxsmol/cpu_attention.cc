@@ -17,11 +17,16 @@ namespace {
 
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// Sum of the lanes in a fixed tree order.
+// Sum of the lanes in a fixed tree order (halves, quarters, ...).
 inline float LaneSum(Vec v) {
+#if defined(__AVX512F__)  // kLanes == 16
   Vec h = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   h += __builtin_shufflevector(h, h, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
   h += __builtin_shufflevector(h, h, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+#else  // kLanes == 8
+  Vec h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  h += __builtin_shufflevector(h, h, 2, 3, 0, 1, 2, 3, 0, 1);
+#endif
   return h[0] + h[1];
 }
 
@@ -47,7 +52,7 @@ inline Vec ExpNonPositive(Vec x) {
 
 // One (row, kv head), keys p0..p1-1: G queries q [G, H] -> the running-softmax state of that key
 // range, m [G] (max score), l [G] (sum of exp(score - m)) and acc [G, H] (sum of exp(score - m) v),
-// unnormalized. HV = H / 16 vectors per head vector; scores is scratch of at least p1 - p0 + 16.
+// unnormalized. HV = H / kLanes vectors per head vector; scores is scratch of at least p1 - p0 + kLanes.
 template <int HV>
 void AttendKeys(const float* q, const float* keys, const float* values, int64_t G, int64_t p0, int64_t p1,
                 float* scores, float* m_out, float* l_out, float* acc_out) {
@@ -162,7 +167,7 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
       Store(sg + p * kLanes, e);
     }
     const Vec inv = 1.0f / l;
-    constexpr int kChunk = 16;  // output vectors (head dims) accumulated per pass over the keys
+    constexpr int kChunk = kVecRegs / 2;  // output vectors (head dims) accumulated per pass over the keys
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
       Vec acc[kChunk] = {};
       for (int64_t p = 0; p < n; ++p) {
@@ -182,13 +187,13 @@ using Cache = ffi::Buffer<ffi::F32, 5>;
 using Positions = ffi::Buffer<ffi::S32, 1>;
 using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
-// Attention with head dim H = 16 HV over [B, T, K, G, H] queries.
+// Attention with head dim H = kLanes HV over [B, T, K, G, H] queries.
 template <int HV>
 void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const float* vs, const int32_t* ps,
                float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
   if (T == 1) return AttendDecode<HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
-  // a chunk: one task per (row, kv head, tile of 16 query positions), or, when that leaves threads
+  // a chunk: one task per (row, kv head, tile of kLanes query positions), or, when that leaves threads
   // idle (a short chunk: 3 kv heads on 2 threads), per query head too: each head's rows are
   // computed the same way either way, only the keys are read once per head instead of per kv head
   const int64_t tiles = (T + kLanes - 1) / kLanes, row_stride = K * G * H;  // q and out are [B, T, K, G, H]
@@ -209,9 +214,10 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
-  auto* attend = H == 16 ? &AttendAll<1> : H == 32 ? &AttendAll<2> : H == 64 ? &AttendAll<4>
-               : H == 128 ? &AttendAll<8> : nullptr;
-  if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
+  const int64_t hv = H % kLanes == 0 && H >= 16 && H <= 128 ? H / kLanes : 0;
+  auto* attend = hv == 1 ? &AttendAll<1> : hv == 2 ? &AttendAll<2> : hv == 4 ? &AttendAll<4>
+               : hv == 8 ? &AttendAll<8> : hv == 16 ? &AttendAll<16> : nullptr;
+  if (!attend || (H & (H - 1))) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
          B, T, K, G, S);
   return ffi::Error::Success();

@@ -49,6 +49,7 @@ FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-
 
 _lock = threading.Lock()
 _status: bool | None = None  # None until the first call of available()
+_lanes = 0  # the loaded library's vector width in floats (16 with AVX-512, else 8)
 
 
 def _cpu_signature() -> str:
@@ -98,13 +99,21 @@ def available() -> bool:
         return _status
 
 
+def vector_lanes() -> int:
+    """The kernels' vector width in floats, 0 where they are off. A decode step's attention sums q.k
+    in lanes, so builds of different widths differ in its last bits (part of numerics_identity)."""
+    return _lanes if available() else 0
+
+
 def _load() -> bool:
+    global _lanes
     if os.environ.get("JAXSMOL_CPU_KERNELS", "").strip().lower() in ("off", "0", "false", "no"):
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        _lanes = int(lib.JaxsmolVectorLanes())
     except (RuntimeError, OSError, AttributeError) as e:
         print(f"jaxsmol: the CPU kernels are not available ({e}); the forward uses XLA's dot and attention",
               file=sys.stderr)

@@ -20,60 +20,77 @@
 //   kAhead rows ahead.
 // - Many rows (prefill chunks). BLIS's blocking: x packed once into groups of 14 rows, k-major; per
 //   thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32 register tile (28
-//   accumulators) over that block, loaded from y and stored back between blocks, so each element is
+//   accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that block, loaded from y and stored back between blocks, so each element is
 //   still one chain in k order. Measured in the model: as fast as XLA's GEMM at 512 rows.
 #include "cpu_kernels.h"
 
 namespace {
 
 constexpr int64_t kPanel = 32;       // columns per weight panel (the packed layout)
-constexpr int kPanelVecs = kPanel / kLanes;
+constexpr int kTileVecs = 2;         // vectors per row of a register tile: the whole panel at 16 lanes
+constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
+constexpr int64_t kColTiles = kPanel / kTileCols;
 constexpr int64_t kAhead = 16;       // few rows: prefetch distance in weight rows (2 KB)
-constexpr int64_t kBlockRows = 32;   // few rows, 10-16 per pass: weight rows per k block (4 KB, in L1)
-constexpr int64_t kRowsPerPass = 16; // few rows: rows held in registers at once (more: another pass)
+constexpr int64_t kBlockRows = 32;   // few rows, in groups: weight rows per k block (4 KB, in L1)
+constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
 constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
+// Few rows: up to kFewWhole rows run as one tile over the whole panel; more take turns in groups of
+// kFewGroup on each k block (accumulators 2 per row, plus the weight's 2 vectors, in the registers).
+constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8 : 6;
 
-// The one register tile every path runs: y[0:R, 0:32] (row stride N) over rows k0..k1 of a panel
-// (its rows kPanel apart), x given k-major as xt[k LD + r]. `first` starts the chains at 0, otherwise
-// they continue from y, so each element stays one FMA chain in k order whatever the blocking. Ahead
-// > 0 prefetches the panel (and x, with PrefetchX) that many rows on.
+// The one register tile every path runs: y[0:R, 0:kTileCols] (row stride N) over rows k0..k1 of a
+// panel (its rows kPanel apart; `panel` may point into it by a column offset), x given k-major as
+// xt[k LD + r]. `first` starts the chains at 0, otherwise they continue from y, so each element
+// stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches the panel's row (all
+// its 32 columns: with two column tiles, the first one's prefetch serves both), and x with PrefetchX,
+// that many rows on.
 template <int R, int LD, int64_t Ahead, bool PrefetchX>
 inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
-  Vec acc[R][kPanelVecs];
+  Vec acc[R][kTileVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (Ahead > 0)
-      for (int v = 0; v < kPanelVecs; ++v) __builtin_prefetch(panel + (k + Ahead) * kPanel + kLanes * v);
+      for (int64_t c = 0; c < kPanel; c += 16) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
     if constexpr (PrefetchX) __builtin_prefetch(xt + (k + Ahead) * LD);
-    Vec wk[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
+    Vec wk[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
     for (int r = 0; r < R; ++r) {
       const float xs = xt[k * LD + r];
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
+    for (int v = 0; v < kTileVecs; ++v) Store(y + r * N + kLanes * v, acc[r][v]);
 }
 
 // ---- Few rows ----
 
-// One pass of R rows (xt [K, R], transposed) over one panel. Up to 9 rows hold accumulators for the
-// panel's two vectors. More rows take turns in two groups (8 and R - 8) on each kBlockRows-row block
-// of the panel: the block comes from memory for the first group and from L1 for the second, so the
-// weight streams in while both compute. (16 rows x 1 vector over the whole panel, then its other
-// half, made each weight load serve half the FMAs: 1.35x the time at 16 rows, measured on its own.)
+// Rows 0..R-1 of a pass (xt [K, LD]) over rows k0..k1 of one column tile, in groups of kFewGroup; the
+// first group prefetches when Lead.
+template <int R, int LD, bool Lead>
+inline void Groups(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
+  constexpr int G = R < kFewGroup ? R : kFewGroup;
+  Tile<G, LD, Lead ? kAhead : 0, false>(xt, panel, y, N, k0, k1, k0 == 0);
+  if constexpr (R > G) Groups<R - G, LD, false>(xt + G, panel, y + G * N, N, k0, k1);
+}
+
+// One pass of R rows (xt [K, R], transposed) over one panel. Up to kFewWhole rows of a whole-panel
+// tile run over all of K. Otherwise the groups (and column tiles) take turns on each kBlockRows-row
+// block of the panel: the block comes from memory for the first and from L1 for the rest, so the
+// weight streams in while all compute. (At 16 lanes, 16 rows x 1 vector over the whole panel, then
+// its other half, made each weight load serve half the FMAs: 1.35x the time at 16 rows.)
 template <int R>
 void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
-  if constexpr (R >= 10) {
+  if constexpr (R <= kFewWhole && kColTiles == 1) {
+    Tile<R, R, kAhead, false>(xt, panel, y, N, 0, K, true);
+  } else {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
       const int64_t k1 = std::min(k0 + kBlockRows, K);
-      Tile<8, R, kAhead, false>(xt, panel, y, N, k0, k1, k0 == 0);
-      Tile<R - 8, R, 0, false>(xt + 8, panel, y + 8 * N, N, k0, k1, k0 == 0);
+      Groups<R, R, true>(xt, panel, y, N, k0, k1);
+      for (int64_t c = 1; c < kColTiles; ++c)
+        Groups<R, R, false>(xt, panel + c * kTileCols, y + c * kTileCols, N, k0, k1);
     }
-  } else {
-    Tile<R, R, kAhead, false>(xt, panel, y, N, 0, K, true);
   }
 }
 
@@ -101,7 +118,7 @@ void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
 
 // ---- Many rows ----
 
-constexpr int kGroup = 14;        // the register tile: 14 rows x 2 vectors
+constexpr int kGroup = kVecRegs == 32 ? 14 : 6;  // the register tile: 14 (6) rows x 2 vectors
 constexpr int64_t kBlockK = 192;  // panel rows per block: 24 KB stays in L1; 96-576 measured
 constexpr int64_t kPrefetch = 8;  // k steps ahead: 1.07x the speed of none in the model (16: the same)
 
@@ -126,7 +143,8 @@ void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K,
     for (int64_t g = 0; g < M; g += kGroup) {
       const int64_t rows = std::min<int64_t>(kGroup, M - g);
       for (int64_t p = p0; p < p1; ++p)
-        kTileFor[rows](xp + g * K, w + p * K * kPanel, y + g * N + p * kPanel, N, k0, k0 + kc, k0 == 0);
+        for (int64_t c = 0; c < kPanel; c += kTileCols)
+          kTileFor[rows](xp + g * K, w + p * K * kPanel + c, y + g * N + p * kPanel + c, N, k0, k0 + kc, k0 == 0);
     }
   }
 }
@@ -164,3 +182,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmul, Matmul,
                                   .Arg<Matrix>()
                                   .Arg<Panels>()
                                   .Ret<Matrix>());
+
+// The build's vector width (cpu_kernels.h), part of the numerics' identity.
+extern "C" int JaxsmolVectorLanes() { return kLanes; }

@@ -155,6 +155,7 @@ def numerics_identity() -> str:
     import hashlib
 
     h = hashlib.blake2b(jax.__version__.encode(), digest_size=8)
+    h.update(f"lanes={cpu_kernels.vector_lanes()}".encode())
     for name in NUMERICS_SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()
