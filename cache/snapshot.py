@@ -236,7 +236,7 @@ def _check_dims(path, snap: "Snapshot", ident: dict) -> None:
 def _check_identity(path, manifest: dict, ident: dict) -> None:
     if manifest.get("model") != ident["model"]:
         raise SnapshotError(f"{path} was made by another model (fingerprint {str(manifest.get('model'))[:12]}, "
-                            f"this model {ident['model'][:12]}: config, dtype or weights differ)")
+                            f"this model {ident['model'][:12]}: config, dtype, weights or the kernels' numerics differ)")
     if manifest.get("tokenizer") != ident["tokenizer"]:
         raise SnapshotError(f"{path} was made with another tokenizer or chat template "
                             f"({str(manifest.get('tokenizer'))[:12]}, this one {ident['tokenizer'][:12]})")
