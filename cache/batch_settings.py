@@ -9,6 +9,9 @@ from jaxsmol.engine import PREFILL_BUCKETS
 from jaxsmol.errors import JaxsmolError
 
 
+MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decode (see chunk_cap)
+
+
 def widths_for(max_batch: int) -> tuple[int, ...]:
     """The batch widths used: powers of two below max_batch, and max_batch."""
     widths, w = [], 1
@@ -42,5 +45,7 @@ class BatchSettings:
 
     def chunk_cap(self, decoding: bool) -> int:
         """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
-        a long prompt advances in short chunks while a burst of short prompts still joins two per step."""
-        return max(PREFILL_BUCKETS[0], self.chunk_rows // 2) if decoding else PREFILL_BUCKETS[-1]
+        a long prompt advances in short chunks while a burst of short prompts still joins two per step.
+        chunk_rows 64 gives 32-row chunks: exact with the CPU kernels (without them the engine pads a
+        chunk to 64 rows anyway), and a step that waits ~half as long on a CPU slow at arithmetic."""
+        return max(MIN_DECODING_CHUNK, self.chunk_rows // 2) if decoding else PREFILL_BUCKETS[-1]

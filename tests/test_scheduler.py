@@ -104,6 +104,29 @@ def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
     assert all(len(s.results[0].output_ids) == 20 for s in sinks)
 
 
+def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engine):
+    """--prefill-chunk 64: while a row decodes, a long prompt's chunks are 32 rows (so a decode step
+    waits on half as much), and its answer is still bitwise its run alone (32-row chunks are exact
+    with the CPU kernels)."""
+    short, long_ = prompts(12, [10, 200])
+    sp = SamplingParams(max_tokens=4, logprobs=2)
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True, chunk_rows=64)
+    first, second = Collector(), Collector()
+    sched.submit(Request(short, [SamplingParams(max_tokens=60)], first))
+    sched.step()
+    sched.submit(Request(long_, [sp], second))
+    positions = []
+    while not second.steps:
+        sched.step()
+        if sched.prefilling is not None:
+            positions.append(int(sched.prefilling.kv.pos))
+    assert positions[:3] == [32, 64, 96] and sched.live_rows == 2
+    sched.run()
+    got, alone = second.results[0], run_alone(tiny_engine, long_, sp)[0]
+    assert got.output_ids == alone.output_ids and got.logprobs == alone.logprobs
+    assert len(first.results[0].output_ids) == 60
+
+
 def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
     """Six requests at once: the batch grows straight to the width they need (one move of the live
     rows, not one per rung of 1, 2, 4, 8), but never past kv_bytes."""
