@@ -19,6 +19,7 @@ function interface (`jax.ffi`):
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
 CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
+Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
 Where it cannot be built (no compiler) or is switched off (`JAXSMOL_CPU_KERNELS=off`), the forward
 uses XLA's dot and attention, with one line on stderr saying why.
 """
