@@ -214,10 +214,10 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
-  const int64_t hv = H % kLanes == 0 && H >= 16 && H <= 128 ? H / kLanes : 0;
+  const int64_t hv = H == 16 || H == 32 || H == 64 || H == 128 ? H / kLanes : 0;  // 1-8 or 2-16 vectors
   auto* attend = hv == 1 ? &AttendAll<1> : hv == 2 ? &AttendAll<2> : hv == 4 ? &AttendAll<4>
                : hv == 8 ? &AttendAll<8> : hv == 16 ? &AttendAll<16> : nullptr;
-  if (!attend || (H & (H - 1))) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
+  if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
          B, T, K, G, S);
   return ffi::Error::Success();

@@ -22,8 +22,8 @@ namespace {
 // then spill on every step: a 16-lane build ran the matmuls at 4 GFLOP/s on an AVX2-only CPU (Zen 1),
 // 1/17 of XLA's dot there. The lane count changes no matmul bits (each output element is one FMA
 // chain over k) and no prompt row's attention bits (a row is one lane, summed in position order);
-// it does change the order of a decode step's q.k sums (LaneSum), so it is part of the numerics'
-// identity (JaxsmolVectorLanes, cpu_kernels.vector_lanes).
+// it does change the order of a decode step's q.k sums (LaneSum), so it is part of the engine's
+// fingerprint (JaxsmolVectorLanes, cpu_kernels.vector_lanes).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;    // floats per vector
 constexpr int kVecRegs = 32;  // vector registers

@@ -102,7 +102,7 @@ def available() -> bool:
 
 def vector_lanes() -> int:
     """The kernels' vector width in floats, 0 where they are off. A decode step's attention sums q.k
-    in lanes, so builds of different widths differ in its last bits (part of numerics_identity)."""
+    in lanes, so builds of different widths differ in its last bits (part of Engine.fingerprint)."""
     return _lanes if available() else 0
 
 

@@ -20,8 +20,8 @@
 //   kAhead rows ahead.
 // - Many rows (prefill chunks). BLIS's blocking: x packed once into groups of 14 rows, k-major; per
 //   thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32 register tile (28
-//   accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that block, loaded from y and stored back between blocks, so each element is
-//   still one chain in k order. Measured in the model: as fast as XLA's GEMM at 512 rows.
+//   accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that block, loaded from y
+//   and stored back between blocks, so each element is still one chain in k order. Measured in the model: as fast as XLA's GEMM at 512 rows.
 #include "cpu_kernels.h"
 
 namespace {
@@ -118,7 +118,9 @@ void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
 
 // ---- Many rows ----
 
-constexpr int kGroup = kVecRegs == 32 ? 14 : 6;  // the register tile: 14 (6) rows x 2 vectors
+// The register tile: as many rows of 2 accumulators as fit beside the weight's 2 vectors and x's
+// broadcast (14 with 32 registers, 6 with 16).
+constexpr int kGroup = (kVecRegs - kTileVecs - 1) / kTileVecs;
 constexpr int64_t kBlockK = 192;  // panel rows per block: 24 KB stays in L1; 96-576 measured
 constexpr int64_t kPrefetch = 8;  // k steps ahead: 1.07x the speed of none in the model (16: the same)
 
@@ -183,5 +185,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmul, Matmul,
                                   .Arg<Panels>()
                                   .Ret<Matrix>());
 
-// The build's vector width (cpu_kernels.h), part of the numerics' identity.
+// The build's vector width (cpu_kernels.h), part of the engine's fingerprint.
 extern "C" int JaxsmolVectorLanes() { return kLanes; }

@@ -155,7 +155,6 @@ def numerics_identity() -> str:
     import hashlib
 
     h = hashlib.blake2b(jax.__version__.encode(), digest_size=8)
-    h.update(f"lanes={cpu_kernels.vector_lanes()}".encode())
     for name in NUMERICS_SOURCES:
         h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()
@@ -218,6 +217,8 @@ class Engine:
 
             h = hashlib.blake2b(repr(self.cfg).encode(), digest_size=16)
             h.update(numerics_identity().encode())
+            if self.cfg.cpu_kernels:  # the kernels are loaded by now; an engine without them never builds them
+                h.update(f"lanes={cpu_kernels.vector_lanes()}".encode())
             for leaf in jax.tree.leaves(self.params):
                 h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
                 h.update(np.asarray(leaf).tobytes())
