@@ -332,11 +332,15 @@ class Engine:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
         return programs.forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
 
-    def warmup(self, slots: int) -> None:
+    def warmup(self, slots: int, prompt_len: int | None = None) -> None:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
-        decode, for the capacities on the way), so later timings measure compute, not compilation."""
-        for cap in sorted({capacity_for(s) for s in (slots, slots + PREFILL_BUCKETS[-1])}):
-            for T in FAST_BUCKETS:
+        decode, for the capacities on the way), so later timings measure compute, not compilation.
+        With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
+        4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs
+        seconds of tracing even when the persistent cache holds its compiled code)."""
+        top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
+        for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
+            for T in (b for b in FAST_BUCKETS if b <= top):
                 if T <= cap:
                     kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
                     programs.forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()

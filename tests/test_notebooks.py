@@ -3,8 +3,9 @@
 Each notebook is executed with nbclient in a fresh `python3` kernel (jupyter_client launches the
 kernelspec's `python` as this interpreter, i.e. the virtual environment's), with notebooks/ as the
 working directory. A cell that raises (including a failed `assert` inside a notebook) fails the test
-with the cell's source and traceback. The kernel runs with JAXSMOL_NOTEBOOK_QUICK=1: notebook 03 then
-runs its workloads with fewer and shorter requests (the same checks, less time).
+with the cell's source and traceback. The kernel runs with JAXSMOL_NOTEBOOK_QUICK=1: notebook 02 then
+plots prefixes of up to 512 tokens (not 1024), and notebook 03 runs its workloads with fewer and shorter
+requests (the same checks, less time).
 """
 
 from __future__ import annotations
