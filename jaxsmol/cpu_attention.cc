@@ -129,58 +129,90 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
   }
 }
 
+// A prompt chunk's tile: kRowVecs vectors of query rows (one row per lane) scored against kKeys keys
+// at a time, and kHeadChunk head dims of P V accumulated per pass over the keys. With 16 registers
+// (AVX2) two row vectors share each broadcast key element: 12 accumulators, 2 + 6 loads per 12
+// FMAs rather than 1 + 8 per 8. A row's sums run over the same terms in the same order whatever the
+// tile, so the tile changes no bits.
+#if defined(__AVX512F__)
+constexpr int kRowVecs = 1, kKeys = 8, kHeadChunk = kVecRegs / 2;
+#else
+constexpr int kRowVecs = 2, kKeys = 6, kHeadChunk = 4;
+#endif
+constexpr int kTileRows = kRowVecs * kLanes;
+
 template <int HV>
 void AttendRows(const float* q, int64_t q_stride, const float* keys, const float* values, float* out,
                 int64_t G, int64_t R, int64_t first, int64_t S) {
   constexpr int64_t H = HV * kLanes;
-  constexpr int kKeys = 8;  // keys scored together: independent FMA chains
+  constexpr int RV = kRowVecs, RT = kTileRows;
   const int64_t n = std::min(first + R - 1, S - 1) + 1;  // keys the last row sees
   const int64_t padded = (n + kKeys - 1) / kKeys * kKeys;
-  std::vector<float> qt(G * H * kLanes, 0.0f), scores(G * padded * kLanes);
-  for (int64_t r = 0; r < R; ++r)  // q transposed: qt[g][h] is a vector over rows
+  // scratch kept per thread: a fresh vector this size (over glibc's 128 KB mmap threshold from ~1000
+  // keys on) was mapped and faulted in anew by every task, which cost more than the tile saved
+  static thread_local std::vector<float> scratch;
+  scratch.resize(std::max<size_t>(scratch.size(), G * H * RT + padded * RT));
+  float* const qt = scratch.data();  // [G, H, RT]
+  float* const sg = qt + G * H * RT;  // [padded, RT]: one head's scores, then their exps
+  std::fill(qt, qt + G * H * RT, 0.0f);
+  for (int64_t r = 0; r < R; ++r)  // q transposed: qt[g][h] is RV vectors over rows
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t h = 0; h < H; ++h) qt[(g * H + h) * kLanes + r] = q[r * q_stride + g * H + h];
-  Vec row_pos;  // a lane past R can see nothing
-  for (int r = 0; r < kLanes; ++r) row_pos[r] = r < R ? static_cast<float>(std::min(first + r, S - 1)) : -1.0f;
+      for (int64_t h = 0; h < H; ++h) qt[(g * H + h) * RT + r] = q[r * q_stride + g * H + h];
+  Vec row_pos[RV];  // a lane past R can see nothing
+  for (int r = 0; r < RT; ++r) row_pos[r / kLanes][r % kLanes] = r < R ? static_cast<float>(std::min(first + r, S - 1)) : -1.0f;
   const Vec minus_inf = Vec{} - INFINITY;
   for (int64_t g = 0; g < G; ++g) {
-    const float* qg = qt.data() + g * H * kLanes;
-    float* sg = scores.data() + g * padded * kLanes;
-    Vec m = minus_inf;
+    const float* qg = qt + g * H * RT;
+    Vec m[RV];
+    for (int i = 0; i < RV; ++i) m[i] = minus_inf;
     for (int64_t p = 0; p < padded; p += kKeys) {
-      Vec acc[kKeys] = {};
+      const float* key[kKeys];
+      for (int k = 0; k < kKeys; ++k) key[k] = keys + std::min(p + k, n - 1) * H;
+      Vec acc[kKeys][RV] = {};
       for (int64_t h = 0; h < H; ++h) {
-        const Vec qh = Load(qg + h * kLanes);
-        for (int k = 0; k < kKeys; ++k) acc[k] += qh * keys[std::min(p + k, n - 1) * H + h];
+        Vec qh[RV];
+        for (int i = 0; i < RV; ++i) qh[i] = Load(qg + h * RT + i * kLanes);
+        for (int k = 0; k < kKeys; ++k) {
+          const float kv = key[k][h];
+          for (int i = 0; i < RV; ++i) acc[k][i] += qh[i] * kv;
+        }
       }
-      for (int k = 0; k < kKeys; ++k) {
-        const Vec s = static_cast<float>(p + k) <= row_pos ? acc[k] : minus_inf;
-        m = s > m ? s : m;
-        Store(sg + (p + k) * kLanes, s);
+      for (int k = 0; k < kKeys; ++k)
+        for (int i = 0; i < RV; ++i) {
+          const Vec s = static_cast<float>(p + k) <= row_pos[i] ? acc[k][i] : minus_inf;
+          m[i] = s > m[i] ? s : m[i];
+          Store(sg + (p + k) * RT + i * kLanes, s);
+        }
+    }
+    Vec l[RV] = {};
+    for (int64_t p = 0; p < n; ++p)
+      for (int i = 0; i < RV; ++i) {
+        const Vec s = Load(sg + p * RT + i * kLanes);
+        const Vec e = s > minus_inf ? ExpNonPositive(s - m[i]) : Vec{};
+        l[i] += e;
+        Store(sg + p * RT + i * kLanes, e);
       }
-    }
-    Vec l = Vec{};
-    for (int64_t p = 0; p < n; ++p) {
-      const Vec s = Load(sg + p * kLanes);
-      const Vec e = s > minus_inf ? ExpNonPositive(s - m) : Vec{};
-      l += e;
-      Store(sg + p * kLanes, e);
-    }
-    const Vec inv = 1.0f / l;
-    constexpr int kChunk = kVecRegs / 2;  // output vectors (head dims) accumulated per pass over the keys
-    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-      Vec acc[kChunk] = {};
+    Vec inv[RV];
+    for (int i = 0; i < RV; ++i) inv[i] = 1.0f / l[i];
+    for (int64_t h0 = 0; h0 < H; h0 += kHeadChunk) {
+      Vec acc[kHeadChunk][RV] = {};
       for (int64_t p = 0; p < n; ++p) {
-        const Vec e = Load(sg + p * kLanes);
-        for (int j = 0; j < kChunk; ++j) acc[j] += e * values[p * H + h0 + j];
+        Vec e[RV];
+        for (int i = 0; i < RV; ++i) e[i] = Load(sg + p * RT + i * kLanes);
+        for (int j = 0; j < kHeadChunk; ++j) {
+          const float v = values[p * H + h0 + j];
+          for (int i = 0; i < RV; ++i) acc[j][i] += e[i] * v;
+        }
       }
-      for (int j = 0; j < kChunk; ++j) {
-        const Vec o = acc[j] * inv;
-        for (int64_t r = 0; r < R; ++r) out[r * q_stride + g * H + h0 + j] = o[r];
-      }
+      for (int j = 0; j < kHeadChunk; ++j)
+        for (int i = 0; i < RV; ++i) {
+          const Vec o = acc[j][i] * inv[i];
+          for (int r = 0; r < kLanes && i * kLanes + r < R; ++r) out[(i * kLanes + r) * q_stride + g * H + h0 + j] = o[r];
+        }
     }
   }
 }
+
 
 using Queries = ffi::Buffer<ffi::F32, 5>;
 using Cache = ffi::Buffer<ffi::F32, 5>;
@@ -193,18 +225,18 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const fl
                float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
   if (T == 1) return AttendDecode<HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
-  // a chunk: one task per (row, kv head, tile of kLanes query positions), or, when that leaves threads
+  // a chunk: one task per (row, kv head, tile of kTileRows query positions), or, when that leaves threads
   // idle (a short chunk: 3 kv heads on 2 threads), per query head too: each head's rows are
   // computed the same way either way, only the keys are read once per head instead of per kv head
-  const int64_t tiles = (T + kLanes - 1) / kLanes, row_stride = K * G * H;  // q and out are [B, T, K, G, H]
+  const int64_t tiles = (T + kTileRows - 1) / kTileRows, row_stride = K * G * H;  // q and out are [B, T, K, G, H]
   const int64_t heads = B * K * tiles < 4 * pool.num_threads() ? G : 1, per_task = G / heads;
   ParallelFor(pool, B * K * heads * tiles, [=](int64_t task) {
     const int64_t b = task / (K * heads * tiles), kh = task / (heads * tiles) % K;
-    const int64_t g = task / tiles % heads * per_task, t0 = task % tiles * kLanes;
+    const int64_t g = task / tiles % heads * per_task, t0 = task % tiles * kTileRows;
     const int64_t slots = ((layer * B + b) * K + kh) * S * H;
     const int64_t offset = (b * T + t0) * row_stride + (kh * G + g) * H;
     AttendRows<HV>(qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task,
-                   std::min<int64_t>(kLanes, T - t0), std::max<int64_t>(ps[b], 0) + t0, S);
+                   std::min<int64_t>(kTileRows, T - t0), std::max<int64_t>(ps[b], 0) + t0, S);
   });
 }
 
