@@ -101,7 +101,9 @@ constexpr auto& kPassFor = kPasses<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 
 void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
   // each pass of <= 16 rows transposed to [K, rows], so a k step's rows are adjacent
-  std::vector<float> xt(M * K);
+  thread_local std::vector<float> transposed;  // kept, as in ManyRows: no fresh mapping (> 128 KB) per call
+  if (transposed.size() < static_cast<size_t>(M * K)) transposed.resize(M * K);
+  float* const xt = transposed.data();
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int64_t rows = std::min(kRowsPerPass, M - m0);
     for (int64_t k = 0; k < K; ++k)
@@ -109,10 +111,10 @@ void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
   }
   const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t part = (panels + threads - 1) / threads;
-  ParallelFor(pool, (panels + part - 1) / part, [&xt, w, y, M, K, N, panels, part](int64_t t) {
+  ParallelFor(pool, (panels + part - 1) / part, [xt, w, y, M, K, N, panels, part](int64_t t) {
     for (int64_t p = t * part; p < std::min(panels, (t + 1) * part); ++p)
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)  // a second pass finds the panel in cache
-        kPassFor[std::min(kRowsPerPass, M - m0)](xt.data() + m0 * K, w + p * K * kPanel, y + m0 * N + p * kPanel, K, N);
+        kPassFor[std::min(kRowsPerPass, M - m0)](xt + m0 * K, w + p * K * kPanel, y + m0 * N + p * kPanel, K, N);
   });
 }
 
