@@ -16,6 +16,8 @@ def _generate(args) -> int:
     from jaxsmol.sampling import SamplingParams
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
+    sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),  # so do bad settings
+                        logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     t0 = time.perf_counter()
     with Precompile(args, structured is not None) as precompile:  # the request's programs, while the weights load
         engine = load_engine(args, on_config=precompile.start)
@@ -23,8 +25,6 @@ def _generate(args) -> int:
         ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
         compile_s = precompile.wait()
     startup_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),
-                        logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     if args.prompt_cache:
         cache, pc = open_prompt_cache(engine, args.prompt_cache, ids)
         req = cache.start(ids, sp)

@@ -14,7 +14,7 @@ FULL = dict(
     trunk=512, branch=32, branches=(1, 2, 4, 8),
     workload_requests=100, workload_docs=4, workload_random=0.25, workload_max_prompt=1500, workload_max_tokens=8,
     cli_prompt=1024, cli_repeats=2,
-    hf_prefill=(512, 1024), hf_repeats=3,
+    hf_prefill=(512, 1024, 2048), hf_repeats=3,
 )
 QUICK = dict(
     FULL,
@@ -24,7 +24,7 @@ QUICK = dict(
     headline_modes=(("radix", True), ("radix", False), ("minimal", True)),
     workload_requests=12, workload_docs=1, workload_random=0.0,
     cli_prompt=128, cli_repeats=1,
-    hf_repeats=1,
+    hf_prefill=(512, 1024), hf_repeats=1,
 )
 
 
