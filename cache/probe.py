@@ -39,7 +39,8 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "m
     prompt = engine.check_prompt(prompt_ids, max_tokens)
     second = engine.check_prompt(then_ids, max_tokens) if then_ids else prompt
     if warmup:
-        engine.warmup(max(len(prompt), len(second)) + max_tokens, prompt_len=max(len(prompt), len(second)))
+        longest = max(len(prompt), len(second))
+        engine.warmup(longest + max_tokens, prompt_len=longest)
     cache = PrefixCache(engine, mode=mode, budget_bytes=budget_bytes)
     pc = load_prompt_cache(cache, prompt_cache, prompt) if prompt_cache else None
     cold = _run(cache, prompt, sp)

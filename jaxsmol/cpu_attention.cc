@@ -148,11 +148,7 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
   constexpr int RV = kRowVecs, RT = kTileRows;
   const int64_t n = std::min(first + R - 1, S - 1) + 1;  // keys the last row sees
   const int64_t padded = (n + kKeys - 1) / kKeys * kKeys;
-  // scratch kept per thread: a fresh vector this size (over glibc's 128 KB mmap threshold from ~1000
-  // keys on) was mapped and faulted in anew by every task, which cost more than the tile saved
-  static thread_local std::vector<float> scratch;
-  scratch.resize(std::max<size_t>(scratch.size(), G * H * RT + padded * RT));
-  float* const qt = scratch.data();  // [G, H, RT]
+  float* const qt = ThreadScratch<0>(G * H * RT + padded * RT);  // [G, H, RT], then the scores
   float* const sg = qt + G * H * RT;  // [padded, RT]: one head's scores, then their exps
   std::fill(qt, qt + G * H * RT, 0.0f);
   for (int64_t r = 0; r < R; ++r)  // q transposed: qt[g][h] is RV vectors over rows
@@ -212,7 +208,6 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
     }
   }
 }
-
 
 using Queries = ffi::Buffer<ffi::F32, 5>;
 using Cache = ffi::Buffer<ffi::F32, 5>;

@@ -37,6 +37,17 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// At least n floats of scratch for one use site (Site) on this thread, kept between calls: a fresh
+// buffer of more than 128 KB is a new mapping in glibc, faulted in page by page on every call (a
+// 1024-token prefill: +133K page faults when attention allocated its scratch per task). Pool threads
+// may read the caller's buffer, but only during the call that filled it.
+template <int Site>
+float* ThreadScratch(size_t n) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
 // Runs fn(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Tasks take indices from
 // a shared counter, so the caller never waits on a task that has not started, only on indices
 // another thread is computing (no deadlock when every pool thread is busy).

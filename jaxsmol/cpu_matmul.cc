@@ -101,9 +101,7 @@ constexpr auto& kPassFor = kPasses<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 
 void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
   // each pass of <= 16 rows transposed to [K, rows], so a k step's rows are adjacent
-  thread_local std::vector<float> transposed;  // kept, as in ManyRows: no fresh mapping (> 128 KB) per call
-  if (transposed.size() < static_cast<size_t>(M * K)) transposed.resize(M * K);
-  float* const xt = transposed.data();
+  float* const xt = ThreadScratch<1>(M * K);
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int64_t rows = std::min(kRowsPerPass, M - m0);
     for (int64_t k = 0; k < K; ++k)
@@ -155,9 +153,7 @@ void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K,
 
 // x packed once (its row groups split between the threads), then the panels split between them.
 void ManyRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  thread_local std::vector<float> packed;  // the caller's: pool threads read it only during this call
-  if (packed.size() < static_cast<size_t>(M * K)) packed.resize(M * K);
-  float* xp = packed.data();
+  float* const xp = ThreadScratch<2>(M * K);
   ParallelFor(pool, (M + kGroup - 1) / kGroup,
               [=](int64_t g) { PackRows(x, xp, K, g * kGroup, std::min<int64_t>(kGroup, M - g * kGroup)); });
   const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());

@@ -340,8 +340,8 @@ class Engine:
         seconds of tracing even when the persistent cache holds its compiled code)."""
         top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
-            for T in (b for b in FAST_BUCKETS if b <= top):
-                if T <= cap:
+            for T in FAST_BUCKETS:
+                if T <= min(top, cap):
                     kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
                     programs.forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
         for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
