@@ -80,8 +80,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
     jit keeps the unconstrained program unchanged and compiles one more for masked sampling.
 
     `lax.cond` runs only the branch taken, so greedy decoding costs an argmax, and plain
-    temperature sampling skips the sort that top-k / top-p need (a full sort of 49,152 logits
-    takes ~12 ms on these cores, a third of a decode step).
+    temperature sampling skips the search that top-k / top-p need. Row b draws with
+    `uniform(key, (B,))[b]` (see `_draw`).
     """
     if allowed is not None:  # static: pytree structure, not a traced value
         logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
@@ -90,27 +90,70 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
-        scaled = logits / temperature
-        filtered = lax.cond((top_k > 0) | (top_p < 1), _top_k_top_p, lambda a: a[0], (scaled, top_k, top_p))
-        return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+        B = logits.shape[0]
+        return _draw(logits / temperature, jnp.broadcast_to(top_k, (B,)), jnp.broadcast_to(top_p, (B,)),
+                     jax.random.uniform(key, (B,)))
 
     return lax.cond(temperature >= MIN_TEMPERATURE, draw, greedy, None)
 
 
+def _draw(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array) -> jax.Array:
+    """Inverse-CDF sampling: scaled logits [B, V], top_k [B] int32, top_p [B], uniform [B] in [0, 1) -> ids [B].
+
+    One uniform per row, where Gumbel-max (`jax.random.categorical`) draws V: threefry over 8 x 49,152
+    logits took 12 ms a step, this 2 ms. Every float op is elementwise, a max, or `lax.cumsum` (an
+    associative scan of elementwise adds off TPU), so a row's draw does not depend on the other rows.
+    """
+    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [B, V], the largest is 1
+    filtered = lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _top_k_top_p, lambda a: a[0],
+                        (weights, scaled, top_k, top_p))
+    cdf = lax.cumsum(filtered, axis=1)  # [B, V]
+    point = (1 - uniform) * cdf[:, -1]  # in (0, total]: never lands on a zero-weight id before the first
+    return jnp.minimum(jnp.sum(cdf < point[:, None], axis=-1), scaled.shape[-1] - 1).astype(jnp.int32)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the floats' order (so bisection can work on integers)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
 def _top_k_top_p(args) -> jax.Array:
-    """Mask to -inf the logits [B, V] outside the top-k and outside the top-p nucleus."""
-    scaled, top_k, top_p = args
+    """Zero the weights [B, V] outside the top-k and outside the top-p nucleus.
+
+    Without sorting (a sort of 8 x 49,152 logits took 130 ms a step): both thresholds are found by
+    bisection over the logits' order keys, 32 fixed steps of a count or a masked sum per row. The
+    nucleus keeps id j when the mass of ids with larger logits is below top_p: the smallest set of
+    largest logits whose mass reaches top_p, ties at its edge included. Both use the full
+    distribution's mass, so top-k and top-p combine as an intersection.
+    """
+    weights, scaled, top_k, top_p = args
     V = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
-    # top-k: keep logits >= the k-th largest (k = V when off)
+    keys = _order_keys(scaled)  # [B, V]
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [B]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kth = jnp.take_along_axis(sorted_desc, jnp.full(scaled.shape[:-1] + (1,), k - 1), axis=-1)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
-    pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-    return jnp.where((scaled >= kth) & (scaled >= pth), scaled, -jnp.inf)
+
+    def kth_step(_, bounds):  # invariant: at least k keys >= lo
+        lo, hi = bounds
+        mid = hi - (hi - lo) // 2
+        ok = jnp.sum(keys >= mid[:, None], axis=-1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    mass = top_p * jnp.sum(weights, axis=-1)
+
+    def nucleus_step(_, bounds):  # invariant: the weight above hi is below top_p's mass
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(jnp.where(keys > mid[:, None], weights, 0), axis=-1) < mass
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    def search(step, wanted):  # only when some row asks for this filter; rows that do not keep all
+        found = lax.cond(jnp.any(wanted), lambda: lax.fori_loop(0, 32, step, (lo, hi))[0], lambda: lo)
+        return jnp.where(wanted, found, lo)
+
+    kth, nucleus = search(kth_step, top_k > 0), search(nucleus_step, top_p < 1)
+    keep = (keys >= kth[:, None]) & (keys >= nucleus[:, None])
+    return jnp.where(keep, weights, 0)
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -131,7 +174,7 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     split in two); allowed [W, ceil(V / 32)] int32, a packed bitmask as `sample` takes (all ones for a
     row without structured output). Row i draws with `fold_in(seed_key(seed_i), step_i)`, the key
     `Generation` uses, so a seed gives the same tokens alone or in a batch (given the same logits).
-    The sort that top-k / top-p need runs only when some row asks for it; greedy rows cost an argmax.
+    The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
     logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
     greedy_rows = temperature < GREEDY_BELOW
@@ -139,11 +182,11 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
 
     def draw(_):
         scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
-        needs_sort = jnp.any(~greedy_rows & ((top_k > 0) | (top_p < 1)))
-        filtered = lax.cond(needs_sort, _top_k_top_p, lambda a: a[0], (scaled, top_k[:, None], top_p[:, None]))
         keys = jax.vmap(lambda lo, hi, i: jax.random.fold_in(
             jax.random.fold_in(jax.random.key(lo), hi), i))(seed_lo, seed_hi, step)
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        uniform = jax.vmap(lambda key: jax.random.uniform(key, (1,))[0])(keys)  # as `sample` draws a row
+        # greedy rows ask for no filter, so the filter runs only when a sampling row needs it
+        return _draw(scaled, jnp.where(greedy_rows, 0, top_k), jnp.where(greedy_rows, 1.0, top_p), uniform)
 
     drawn = lax.cond(jnp.all(greedy_rows), lambda _: greedy, draw, None)
     return jnp.where(greedy_rows, greedy, drawn)
