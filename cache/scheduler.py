@@ -1,15 +1,16 @@
 """Continuous batching: many requests decode together, one jitted step for all of them.
 
 Each `step()` does, in order:
-  1. admission: the oldest waiting request, if decode rows will be free for its choices, is looked up
-     in the prefix cache and its state restored into a one-row staging cache (prefill / insert /
-     generate, as in JetStream);
-  2. prefill chunks of that request (from the engine's exact buckets, so its prompt state has the bits
-     of a cold prefill; at most `chunk_rows` rows in all while others decode, so their streams keep flowing,
-     and then one chunk of at most half of that per prompt, so a long prompt advances in short steps);
-     while that budget lasts, the next waiting requests are admitted and prefilled too (a burst of
-     short prompts joins a few per step); or else, when no row decodes (or a waiting prompt needs
-     it), one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
+  1. admission: while fewer than PREFILLS_AT_ONCE prompts are being prefilled, the oldest waiting
+     request, if decode rows will be free for its choices, is looked up in the prefix cache and its
+     state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
+  2. prefill chunks of the admitted prompts, the one with the fewest rows left first, so a short
+     newcomer overtakes a long prompt (from the engine's exact buckets, so a prompt state has the bits
+     of a cold prefill; at most `chunk_rows` rows in all while others decode, so their streams keep
+     flowing, and one chunk of at most half of that per prompt, so a long prompt advances in short
+     steps); while that budget lasts, the next waiting requests are admitted and prefilled too (a
+     burst of short prompts joins a few per step); or else, when no row decodes (or a waiting prompt
+     needs it), one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
      when a prompt is complete, its first tokens are sampled and its state is inserted into one
      decode row per choice (`n` forks share one prefill);
   3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
@@ -53,6 +54,9 @@ from jaxsmol.stream import TokenStream
 from jaxsmol.structured import Constraint, all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
+# Prompts prefilled side by side, shortest remaining first: a short newcomer's first token does not
+# wait for a long prompt ahead of it to finish (each holds a one-row staging cache, so few).
+PREFILLS_AT_ONCE = 2
 
 
 @dataclasses.dataclass
@@ -92,7 +96,7 @@ class Scheduler:
         self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
         self.widths = s.widths
         self.pending: collections.deque[Request] = collections.deque()
-        self.prefilling: _Prefill | None = None
+        self.prefills: list[_Prefill] = []  # admitted, prompt not yet complete (admission order)
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
         self.rows: list[_Row | None] = []
         self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
@@ -115,7 +119,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.pending or self.prefilling or self.saves or self.live_rows)
+        return bool(self.pending or self.prefills or self.saves or self.live_rows)
 
     @property
     def kv_bytes_held(self) -> int:
@@ -138,19 +142,23 @@ class Scheduler:
         self._maybe_shrink()
 
     def _prefill_newcomers(self) -> bool:
-        """Prefill chunks of waiting requests, one after another, while the step's row budget lasts:
-        a burst of short prompts is admitted several per step rather than one per decode step; while
-        rows decode, a prompt gets one chunk per step. Returns whether any prompt work was done."""
-        used, worked, chunked = 0, False, None
-        while self.settings.step_rows(self.live_rows > 0) - used >= PREFILL_BUCKETS[0]:
-            if self.prefilling is None:
+        """Prefill chunks of admitted requests while the step's row budget lasts, the prompt with the
+        fewest rows left first: a burst of short prompts is admitted several per step rather than one
+        per decode step, and a short newcomer overtakes a long prompt. While rows decode, a prompt gets
+        one chunk per step. Returns whether any prompt work was done."""
+        used, worked, chunked = 0, False, []
+        smallest = self.engine.buckets(True)[0]
+        while (budget := self.settings.step_rows(self.live_rows > 0) - used) >= smallest:
+            if len(self.prefills) < PREFILLS_AT_ONCE:
                 self._admit()
-            if self.prefilling is None or (self.prefilling is chunked and self.live_rows):
-                break
-            worked, chunked = True, self.prefilling
             decoding = self.live_rows > 0
-            used += self._prefill_chunk(min(self.settings.step_rows(decoding) - used,
-                                            self.settings.chunk_cap(decoding)))
+            ready = [p for p in self.prefills if not (decoding and any(p is c for c in chunked))]
+            if not ready:
+                break
+            p = min(ready, key=lambda p: len(p.lookup.prompt) - int(p.kv.pos))
+            worked = True
+            chunked.append(p)
+            used += self._prefill_chunk(p, min(budget, self.settings.chunk_cap(decoding)))
         return worked
 
     def run(self) -> None:
@@ -178,12 +186,16 @@ class Scheduler:
         return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))
 
     def _room_for(self, req: Request) -> bool:
-        rows = self.live_rows + len(req.samplings)
+        """Whether decode rows (and memory for them) will be free for req's choices, counting the
+        requests already being prefilled as holding theirs."""
+        held = [p.request for p in self.prefills]
+        rows = self.live_rows + sum(len(r.samplings) for r in held) + len(req.samplings)
         if rows > self.max_batch:
             return False
         width = self._width_for(rows)
-        capacity = max(self._need(req), self.batch.capacity if self.batch is not None and self.live_rows else 0)
-        return self.live_rows == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
+        capacity = max([self._need(r) for r in held + [req]]
+                       + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
+        return self.live_rows + len(held) == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
 
     def _width_for(self, rows: int) -> int:
         return next((w for w in self.widths if w >= rows), self.widths[-1])
@@ -205,38 +217,37 @@ class Scheduler:
         except BaseException:
             self.cache.release(lk)
             raise
-        self.prefilling = _Prefill(req, lk, kv, constraints)
+        p = _Prefill(req, lk, kv, constraints)
+        self.prefills.append(p)
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
-            self._prompt_done(jnp.asarray(lk.logits, jnp.float32)[None])
+            self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
 
-    def _prefill_chunk(self, max_rows: int) -> int:
-        """One chunk (at most max_rows rows) of the request being prefilled; returns the rows it ran."""
-        p = self.prefilling
+    def _prefill_chunk(self, p: _Prefill, max_rows: int) -> int:
+        """One chunk (at most max_rows rows) of p's prompt; returns the rows it ran."""
         rows = self.engine.chunk_rows(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
         try:
             logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
             done = int(p.kv.pos) >= len(p.lookup.prompt)
         except Exception as e:  # a failure costs this request, never the others
-            self._abort_prefill(e)
+            self._abort_prefill(p, e)
             return rows
         if done:
-            self._prompt_done(logits)
+            self._prompt_done(p, logits)
         return rows
 
     def _exact(self, p: _Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
 
-    def _abort_prefill(self, error: Exception | None) -> None:
-        p, self.prefilling = self.prefilling, None
+    def _abort_prefill(self, p: _Prefill, error: Exception | None) -> None:
+        self.prefills.remove(p)
         self.cache.release(p.lookup)
         self.engine.recycle(p.kv)
         if error is not None:
             p.request.sink.error(error)
 
-    def _prompt_done(self, logits: jax.Array) -> None:
-        """The prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
+    def _prompt_done(self, p: _Prefill, logits: jax.Array) -> None:
+        """p's prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
         token, and give every choice that goes on a decode row."""
-        p = self.prefilling
         req, lk = p.request, p.lookup
         ttft = time.perf_counter() - req.submitted
         want = max(sp.logprobs for sp in req.samplings)
@@ -266,7 +277,7 @@ class Scheduler:
         if going_on:
             self._insert(going_on, p.kv)
         self.engine.recycle(p.kv)
-        self.prefilling = None
+        self.prefills.remove(p)
 
     # ---- decode rows ---------------------------------------------------------------------------------
     def _insert(self, rows: list[_Row], kv: KVCache) -> None:
@@ -306,7 +317,7 @@ class Scheduler:
         self._shrink_votes = 0
 
     def _maybe_shrink(self) -> None:
-        if self.batch is None or self.batch_invariant or self.prefilling is not None:
+        if self.batch is None or self.batch_invariant or self.prefills:
             return
         live = self.live_rows
         if live == 0 and len(self.rows) > 1:
@@ -374,8 +385,8 @@ class Scheduler:
         for i, r in enumerate(self.rows):
             if r is not None and r.request.sink.cancelled():
                 self.rows[i] = None
-        if self.prefilling is not None and self.prefilling.request.sink.cancelled():
-            self._abort_prefill(None)
+        for p in [p for p in self.prefills if p.request.sink.cancelled()]:
+            self._abort_prefill(p, None)
 
     def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], constraints: list) -> dict:
         """The per-row arrays `sample_rows` takes; the all-allowed mask of a width is kept on the device."""

@@ -161,8 +161,7 @@ class Worker(threading.Thread):
         """A step failed outside any one request: tell every request in flight, start afresh."""
         s = self.scheduler
         sinks = [r.request.sink for r in s.rows if r is not None] + [r.sink for r in s.pending]
-        if s.prefilling is not None:
-            sinks.append(s.prefilling.request.sink)
+        sinks += [p.request.sink for p in s.prefills]
         for sink in {id(k): k for k in sinks}.values():
             sink.error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
         self.scheduler = Scheduler(self.cache, **self._settings)

@@ -86,8 +86,9 @@ def test_requests_join_while_others_decode(tiny_engine):
 
 
 def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
-    """Prompt chunks fill the step's row budget: with nothing decoding, a first 64-row prompt, then
-    (rows now decode, budget chunk_rows = 128) one more; the next steps admit two each."""
+    """Prompt chunks fill the step's row budget, down to the smallest exact chunk (16 rows): with
+    nothing decoding, a first 32-row prompt, then (rows now decode, budget chunk_rows = 128) a 64-row
+    one and the first 32 rows of a third; the next step finishes it and admits the other three."""
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, chunk_rows=128)
     sinks = [Collector() for _ in range(6)]
     for p, sink in zip(prompts(9, [30, 40, 50, 20, 60, 10]), sinks):
@@ -97,9 +98,9 @@ def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
         sched.step()
         admitted.append(sched.live_rows)
         streamed.append([len(s.steps.get(0, [])) for s in sinks])
-    assert admitted == [2, 4, 6]
+    assert admitted == [2, 6, 6]
     assert streamed[0] == [2, 2, 0, 0, 0, 0]  # each: its first token from the prefill, then one decode step
-    assert streamed[2] == [4, 4, 3, 3, 2, 2]
+    assert streamed[2] == [4, 4, 3, 3, 3, 3]
     sched.run()
     assert all(len(s.results[0].output_ids) == 20 for s in sinks)
 
@@ -118,13 +119,35 @@ def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engi
     positions = []
     while not second.steps:
         sched.step()
-        if sched.prefilling is not None:
-            positions.append(int(sched.prefilling.kv.pos))
+        positions += [int(p.kv.pos) for p in sched.prefills]
     assert positions[:3] == [32, 64, 96] and sched.live_rows == 2
     sched.run()
     got, alone = second.results[0], run_alone(tiny_engine, long_, sp)[0]
     assert got.output_ids == alone.output_ids and got.logprobs == alone.logprobs
     assert len(first.results[0].output_ids) == 60
+
+
+def test_a_short_prompt_overtakes_a_long_one_being_prefilled(tiny_engine):
+    """A short newcomer is prefilled beside a long prompt already in progress, shortest first, and
+    gets its first token long before the long one; both answers are bitwise their runs alone."""
+    streaming, long_, short = prompts(13, [10, 300, 20])
+    sp = SamplingParams(max_tokens=3, logprobs=2)
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True, chunk_rows=64)
+    first, slow, quick = Collector(), Collector(), Collector()
+    sched.submit(Request(streaming, [SamplingParams(max_tokens=40)], first))
+    sched.step()
+    sched.submit(Request(long_, [sp], slow))
+    sched.step()
+    sched.submit(Request(short, [sp], quick))
+    steps = 0
+    while not quick.steps:
+        sched.step()
+        steps += 1
+    assert steps == 1 and not slow.steps and len(sched.prefills) == 1  # 20 rows: one chunk
+    sched.run()
+    for got, prompt in [(slow, long_), (quick, short)]:
+        alone = run_alone(tiny_engine, prompt, sp)[0]
+        assert got.results[0].output_ids == alone.output_ids and got.results[0].logprobs == alone.logprobs
 
 
 def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
