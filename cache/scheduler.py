@@ -145,7 +145,8 @@ class Scheduler:
         """Prefill chunks of admitted requests while the step's row budget lasts, the prompt with the
         fewest rows left first: a burst of short prompts is admitted several per step rather than one
         per decode step, and a short newcomer overtakes a long prompt. While rows decode, a prompt gets
-        one chunk per step. Returns whether any prompt work was done."""
+        one chunk per step: the rest of the budget if that finishes it, else at most `chunk_cap` rows (a
+        long prompt advances in short steps). Returns whether any prompt work was done."""
         used, worked, chunked = 0, False, []
         smallest = self.engine.buckets(True)[0]
         while (budget := self.settings.step_rows(self.live_rows > 0) - used) >= smallest:
@@ -156,9 +157,11 @@ class Scheduler:
             if not ready:
                 break
             p = min(ready, key=lambda p: len(p.lookup.prompt) - int(p.kv.pos))
+            left = len(p.lookup.prompt) - int(p.kv.pos)
+            finishes = left <= self.engine.chunk_rows(left, budget, self._exact(p)) <= budget
             worked = True
             chunked.append(p)
-            used += self._prefill_chunk(p, min(budget, self.settings.chunk_cap(decoding)))
+            used += self._prefill_chunk(p, budget if finishes else min(budget, self.settings.chunk_cap(decoding)))
         return worked
 
     def run(self) -> None:

@@ -241,11 +241,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--batch-invariant", action="store_true",
                    help="decode always at the full --max-batch width, so a request's tokens and logprobs "
                         "do not depend on the other requests (slower when few are in flight)")
-    s.add_argument("--prefill-chunk", type=int, default=128, metavar="ROWS",
+    s.add_argument("--prefill-chunk", type=int, default=64, metavar="ROWS",
                    help="prompt rows prefilled between two decode steps while others decode: 64, 128, 256 or "
-                        "512 (default 128, at most half of it for one prompt; smaller keeps their inter-token "
-                        "latency lower while a long prompt arrives, larger gives newcomers their first token sooner; "
-                        "64 suits a CPU slow at arithmetic)")
+                        "512 (default 64; a long prompt gets at most half of it per step, a prompt it finishes "
+                        "all of it; smaller keeps their inter-token latency lower while long prompts arrive, "
+                        "larger gives a burst of newcomers their first tokens sooner)")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

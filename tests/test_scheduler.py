@@ -150,6 +150,23 @@ def test_a_short_prompt_overtakes_a_long_one_being_prefilled(tiny_engine):
         assert got.results[0].output_ids == alone.output_ids and got.results[0].logprobs == alone.logprobs
 
 
+def test_a_prompt_alone_runs_128_rows_a_step_so_a_newcomer_waits_little(tiny_engine):
+    """With no row decoding a step prefills 128 rows, not a whole 512-row chunk, so a newcomer's
+    prompt runs in the next step (ahead of the long one, being shorter)."""
+    long_, short = prompts(14, [300, 20])
+    sp = SamplingParams(max_tokens=3)
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4)
+    slow, quick = Collector(), Collector()
+    sched.submit(Request(long_, [sp], slow))
+    sched.step()
+    assert [int(p.kv.pos) for p in sched.prefills] == [128]
+    sched.submit(Request(short, [sp], quick))
+    sched.step()
+    assert quick.steps and not slow.steps
+    sched.run()
+    assert len(slow.results[0].output_ids) == 3
+
+
 def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
     """Six requests at once: the batch grows straight to the width they need (one move of the live
     rows, not one per rung of 1, 2, 4, 8), but never past kv_bytes."""
