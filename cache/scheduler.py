@@ -4,26 +4,24 @@ Each `step()` does, in order:
   1. admission: while fewer than PREFILLS_AT_ONCE prompts are being prefilled, the oldest waiting
      request, if decode rows will be free for its choices, is looked up in the prefix cache and its
      state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
-  2. prefill chunks of the admitted prompts, the one with the fewest rows left first, so a short
-     newcomer overtakes a long prompt (from the engine's exact buckets, so a prompt state has the bits
-     of a cold prefill; at most `chunk_rows` rows in all while others decode, so their streams keep
-     flowing, and one chunk of at most half of that per prompt, so a long prompt advances in short
-     steps); while that budget lasts, the next waiting requests are admitted and prefilled too (a
-     burst of short prompts joins a few per step); or else, when no row decodes (or a waiting prompt
-     needs it), one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix);
-     when a prompt is complete, its first tokens are sampled and its state is inserted into one
-     decode row per choice (`n` forks share one prefill);
+  2. prefill chunks of the admitted prompts, the one with the fewest rows left first (a short newcomer
+     overtakes a long prompt), from the engine's exact buckets (a prompt state has a cold prefill's
+     bits), at most `chunk_rows` rows in all while others decode (a long prompt at most half of that
+     per step, one that the rest finishes in its least padded chunks), admitting the next waiting
+     requests while that budget lasts; or else, when no row decodes (or a waiting prompt needs it),
+     one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix); a complete
+     prompt's first tokens are sampled and its state inserted into one decode row per choice (`n`
+     forks share one prefill);
   3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
      then sampling with each row's own settings), then the host side of every row (TokenStream).
 Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
 
 The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
 doubling ladder; it grows when a newcomer needs more (at once to the width the waiting requests need
-too, as far as kv_bytes allows, so that a burst moves the batch once) and shrinks (after SHRINK_AFTER steps of being
-at most half used) so that a lone stream decodes at width 1. With `batch_invariant`, the width is
+too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used, so that a
+lone stream decodes at width 1. With `batch_invariant`, the width is
 always `max_batch`: a row's logits then do not depend on how many other rows are live, so a
-request's tokens are the same alone or among others (a decode step's row-count changes the last
-bits of XLA:CPU's matmuls).
+request's tokens are the same alone or among others (a step's row count changes the last bits).
 
 Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
 a request that would break it waits, except that one request alone is always admitted.
@@ -45,7 +43,7 @@ from cache.prefix_cache import PrefixCache
 from cache.records import Lookup
 from cache.requests import Finished, Request
 from jaxsmol import programs
-from jaxsmol.engine import PREFILL_BUCKETS, capacity_for
+from jaxsmol.engine import PREFILL_BUCKETS, capacity_for, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
@@ -59,7 +57,7 @@ SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch
 PREFILLS_AT_ONCE = 2
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (in self.prefills)
 class _Prefill:
     """An admitted request whose prompt is being prefilled into `kv`, a chunk per step."""
     request: Request
@@ -145,23 +143,28 @@ class Scheduler:
         """Prefill chunks of admitted requests while the step's row budget lasts, the prompt with the
         fewest rows left first: a burst of short prompts is admitted several per step rather than one
         per decode step, and a short newcomer overtakes a long prompt. While rows decode, a prompt gets
-        one chunk per step: the rest of the budget if that finishes it, else at most `chunk_cap` rows (a
-        long prompt advances in short steps). Returns whether any prompt work was done."""
+        one chunk per step of at most `chunk_cap` rows (a long prompt advances in short steps), or, when
+        the rest of the budget finishes it, the chunks of its least padded plan (a 45-token prompt: 32
+        + 16 rows rather than 64). Returns whether any prompt work was done."""
         used, worked, chunked = 0, False, []
         smallest = self.engine.buckets(True)[0]
         while (budget := self.settings.step_rows(self.live_rows > 0) - used) >= smallest:
             if len(self.prefills) < PREFILLS_AT_ONCE:
                 self._admit()
             decoding = self.live_rows > 0
-            ready = [p for p in self.prefills if not (decoding and any(p is c for c in chunked))]
+            ready = [p for p in self.prefills if not (decoding and p in chunked)]
             if not ready:
                 break
             p = min(ready, key=lambda p: len(p.lookup.prompt) - int(p.kv.pos))
-            left = len(p.lookup.prompt) - int(p.kv.pos)
-            finishes = left <= self.engine.chunk_rows(left, budget, self._exact(p)) <= budget
+            plan = tight_plan(len(p.lookup.prompt) - int(p.kv.pos), self.engine.buckets(self._exact(p)))
             worked = True
             chunked.append(p)
-            used += self._prefill_chunk(p, budget if finishes else min(budget, self.settings.chunk_cap(decoding)))
+            if sum(plan) <= budget:  # it finishes in this step, in its least padded chunks
+                for rows in plan:
+                    if p in self.prefills:  # a failed chunk ends it
+                        used += self._prefill_chunk(p, rows)
+            else:
+                used += self._prefill_chunk(p, min(budget, self.settings.chunk_cap(decoding)))
         return worked
 
     def run(self) -> None:

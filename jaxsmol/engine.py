@@ -76,6 +76,19 @@ def chunk_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
     return plan
 
 
+def tight_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
+    """Chunk lengths (padded) covering n > 0 tokens: the smallest bucket that holds them, or the
+    largest that they fill plus one for the rest where that is fewer rows (one more chunk costs about
+    as much as 5 rows here, a 16-row bucket saves at least 16). 45 tokens: 32 + 16 rows, which took
+    209-211 ms on the AVX2 CPU where one 64-row chunk took 243-249 ms; 20 tokens: one 32-row chunk."""
+    whole = chunk_length(n, n, buckets)
+    if whole < n:  # longer than the largest bucket
+        return [whole] + tight_plan(n - whole, buckets)
+    fill = max((b for b in buckets if b <= n), default=whole)
+    split = [fill, chunk_length(n - fill, n, buckets)] if fill < n else [whole]
+    return split if sum(split) < whole else [whole]
+
+
 def context_length(cfg: Config, ctx: int | None) -> int:
     """ctx (None: the model's max_position_embeddings), or JaxsmolError if the model cannot hold it."""
     ctx = cfg.max_position if ctx is None else int(ctx)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.engine import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, Engine, capacity_for,
-                            chunk_plan, prefill_buckets,
+                            chunk_plan, prefill_buckets, tight_plan,
                             compile_bound, compiled_programs)
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model import ATTN_BLOCK
@@ -366,6 +366,17 @@ def test_engine_context_must_fit_the_model(tiny_engine):
 
 
 # ---- chunking, capacities, compile bound ---------------------------------------------------------
+
+def test_tight_plan_pads_less_in_at_most_one_more_chunk():
+    R = ROW_EXACT_BUCKETS
+    assert tight_plan(45, R) == [32, 16] and tight_plan(48, R) == [32, 16] and tight_plan(65, R) == [64, 16]
+    assert tight_plan(20, R) == [32] and tight_plan(49, R) == [64] and tight_plan(100, R) == [128]  # no saving
+    assert tight_plan(1000, R) == [512, 512] and tight_plan(1030, R) == [512, 512, 16]
+    assert tight_plan(45) == [64] and tight_plan(130) == [128, 64]  # XLA's buckets
+    for n in range(1, 1100):
+        plan = tight_plan(n, R)
+        assert sum(plan) >= n and sum(plan) <= sum(chunk_plan(n, R)) and all(b in R for b in plan)
+
 
 def test_chunk_plan():
     assert chunk_plan(0) == []

@@ -86,9 +86,9 @@ def test_requests_join_while_others_decode(tiny_engine):
 
 
 def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
-    """Prompt chunks fill the step's row budget, down to the smallest exact chunk (16 rows): with
-    nothing decoding, a first 32-row prompt, then (rows now decode, budget chunk_rows = 128) a 64-row
-    one and the first 32 rows of a third; the next step finishes it and admits the other three."""
+    """Prompt chunks fill the step's row budget (chunk_rows = 128), down to the smallest exact chunk
+    (16 rows), each prompt in its least padded chunks: 30 tokens in 32 rows, 40 in 32 + 16, 20 in 32,
+    then 16 rows of the 50-token prompt; the next step finishes it and admits the other two."""
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, chunk_rows=128)
     sinks = [Collector() for _ in range(6)]
     for p, sink in zip(prompts(9, [30, 40, 50, 20, 60, 10]), sinks):
@@ -98,9 +98,9 @@ def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
         sched.step()
         admitted.append(sched.live_rows)
         streamed.append([len(s.steps.get(0, [])) for s in sinks])
-    assert admitted == [2, 6, 6]
-    assert streamed[0] == [2, 2, 0, 0, 0, 0]  # each: its first token from the prefill, then one decode step
-    assert streamed[2] == [4, 4, 3, 3, 3, 3]
+    assert admitted == [3, 6, 6]
+    assert streamed[0] == [2, 2, 2, 0, 0, 0]  # each: its first token from the prefill, then one decode step
+    assert streamed[2] == [4, 4, 4, 3, 3, 3]
     sched.run()
     assert all(len(s.results[0].output_ids) == 20 for s in sinks)
 
