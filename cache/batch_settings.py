@@ -46,6 +46,12 @@ class BatchSettings:
         prompt alone loses little to the shorter chunks (1024 tokens: 4.4 s in 512s, 4.5 s in 128s)."""
         return self.chunk_rows if decoding else max(self.chunk_rows, IDLE_STEP_ROWS)
 
+    def chunks(self, plan: list[int], budget: int, decoding: bool) -> list[int]:
+        """The chunks (their most rows) a prompt runs in this step, given its least padded plan and the
+        step's rows left: the whole plan if that fits (the prompt finishes), else one of at most
+        `chunk_cap` rows."""
+        return plan if sum(plan) <= budget else [min(budget, self.chunk_cap(decoding))]
+
     def chunk_cap(self, decoding: bool) -> int:
         """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
         a long prompt advances in short chunks while a burst of short prompts still joins two per step.

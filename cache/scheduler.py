@@ -30,7 +30,6 @@ a request that would break it waits, except that one request alone is always adm
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 
 import jax
@@ -40,50 +39,21 @@ import numpy as np
 from cache.answers import AnswerQueue
 from cache.batch_settings import BatchSettings
 from cache.prefix_cache import PrefixCache
-from cache.records import Lookup
 from cache.requests import Finished, Request
+from cache.scheduler_state import Prefill, Row, SchedulerStats
 from jaxsmol import programs
-from jaxsmol.engine import PREFILL_BUCKETS, capacity_for, tight_plan
+from jaxsmol.engine import capacity_for, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
 from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import TokenStream
-from jaxsmol.structured import Constraint, all_allowed, constraint_for
+from jaxsmol.structured import all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
 # Prompts prefilled side by side, shortest remaining first: a short newcomer's first token does not
 # wait for a long prompt ahead of it to finish (each holds a one-row staging cache, so few).
 PREFILLS_AT_ONCE = 2
-
-
-@dataclasses.dataclass(eq=False)  # compared by identity (in self.prefills)
-class _Prefill:
-    """An admitted request whose prompt is being prefilled into `kv`, a chunk per step."""
-    request: Request
-    lookup: Lookup
-    kv: KVCache
-    constraints: list  # per choice: its structured-output Constraint, or None
-
-
-@dataclasses.dataclass
-class _Row:
-    """A decode row: one choice of a request."""
-    request: Request
-    lookup: Lookup
-    index: int
-    stream: TokenStream
-    ttft_s: float
-    constraint: Constraint | None = None
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    steps: int = 0  # decode steps
-    decoded_tokens: int = 0  # tokens sampled by decode steps (first tokens excluded)
-    prefilled_tokens: int = 0  # prompt positions computed (padding excluded)
-    admitted: int = 0
-    relayouts: int = 0
 
 
 class Scheduler:
@@ -94,9 +64,9 @@ class Scheduler:
         self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
         self.widths = s.widths
         self.pending: collections.deque[Request] = collections.deque()
-        self.prefills: list[_Prefill] = []  # admitted, prompt not yet complete (admission order)
+        self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
-        self.rows: list[_Row | None] = []
+        self.rows: list[Row | None] = []
         self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
         self.stats = SchedulerStats()
         self._shrink_votes = 0
@@ -155,16 +125,12 @@ class Scheduler:
             ready = [p for p in self.prefills if not (decoding and p in chunked)]
             if not ready:
                 break
-            p = min(ready, key=lambda p: len(p.lookup.prompt) - int(p.kv.pos))
-            plan = tight_plan(len(p.lookup.prompt) - int(p.kv.pos), self.engine.buckets(self._exact(p)))
+            left, p = min(((len(p.lookup.prompt) - int(p.kv.pos), p) for p in ready), key=lambda t: t[0])
             worked = True
             chunked.append(p)
-            if sum(plan) <= budget:  # it finishes in this step, in its least padded chunks
-                for rows in plan:
-                    if p in self.prefills:  # a failed chunk ends it
-                        used += self._prefill_chunk(p, rows)
-            else:
-                used += self._prefill_chunk(p, min(budget, self.settings.chunk_cap(decoding)))
+            for rows in self.settings.chunks(tight_plan(left, self.engine.buckets(self._exact(p))), budget, decoding):
+                if p in self.prefills:  # a failed chunk ends it
+                    used += self._prefill_chunk(p, rows)
         return worked
 
     def run(self) -> None:
@@ -223,12 +189,12 @@ class Scheduler:
         except BaseException:
             self.cache.release(lk)
             raise
-        p = _Prefill(req, lk, kv, constraints)
+        p = Prefill(req, lk, kv, constraints)
         self.prefills.append(p)
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
             self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
 
-    def _prefill_chunk(self, p: _Prefill, max_rows: int) -> int:
+    def _prefill_chunk(self, p: Prefill, max_rows: int) -> int:
         """One chunk (at most max_rows rows) of p's prompt; returns the rows it ran."""
         rows = self.engine.chunk_rows(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
         try:
@@ -241,17 +207,17 @@ class Scheduler:
             self._prompt_done(p, logits)
         return rows
 
-    def _exact(self, p: _Prefill) -> bool:
+    def _exact(self, p: Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
 
-    def _abort_prefill(self, p: _Prefill, error: Exception | None) -> None:
+    def _abort_prefill(self, p: Prefill, error: Exception | None) -> None:
         self.prefills.remove(p)
         self.cache.release(p.lookup)
         self.engine.recycle(p.kv)
         if error is not None:
             p.request.sink.error(error)
 
-    def _prompt_done(self, p: _Prefill, logits: jax.Array) -> None:
+    def _prompt_done(self, p: Prefill, logits: jax.Array) -> None:
         """p's prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
         token, and give every choice that goes on a decode row."""
         req, lk = p.request, p.lookup
@@ -263,7 +229,7 @@ class Scheduler:
             self._sampling_arrays(req.samplings, [0] * m, p.constraints), logprobs=want > 0))
         rows = []
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
-            rows.append(_Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
+            rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
                              p.constraints[i]))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 self._push(rows[-1], out, i)
@@ -286,7 +252,7 @@ class Scheduler:
         self.prefills.remove(p)
 
     # ---- decode rows ---------------------------------------------------------------------------------
-    def _insert(self, rows: list[_Row], kv: KVCache) -> None:
+    def _insert(self, rows: list[Row], kv: KVCache) -> None:
         """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
         needed = self.live_rows + len(rows)
         width = self._width_for(needed)
@@ -363,7 +329,7 @@ class Scheduler:
                 self.rows[i] = None
                 self._finish(r)
 
-    def _push(self, row: _Row, out: dict, i: int) -> None:
+    def _push(self, row: Row, out: dict, i: int) -> None:
         """Feed row's sampled token (entry i of a step's output) to its stream and its sink."""
         k = row.stream.sp.logprobs
         logprob, top = None, None
@@ -376,7 +342,7 @@ class Scheduler:
         step = row.stream.push(token, logprob, top)
         row.request.sink.token(row.index, step)
 
-    def _finish(self, row: _Row) -> None:
+    def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup
         row.request.sink.done(Finished(index=row.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
                                        output_ids=list(s.output_ids), text=s.text,
