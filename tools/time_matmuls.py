@@ -1,18 +1,24 @@
 """Time the matmul kernel alone on the model's shapes: the 7 matmuls of each of 30 layers (SmolLM2-135M,
 weights packed, each its own buffer so they come from memory), at several row counts.
 
-    PYTHONPATH=$PWD python tools/time_matmuls.py [--rows 1 8 16 32] [--runs 15]
+    PYTHONPATH=$PWD python tools/time_matmuls.py [--rows 1 8 16 32] [--runs 15] [--against REV]
 
 Prints, per row count, the median time of the whole set, the weight bytes streamed per second and the
-arithmetic rate. Compare builds by running it in alternating processes (the machine's memory speed
-moves between runs).
+arithmetic rate. `--against REV` also builds git revision REV's cpu_matmul.cc (its symbols renamed)
+and alternates the two kernels call by call in this one process, printing the time ratio and whether
+their outputs are bitwise equal: the machine's memory speed moves between runs, so only figures
+taken side by side compare two builds.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,21 +30,45 @@ D, F, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = [(D, D), (D, KV), (D, KV), (D, D), (D, F), (D, F), (F, D)]  # q, k, v, o, gate, up, down
 
 
-@jax.jit
-def layers(weights, x):
-    """x [M, D] through every layer's matmuls, each feeding the next as the model's data flow does."""
-    for wq, wk, wv, wo, wg, wu, wd in weights:
-        q, k, v = (cpu_kernels.matmul(x, w) for w in (wq, wk, wv))
-        o = cpu_kernels.matmul(q + jnp.tile(k + v, 3), wo)
-        h = cpu_kernels.matmul(o, wg) * cpu_kernels.matmul(o, wu)
-        x = cpu_kernels.matmul(h, wd) * 0.01
-    return x
+def stack(matmul):
+    """The timed program for one kernel: x [M, D] through every layer's matmuls, each feeding the
+    next as the model's data flow does."""
+    @jax.jit
+    def layers(weights, x):
+        for wq, wk, wv, wo, wg, wu, wd in weights:
+            q, k, v = (matmul(x, w) for w in (wq, wk, wv))
+            o = matmul(q + jnp.tile(k + v, 3), wo)
+            h = matmul(o, wg) * matmul(o, wu)
+            x = matmul(h, wd) * 0.01
+        return x
+    return layers
+
+
+def revision_matmul(rev: str):
+    """git revision rev's matmul kernel, built beside the current one under other symbol names."""
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="jaxsmol-matmul-"))
+    for name in ("cpu_matmul.cc", "cpu_kernels.h"):
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:jaxsmol/{name}"], capture_output=True,
+                              text=True, check=True).stdout
+        (work / name).write_text(text)
+    renames = ["-DJaxsmolMatmul=JaxsmolMatmulBase", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
+    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / "cpu_matmul.cc"),
+                    "-o", str(work / "base.so")], check=True, capture_output=True)
+    lib = ctypes.cdll.LoadLibrary(str(work / "base.so"))
+    jax.ffi.register_ffi_target("jaxsmol_matmul_base", jax.ffi.pycapsule(lib.JaxsmolMatmulBase), platform="cpu")
+
+    def matmul(x, panels):
+        call = jax.ffi.ffi_call("jaxsmol_matmul_base", jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32))
+        return call(x, panels)
+    return matmul
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--against", metavar="REV", help="alternate with git revision REV's kernel in this process")
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not available")
@@ -46,17 +76,26 @@ def main() -> None:
     weights = [[cpu_kernels.pack(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02)) for s in SHAPES]
                for _ in range(LAYERS)]
     nbytes = sum(k * n for k, n in SHAPES) * LAYERS * 4
+    programs = {"now": stack(cpu_kernels.matmul)}
+    if args.against:
+        programs[args.against] = stack(revision_matmul(args.against))
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
-        layers(weights, x).block_until_ready()
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            layers(weights, x).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        print(f"{M:4d} rows  {1e3 * t:7.2f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights  "
-              f"{2 * M * nbytes / 4 / t / 1e9:6.1f} GFLOP/s", flush=True)
+        outputs = [np.asarray(f(weights, x)) for f in programs.values()]
+        times = {name: [] for name in programs}
+        for run in range(args.runs):
+            for name, f in list(programs.items())[::1 if run % 2 else -1]:  # each goes first half the time
+                t0 = time.perf_counter()
+                f(weights, x).block_until_ready()
+                times[name].append(time.perf_counter() - t0)
+        t = statistics.median(times["now"])
+        line = (f"{M:4d} rows  {1e3 * t:7.2f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights  "
+                f"{2 * M * nbytes / 4 / t / 1e9:6.1f} GFLOP/s")
+        if args.against:
+            base = statistics.median(times[args.against])
+            line += (f"  | {args.against} {1e3 * base:7.2f} ms: now/{args.against} {t / base:.3f}, "
+                     f"bitwise {'equal' if np.array_equal(*outputs) else 'DIFFERENT'}")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
