@@ -50,39 +50,81 @@ inline Vec ExpNonPositive(Vec x) {
   return p * scale;
 }
 
-// One (row, kv head), keys p0..p1-1: G queries q [G, H] -> the running-softmax state of that key
-// range, m [G] (max score), l [G] (sum of exp(score - m)) and acc [G, H] (sum of exp(score - m) v),
-// unnormalized. HV = H / kLanes vectors per head vector; scores is scratch of at least p1 - p0 + kLanes.
+// The largest power of two <= both hv (itself a power of two) and fit.
+constexpr int ChunkOf(int hv, int fit) { return hv <= fit ? hv : ChunkOf(hv / 2, fit); }
+
+// One (row, kv head), keys p0..p1-1, for GQ of its query heads at once: queries q [GQ, H] -> the
+// running-softmax state of that key range, m [GQ] (max score), l [GQ] (sum of exp(score - m)) and
+// acc [GQ, H] (sum of exp(score - m) v), unnormalized. HV = H / kLanes vectors per head vector;
+// scores is scratch of at least GQ (p1 - p0 + kLanes). Each key and value is read once for the GQ
+// heads, prefetched 8 keys ahead (one pass per head read them GQ times, from L2 after the first: at
+// position 2000 the step's attention streamed ~12 GB/s). Every sum keeps its order (q.k over h, then
+// the lanes; P V over positions), so the grouping changes no bits. Side by side with one pass per head
+// (tools/time_decode_attention.py --against): 0.74-0.82x the time at position 2000 (1 row; 8 rows
+// 0.77-0.81x), without the prefetch 0.85-0.91x.
+template <int HV, int GQ>
+void AttendKeysOf(const float* q, const float* keys, const float* values, int64_t p0, int64_t p1,
+                  float* scores, float* m_out, float* l_out, float* acc_out) {
+  constexpr int64_t H = HV * kLanes, kAheadKeys = 8;
+  const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes, stride = padded;
+  keys += p0 * H;
+  values += p0 * H;
+  float m[GQ];
+  for (int g = 0; g < GQ; ++g) m[g] = -INFINITY;
+  for (int64_t p = 0; p < n; ++p) {
+    for (int64_t c = 0; c < H; c += 16) __builtin_prefetch(keys + (p + kAheadKeys) * H + c);
+    Vec d[GQ];
+    const Vec k0 = Load(keys + p * H);
+    for (int g = 0; g < GQ; ++g) d[g] = Load(q + g * H) * k0;
+    for (int j = 1; j < HV; ++j) {
+      const Vec kj = Load(keys + p * H + kLanes * j);
+      for (int g = 0; g < GQ; ++g) d[g] += Load(q + g * H + kLanes * j) * kj;
+    }
+    for (int g = 0; g < GQ; ++g) {
+      const float sc = LaneSum(d[g]);
+      scores[g * stride + p] = sc;
+      m[g] = sc > m[g] ? sc : m[g];
+    }
+  }
+  for (int g = 0; g < GQ; ++g) {
+    float* sg = scores + g * stride;
+    Vec l = Vec{};
+    for (int64_t p = 0; p < padded; p += kLanes) {
+      Vec e = ExpNonPositive(Load(sg + p) - m[g]);
+      for (int64_t i = n - p; i < kLanes; ++i) e[i] = 0.0f;  // lanes past the last position
+      Store(sg + p, e);
+      l += e;
+    }
+    m_out[g] = m[g];
+    l_out[g] = LaneSum(l);
+  }
+  // P V in chunks of J head vectors, so GQ x J accumulators fit the registers beside a value vector
+  // and a broadcast (AVX2, 3 heads, H = 64: 2 passes over the values)
+  constexpr int J = ChunkOf(HV, (kVecRegs - 2) / GQ);
+  for (int j0 = 0; j0 < HV; j0 += J) {
+    Vec acc[GQ][J] = {};
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t c = 0; c < H; c += 16) __builtin_prefetch(values + (p + kAheadKeys) * H + c);
+      for (int j = 0; j < J; ++j) {
+        const Vec vj = Load(values + p * H + kLanes * (j0 + j));
+        for (int g = 0; g < GQ; ++g) acc[g][j] += scores[g * stride + p] * vj;
+      }
+    }
+    for (int g = 0; g < GQ; ++g)
+      for (int j = 0; j < J; ++j) Store(acc_out + g * H + kLanes * (j0 + j), acc[g][j]);
+  }
+}
+
+// All G query heads of one (row, kv head), up to 3 at a time.
 template <int HV>
 void AttendKeys(const float* q, const float* keys, const float* values, int64_t G, int64_t p0, int64_t p1,
                 float* scores, float* m_out, float* l_out, float* acc_out) {
   constexpr int64_t H = HV * kLanes;
-  const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes;
-  keys += p0 * H;
-  values += p0 * H;
-  for (int64_t g = 0; g < G; ++g) {
-    Vec qv[HV];
-    for (int j = 0; j < HV; ++j) qv[j] = Load(q + g * H + kLanes * j);
-    float m = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) {
-      Vec d = qv[0] * Load(keys + p * H);
-      for (int j = 1; j < HV; ++j) d += qv[j] * Load(keys + p * H + kLanes * j);
-      scores[p] = LaneSum(d);
-      m = scores[p] > m ? scores[p] : m;
-    }
-    Vec l = Vec{};
-    for (int64_t p = 0; p < padded; p += kLanes) {
-      Vec e = ExpNonPositive(Load(scores + p) - m);
-      for (int64_t i = n - p; i < kLanes; ++i) e[i] = 0.0f;  // lanes past the last position
-      Store(scores + p, e);
-      l += e;
-    }
-    Vec acc[HV] = {};
-    for (int64_t p = 0; p < n; ++p)
-      for (int j = 0; j < HV; ++j) acc[j] += scores[p] * Load(values + p * H + kLanes * j);
-    m_out[g] = m;
-    l_out[g] = LaneSum(l);
-    for (int j = 0; j < HV; ++j) Store(acc_out + g * H + kLanes * j, acc[j]);
+  for (int64_t g = 0; g < G;) {
+    const int64_t gq = std::min<int64_t>(3, G - g);
+    (gq == 3 ? &AttendKeysOf<HV, 3> : gq == 2 ? &AttendKeysOf<HV, 2> : &AttendKeysOf<HV, 1>)(
+        q + g * H, keys, values, p0, p1, scores, m_out + g, l_out + g, acc_out + g * H);
+    g += gq;
   }
 }
 
@@ -106,7 +148,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
     if (part >= parts) return;
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
     const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
-    std::vector<float> scores(p1 - p0 + kLanes);
+    std::vector<float> scores(3 * (p1 - p0 + kLanes));
     AttendKeys<HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
                    &acc[task * G * H]);
   });

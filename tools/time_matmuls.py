@@ -13,18 +13,16 @@ taken side by side compare two builds.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol import cpu_kernels
+
+import kernel_revision  # tools/, beside this file
 
 D, F, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = [(D, D), (D, KV), (D, KV), (D, D), (D, F), (D, F), (F, D)]  # q, k, v, o, gate, up, down
@@ -45,22 +43,11 @@ def stack(matmul):
 
 
 def revision_matmul(rev: str):
-    """git revision rev's matmul kernel, built beside the current one under other symbol names."""
-    root = Path(__file__).resolve().parents[1]
-    work = Path(tempfile.mkdtemp(prefix="jaxsmol-matmul-"))
-    for name in ("cpu_matmul.cc", "cpu_kernels.h"):
-        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:jaxsmol/{name}"], capture_output=True,
-                              text=True, check=True).stdout
-        (work / name).write_text(text)
-    renames = ["-DJaxsmolMatmul=JaxsmolMatmulBase", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
-    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / "cpu_matmul.cc"),
-                    "-o", str(work / "base.so")], check=True, capture_output=True)
-    lib = ctypes.cdll.LoadLibrary(str(work / "base.so"))
-    jax.ffi.register_ffi_target("jaxsmol_matmul_base", jax.ffi.pycapsule(lib.JaxsmolMatmulBase), platform="cpu")
+    """git revision rev's matmul kernel, built beside the current one (tools/kernel_revision.py)."""
+    target = kernel_revision.register(rev, "cpu_matmul.cc", "JaxsmolMatmul")
 
     def matmul(x, panels):
-        call = jax.ffi.ffi_call("jaxsmol_matmul_base", jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32))
-        return call(x, panels)
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32))(x, panels)
     return matmul
 
 

@@ -1,0 +1,32 @@
+"""A git revision's C++ kernel built beside the current one, for side-by-side timing in one process
+(tools/time_matmuls.py and tools/time_decode_attention.py, `--against REV`): the machine's memory
+speed moves between runs, so only figures taken alternately in one process compare two builds."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from jaxsmol import cpu_kernels
+
+
+def register(rev: str, source: str, symbol: str) -> str:
+    """Build `jaxsmol/<source>` as of git revision rev with its handler `symbol` renamed, register it
+    with XLA and return the new target's name for jax.ffi.ffi_call."""
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="jaxsmol-kernel-"))
+    for name in (source, "cpu_kernels.h"):
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:jaxsmol/{name}"], capture_output=True,
+                              text=True, check=True).stdout
+        (work / name).write_text(text)
+    renames = [f"-D{symbol}={symbol}Base", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
+    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
+                    "-o", str(work / "base.so")], check=True, capture_output=True)
+    lib = ctypes.cdll.LoadLibrary(str(work / "base.so"))
+    target = f"{symbol.lower()}_base"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"{symbol}Base")), platform="cpu")
+    return target

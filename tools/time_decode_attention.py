@@ -1,0 +1,83 @@
+"""Time the attention kernel alone on decode steps: one query per row over 30 layers of a
+SmolLM2-135M-shaped cache (3 kv heads, 3 query heads each, head dim 64), at several widths and
+positions.
+
+    PYTHONPATH=$PWD python tools/time_decode_attention.py [--cases 1x2000 8x2000 1x100] [--runs 9] [--against REV]
+
+Prints the median time per case and the cache bytes read per second. `--against REV` also builds git
+revision REV's cpu_attention.cc beside the current one (tools/kernel_revision.py) and alternates the
+two in this process, printing the ratio and whether their outputs are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol import cpu_kernels
+
+import kernel_revision  # tools/, beside this file
+
+LAYERS, K, G, H, BLOCK = 30, 3, 3, 64, 256
+
+
+def stack(attention):
+    """The timed program: every layer's decode attention for q [B, 1, K, G, H] at positions pos [B]."""
+    @jax.jit
+    def layers(q, k_all, v_all, pos):
+        return [attention(q, k_all, v_all, i, pos) for i in range(LAYERS)]
+    return layers
+
+
+def revision_attention(rev: str):
+    target = kernel_revision.register(rev, "cpu_attention.cc", "JaxsmolAttention")
+
+    def attention(q, k_all, v_all, layer, pos):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k_all, v_all, pos,
+                                                                                    layer=np.int64(layer))
+    return attention
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["1x2000", "8x2000", "1x700", "4x700", "1x100"],
+                   help="WIDTHxPOSITION: rows decoding at about that position (each its own, up to 50 less)")
+    p.add_argument("--runs", type=int, default=9)
+    p.add_argument("--against", metavar="REV", help="alternate with git revision REV's kernel in this process")
+    args = p.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernels are not available")
+    programs = {"now": stack(cpu_kernels.attention)}
+    if args.against:
+        programs[args.against] = stack(revision_attention(args.against))
+    rng = np.random.default_rng(0)
+    for case in args.cases:
+        B, P = map(int, case.split("x"))
+        S = -(-(P + 1) // BLOCK) * BLOCK
+        q = jnp.asarray(rng.standard_normal((B, 1, K, G, H), dtype=np.float32) * H ** -0.5)
+        k_all, v_all = (jnp.asarray(rng.standard_normal((LAYERS, B, K, S, H), dtype=np.float32)) for _ in range(2))
+        pos = jnp.asarray(np.maximum(P - rng.integers(0, 50, B), 0).astype(np.int32))
+        outputs = [np.asarray(jnp.stack(f(q, k_all, v_all, pos))) for f in programs.values()]
+        times = {name: [] for name in programs}
+        for run in range(args.runs):
+            for name, f in list(programs.items())[::1 if run % 2 else -1]:  # each goes first half the time
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(q, k_all, v_all, pos))
+                times[name].append(time.perf_counter() - t0)
+        t = statistics.median(times["now"])
+        read = 2 * LAYERS * K * H * 4 * int(np.sum(np.asarray(pos) + 1))
+        line = f"{B:3d} rows at ~{P:5d}  {1e3 * t:7.2f} ms  {read / t / 1e9:5.1f} GB/s of keys and values"
+        if args.against:
+            base = statistics.median(times[args.against])
+            line += (f"  | {args.against} {1e3 * base:7.2f} ms: now/{args.against} {t / base:.3f}, "
+                     f"bitwise {'equal' if np.array_equal(*outputs) else 'DIFFERENT'}")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
