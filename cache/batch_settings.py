@@ -10,6 +10,12 @@ from jaxsmol.errors import JaxsmolError
 
 
 MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decode (see chunk_cap)
+# The step budgets a user may pick (--prefill-chunk). 32 and 48 run as exact 32 / 32 + 16 row chunks
+# with the CPU kernels; without them a chunk is padded to 64 rows, so they act as 64. The default 48:
+# on the AVX2 CPU a step beside 8 decoding rows then waits ~210 ms for its prompt rows, not ~240-250
+# (tools/bench_serve.py --clients 8, 48 / 64 alternating: ITL p99 298 / 287 ms against 457 / 382
+# while 1000-token prompts arrive, the rest alike).
+CHUNK_ROWS_CHOICES = (32, 48) + PREFILL_BUCKETS
 IDLE_STEP_ROWS = 128  # the least prompt rows a step runs when no row decodes (see step_rows)
 
 
@@ -27,13 +33,13 @@ class BatchSettings:
     max_batch: int = 16  # decode rows
     kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
     batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler.py)
-    chunk_rows: int = 64  # prefill rows per step while others decode (a long prompt: at most half)
+    chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
 
     def __post_init__(self):
         if self.max_batch < 1:
             raise JaxsmolError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.chunk_rows not in PREFILL_BUCKETS:
-            raise JaxsmolError(f"chunk_rows must be one of {PREFILL_BUCKETS}, got {self.chunk_rows}")
+        if self.chunk_rows not in CHUNK_ROWS_CHOICES:
+            raise JaxsmolError(f"chunk_rows must be one of {CHUNK_ROWS_CHOICES}, got {self.chunk_rows}")
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -55,6 +61,6 @@ class BatchSettings:
     def chunk_cap(self, decoding: bool) -> int:
         """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
         a long prompt advances in short chunks while a burst of short prompts still joins two per step.
-        chunk_rows 64 gives 32-row chunks: exact with the CPU kernels (without them the engine pads a
-        chunk to 64 rows anyway), and a step that waits ~half as long on a CPU slow at arithmetic."""
+        chunk_rows 48 or 64 gives 32-row chunks: exact with the CPU kernels (without them the engine
+        pads a chunk to 64 rows anyway), and a step that waits ~half as long on a CPU slow at arithmetic."""
         return max(MIN_DECODING_CHUNK, self.chunk_rows // 2) if decoding else self.step_rows(False)

@@ -6,7 +6,7 @@ Each `step()` does, in order:
      state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
   2. prefill chunks of the admitted prompts, the one with the fewest rows left first (a short newcomer
      overtakes a long prompt), from the engine's exact buckets (a prompt state has a cold prefill's
-     bits), at most `chunk_rows` rows in all while others decode (a long prompt at most half of that
+     bits), at most `chunk_rows` rows in all while others decode (a long prompt half of that, 32 rows at least,
      per step, one that the rest finishes in its least padded chunks), admitting the next waiting
      requests while that budget lasts; or else, when no row decodes (or a waiting prompt needs it),
      one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix); a complete
@@ -117,8 +117,8 @@ class Scheduler:
         the rest of the budget finishes it, the chunks of its least padded plan (a 45-token prompt: 32
         + 16 rows rather than 64). Returns whether any prompt work was done."""
         used, worked, chunked = 0, False, []
-        smallest = self.engine.buckets(True)[0]
-        while (budget := self.settings.step_rows(self.live_rows > 0) - used) >= smallest:
+        smallest = self.engine.buckets(True)[0]  # a budget below it (32 or 48 on XLA's ops) acts as it
+        while (budget := max(self.settings.step_rows(self.live_rows > 0), smallest) - used) >= smallest:
             if len(self.prefills) < PREFILLS_AT_ONCE:
                 self._admit()
             decoding = self.live_rows > 0

@@ -102,9 +102,8 @@ def _cacheprobe(args) -> int:
 
 
 def _serve(args) -> int:
-    from cache.batch_settings import BatchSettings
+    from cache.batch_settings import CHUNK_ROWS_CHOICES, BatchSettings
     from cli.serve import serve
-    from jaxsmol.engine import PREFILL_BUCKETS
     from cli.tenants import Tenants
     from jaxsmol.errors import JaxsmolError
 
@@ -115,8 +114,8 @@ def _serve(args) -> int:
         raise JaxsmolError(f"--write-timeout must be > 0 seconds, got {args.write_timeout}")
     if not 1 <= args.max_batch <= 256:
         raise JaxsmolError(f"--max-batch must be in [1, 256], got {args.max_batch}")
-    if args.prefill_chunk not in PREFILL_BUCKETS:
-        raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, PREFILL_BUCKETS))}, got {args.prefill_chunk}")
+    if args.prefill_chunk not in CHUNK_ROWS_CHOICES:
+        raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, CHUNK_ROWS_CHOICES))}, got {args.prefill_chunk}")
     if args.kv_cache_bytes <= 0:
         raise JaxsmolError(f"--kv-cache-bytes must be > 0, got {args.kv_cache_bytes}")
     if not tenants.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -241,11 +240,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--batch-invariant", action="store_true",
                    help="decode always at the full --max-batch width, so a request's tokens and logprobs "
                         "do not depend on the other requests (slower when few are in flight)")
-    s.add_argument("--prefill-chunk", type=int, default=64, metavar="ROWS",
-                   help="prompt rows prefilled between two decode steps while others decode: 64, 128, 256 or "
-                        "512 (default 64; a long prompt gets at most half of it per step, a prompt it finishes "
-                        "all of it; smaller keeps their inter-token latency lower while long prompts arrive, "
-                        "larger gives a burst of newcomers their first tokens sooner)")
+    s.add_argument("--prefill-chunk", type=int, default=48, metavar="ROWS",
+                   help="prompt rows prefilled between two decode steps while others decode: 32, 48, 64, 128, 256 "
+                        "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
+                        "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
+                        "arrive, larger gives a burst of newcomers their first tokens sooner)")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

@@ -88,7 +88,7 @@ def test_tokenize():
     (("aitest", "--cacheprobe", "--predict", 1, -5), "outside [0, 49152)"),
     (("generate", "--bogus"), "unrecognized arguments"),
     (("serve", "--max-batch", 0), "--max-batch must be in [1, 256], got 0"),
-    (("serve", "--prefill-chunk", 100), "--prefill-chunk must be one of 64, 128, 256, 512, got 100"),
+    (("serve", "--prefill-chunk", 100), "--prefill-chunk must be one of 32, 48, 64, 128, 256, 512, got 100"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
     r = run(*args)

@@ -127,6 +127,62 @@ def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engi
     assert len(first.results[0].output_ids) == 60
 
 
+def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_engine):
+    """--prefill-chunk 48: beside a decoding row a step runs at most 48 prompt rows (exact 32- and
+    16-row chunks), a long prompt advances 32 a step, a 40-token newcomer finishes in one step as
+    32 + 16 rows; both answers are bitwise their runs alone."""
+    streaming, long_, short = prompts(15, [10, 200, 40])
+    sp = SamplingParams(max_tokens=3, logprobs=2)
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True, chunk_rows=48)
+    ran, chunk = [0], sched._prefill_chunk
+
+    def counted(p, max_rows):  # the rows (padding included) each step's chunks ran
+        rows = chunk(p, max_rows)
+        ran[-1] += rows
+        return rows
+    sched._prefill_chunk = counted
+    first, slow, quick = Collector(), Collector(), Collector()
+    sched.submit(Request(streaming, [SamplingParams(max_tokens=60)], first))
+    sched.step()
+    sched.submit(Request(long_, [sp], slow))
+    ran = [0]  # from here on, beside the decoding row
+    sched.step()
+    sched.submit(Request(short, [sp], quick))
+    while not slow.steps:
+        ran.append(0)
+        sched.step()
+    assert ran[0] == 32 and max(ran) == 48 and sum(ran) == 208 + 48
+    sched.run()
+    for got, prompt in [(slow, long_), (quick, short)]:
+        alone = run_alone(tiny_engine, prompt, sp)[0]
+        assert got.results[0].output_ids == alone.output_ids and got.results[0].logprobs == alone.logprobs
+    assert len(first.results[0].output_ids) == 60
+
+
+def test_a_budget_below_the_smallest_exact_chunk_still_advances_prompts(tiny_cfg):
+    """Without the CPU kernels (bfloat16 weights) exact chunks start at 64 rows; a --prefill-chunk of
+    32 then runs 64-row chunks beside a decoding row rather than never prefilling."""
+    import jax.numpy as jnp
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    engine = Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None, ctx=1024)
+    assert not engine.cfg.cpu_kernels and engine.buckets(True)[0] == 64
+    streaming, long_ = prompts(16, [10, 150])
+    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=2, chunk_rows=32)
+    first, second = Collector(), Collector()
+    sched.submit(Request(streaming, [SamplingParams(max_tokens=30)], first))
+    sched.step()
+    sched.submit(Request(long_, [SamplingParams(max_tokens=2)], second))
+    steps = 0
+    while not second.steps:
+        sched.step()
+        steps += 1
+    assert steps == 3 and first.steps  # 150 tokens as 64 + 64 + 64 rows, one chunk a step
+    sched.run()
+    assert len(second.results[0].output_ids) == 2 and len(first.results[0].output_ids) == 30
+
+
 def test_a_short_prompt_overtakes_a_long_one_being_prefilled(tiny_engine):
     """A short newcomer is prefilled beside a long prompt already in progress, shortest first, and
     gets its first token long before the long one; both answers are bitwise their runs alone."""

@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--batch-invariant", action="store_true")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="the daemon's --prefill-chunk")
+    p.add_argument("--prefill-chunk", type=int, default=48, help="the daemon's --prefill-chunk")
     p.add_argument("--peer-url", help="also measure this OpenAI-compatible server (e.g. llama-server)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
