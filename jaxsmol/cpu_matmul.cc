@@ -30,7 +30,7 @@ constexpr int64_t kPanel = 32;       // columns per weight panel (the packed lay
 constexpr int kTileVecs = 2;         // vectors per row of a register tile: the whole panel at 16 lanes
 constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
 constexpr int64_t kColTiles = kPanel / kTileCols;
-constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16 rows: 1.02-1.10x the time at 8-16 rows)
+constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
 constexpr int64_t kBlockRows = 32;   // few rows, in groups: weight rows per k block (4 KB, in L1)
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
 constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
@@ -38,12 +38,12 @@ constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
 // kFewGroup on each k block (accumulators 2 per row, plus the weight's 2 vectors, in the registers).
 constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8 : 6;
 
-// The one register tile every path runs: y[0:R, 0:V kLanes] (kTileCols unless told) (row stride N) over rows k0..k1 of a
-// panel (its rows kPanel apart; `panel` may point into it by a column offset), x given k-major as
-// xt[k LD + r]. `first` starts the chains at 0, otherwise they continue from y, so each element
-// stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches the panel's row (all
-// its 32 columns: with two column tiles, the first one's prefetch serves both), and x with PrefetchX,
-// that many rows on.
+// The one register tile every path runs: y[0:R, 0:V kLanes] (V = kTileVecs unless told; row stride
+// N) over rows k0..k1 of a panel (its rows kPanel apart; `panel` may point into it by a column
+// offset), x given k-major as xt[k LD + r]. `first` starts the chains at 0, otherwise they continue
+// from y, so each element stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches
+// the panel's row (all its 32 columns: with two column tiles, the first one's prefetch serves both),
+// and x with PrefetchX, that many rows on.
 template <int R, int LD, int64_t Ahead, bool PrefetchX, int V = kTileVecs>
 inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
   Vec acc[R][V];
@@ -103,7 +103,8 @@ void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t
   } else if constexpr (R <= kWholeGroup && R <= kWholeUpTo) {
     Tile<R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);
   } else if constexpr (R <= kWholeUpTo) {
-    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) WholeGroups<R, R, true>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
+      WholeGroups<R, R, true>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
   } else {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
       const int64_t k1 = std::min(k0 + kBlockRows, K);

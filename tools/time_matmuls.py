@@ -47,7 +47,8 @@ def revision_matmul(rev: str):
     target = kernel_revision.register(rev, "cpu_matmul.cc", "JaxsmolMatmul")
 
     def matmul(x, panels):
-        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32))(x, panels)
+        out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32)
+        return jax.ffi.ffi_call(target, out)(x, panels)
     return matmul
 
 
