@@ -6,8 +6,8 @@ Each `step()` does, in order:
      state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
   2. prefill chunks of the admitted prompts, the one with the fewest rows left first (a short newcomer
      overtakes a long prompt), from the engine's exact buckets (a prompt state has a cold prefill's
-     bits), at most `chunk_rows` rows in all while others decode (a long prompt half of that, 32 rows at least,
-     per step, one that the rest finishes in its least padded chunks), admitting the next waiting
+     bits), at most `chunk_rows` rows in all while others decode (a long prompt half of that, 32 rows
+     at least, per step, one that the rest finishes in its least padded chunks), admitting the next waiting
      requests while that budget lasts; or else, when no row decodes (or a waiting prompt needs it),
      one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix); a complete
      prompt's first tokens are sampled and its state inserted into one decode row per choice (`n`

@@ -62,11 +62,13 @@ constexpr int ChunkOf(int hv, int fit) { return hv <= fit ? hv : ChunkOf(hv / 2,
 // the lanes; P V over positions), so the grouping changes no bits. Side by side with one pass per head
 // (tools/time_decode_attention.py --against): 0.74-0.82x the time at position 2000 (1 row; 8 rows
 // 0.77-0.81x), without the prefetch 0.85-0.91x.
+constexpr int kHeadsAtOnce = 3;  // GQ at most (SmolLM2: 3 query heads per kv head)
+
 template <int HV, int GQ>
 void AttendKeysOf(const float* q, const float* keys, const float* values, int64_t p0, int64_t p1,
                   float* scores, float* m_out, float* l_out, float* acc_out) {
   constexpr int64_t H = HV * kLanes, kAheadKeys = 8;
-  const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes, stride = padded;
+  const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes;  // a head's scores are `padded` apart
   keys += p0 * H;
   values += p0 * H;
   float m[GQ];
@@ -82,12 +84,12 @@ void AttendKeysOf(const float* q, const float* keys, const float* values, int64_
     }
     for (int g = 0; g < GQ; ++g) {
       const float sc = LaneSum(d[g]);
-      scores[g * stride + p] = sc;
+      scores[g * padded + p] = sc;
       m[g] = sc > m[g] ? sc : m[g];
     }
   }
   for (int g = 0; g < GQ; ++g) {
-    float* sg = scores + g * stride;
+    float* sg = scores + g * padded;
     Vec l = Vec{};
     for (int64_t p = 0; p < padded; p += kLanes) {
       Vec e = ExpNonPositive(Load(sg + p) - m[g]);
@@ -107,7 +109,7 @@ void AttendKeysOf(const float* q, const float* keys, const float* values, int64_
       for (int64_t c = 0; c < H; c += 16) __builtin_prefetch(values + (p + kAheadKeys) * H + c);
       for (int j = 0; j < J; ++j) {
         const Vec vj = Load(values + p * H + kLanes * (j0 + j));
-        for (int g = 0; g < GQ; ++g) acc[g][j] += scores[g * stride + p] * vj;
+        for (int g = 0; g < GQ; ++g) acc[g][j] += scores[g * padded + p] * vj;
       }
     }
     for (int g = 0; g < GQ; ++g)
@@ -115,13 +117,14 @@ void AttendKeysOf(const float* q, const float* keys, const float* values, int64_
   }
 }
 
-// All G query heads of one (row, kv head), up to 3 at a time.
+// All G query heads of one (row, kv head), kHeadsAtOnce at a time (scores: kHeadsAtOnce x its scratch).
 template <int HV>
 void AttendKeys(const float* q, const float* keys, const float* values, int64_t G, int64_t p0, int64_t p1,
                 float* scores, float* m_out, float* l_out, float* acc_out) {
+  static_assert(kHeadsAtOnce == 3, "the dispatch below names GQ = 1, 2, 3");
   constexpr int64_t H = HV * kLanes;
   for (int64_t g = 0; g < G;) {
-    const int64_t gq = std::min<int64_t>(3, G - g);
+    const int64_t gq = std::min<int64_t>(kHeadsAtOnce, G - g);
     (gq == 3 ? &AttendKeysOf<HV, 3> : gq == 2 ? &AttendKeysOf<HV, 2> : &AttendKeysOf<HV, 1>)(
         q + g * H, keys, values, p0, p1, scores, m_out + g, l_out + g, acc_out + g * H);
     g += gq;
@@ -148,7 +151,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
     if (part >= parts) return;
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
     const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
-    std::vector<float> scores(3 * (p1 - p0 + kLanes));
+    std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
     AttendKeys<HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
                    &acc[task * G * H]);
   });

@@ -68,14 +68,16 @@ inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64
 
 // Rows 0..R-1 of a pass (xt [K, LD]) over rows k0..k1 of one column tile, in groups of kFewGroup; the
 // first group prefetches when Lead.
-template <int R, int LD, bool Lead>
+// (V vectors a row and groups of GS rows: the whole-panel groups below.)
+template <int R, int LD, bool Lead, int V = kTileVecs, int GS = kFewGroup>
 inline void Groups(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
-  constexpr int G = R < kFewGroup ? R : kFewGroup;
-  Tile<G, LD, Lead ? kAhead : 0, false>(xt, panel, y, N, k0, k1, k0 == 0);
-  if constexpr (R > G) Groups<R - G, LD, false>(xt + G, panel, y + G * N, N, k0, k1);
+  constexpr int G = R < GS ? R : GS;
+  Tile<G, LD, Lead ? kAhead : 0, false, V>(xt, panel, y, N, k0, k1, k0 == 0);
+  if constexpr (R > G) Groups<R - G, LD, false, V, GS>(xt + G, panel, y + G * N, N, k0, k1);
 }
 
-// The same over the whole panel at once (kPanelVecs vectors a row), in groups of kWholeGroup rows:
+// Whole-panel groups: Groups over the whole panel at once (kPanelVecs vectors a row), kWholeGroup rows
+// a group:
 // with AVX2 (two column tiles) at 1-3 rows. Each accumulator is a latency-bound FMA chain, and a
 // half-panel tile's 2 accumulators a row left 1-3 rows short of independent chains; a whole-panel
 // tile gives each row 4. Measured in a 30-layer stack of the model's matmuls, side by side
@@ -84,15 +86,8 @@ constexpr int kPanelVecs = kPanel / kLanes;
 constexpr int kWholeGroup = (kVecRegs - 1) / kPanelVecs - 1;  // accumulators + the panel row + x's broadcast
 constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 1.03-1.09x
 
-template <int R, int LD, bool Lead>
-inline void WholeGroups(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
-  constexpr int G = R < kWholeGroup ? R : kWholeGroup;
-  Tile<G, LD, Lead ? kAhead : 0, false, kPanelVecs>(xt, panel, y, N, k0, k1, k0 == 0);
-  if constexpr (R > G) WholeGroups<R - G, LD, false>(xt + G, panel, y + G * N, N, k0, k1);
-}
-
 // One pass of R rows (xt [K, R], transposed) over one panel. Up to kFewWhole rows of a whole-panel
-// tile run over all of K. Otherwise the groups (and column tiles) take turns on each kBlockRows-row
+// tile run over all of K (with AVX2: up to kWholeUpTo rows, whole-panel groups). Otherwise the groups (and column tiles) take turns on each kBlockRows-row
 // block of the panel: the block comes from memory for the first and from L1 for the rest, so the
 // weight streams in while all compute. (At 16 lanes, 16 rows x 1 vector over the whole panel, then
 // its other half, made each weight load serve half the FMAs: 1.35x the time at 16 rows.)
@@ -104,7 +99,7 @@ void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t
     Tile<R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);
   } else if constexpr (R <= kWholeUpTo) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
-      WholeGroups<R, R, true>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
+      Groups<R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
   } else {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
       const int64_t k1 = std::min(k0 + kBlockRows, K);

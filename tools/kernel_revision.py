@@ -5,11 +5,14 @@ speed moves between runs, so only figures taken alternately in one process compa
 from __future__ import annotations
 
 import ctypes
+import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxsmol import cpu_kernels
 
@@ -30,3 +33,21 @@ def register(rev: str, source: str, symbol: str) -> str:
     target = f"{symbol.lower()}_base"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"{symbol}Base")), platform="cpu")
     return target
+
+
+def side_by_side(programs: dict, call_args: tuple, runs: int, rev: str | None) -> tuple[float, str]:
+    """Time programs {"now": f[, rev: g]} on call_args, alternating (each goes first half the time):
+    (median seconds of "now", and with rev a " | rev ...: ratio, bitwise equal or not" suffix)."""
+    outputs = [np.asarray(jax.tree.leaves(f(*call_args))) for f in programs.values()]
+    times = {name: [] for name in programs}
+    for run in range(runs):
+        for name, f in list(programs.items())[::1 if run % 2 else -1]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*call_args))
+            times[name].append(time.perf_counter() - t0)
+    now = statistics.median(times["now"])
+    if rev is None:
+        return now, ""
+    base = statistics.median(times[rev])
+    return now, (f"  | {rev} {1e3 * base:7.2f} ms: now/{rev} {now / base:.3f}, "
+                 f"bitwise {'equal' if np.array_equal(*outputs) else 'DIFFERENT'}")

@@ -12,8 +12,6 @@ two in this process, printing the ratio and whether their outputs are bitwise eq
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -62,20 +60,9 @@ def main() -> None:
         q = jnp.asarray(rng.standard_normal((B, 1, K, G, H), dtype=np.float32) * H ** -0.5)
         k_all, v_all = (jnp.asarray(rng.standard_normal((LAYERS, B, K, S, H), dtype=np.float32)) for _ in range(2))
         pos = jnp.asarray(np.maximum(P - rng.integers(0, 50, B), 0).astype(np.int32))
-        outputs = [np.asarray(jnp.stack(f(q, k_all, v_all, pos))) for f in programs.values()]
-        times = {name: [] for name in programs}
-        for run in range(args.runs):
-            for name, f in list(programs.items())[::1 if run % 2 else -1]:  # each goes first half the time
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(q, k_all, v_all, pos))
-                times[name].append(time.perf_counter() - t0)
-        t = statistics.median(times["now"])
+        t, versus = kernel_revision.side_by_side(programs, (q, k_all, v_all, pos), args.runs, args.against)
         read = 2 * LAYERS * K * H * 4 * int(np.sum(np.asarray(pos) + 1))
-        line = f"{B:3d} rows at ~{P:5d}  {1e3 * t:7.2f} ms  {read / t / 1e9:5.1f} GB/s of keys and values"
-        if args.against:
-            base = statistics.median(times[args.against])
-            line += (f"  | {args.against} {1e3 * base:7.2f} ms: now/{args.against} {t / base:.3f}, "
-                     f"bitwise {'equal' if np.array_equal(*outputs) else 'DIFFERENT'}")
+        line = f"{B:3d} rows at ~{P:5d}  {1e3 * t:7.2f} ms  {read / t / 1e9:5.1f} GB/s of keys and values" + versus
         print(line, flush=True)
 
 

@@ -13,8 +13,6 @@ taken side by side compare two builds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -69,20 +67,9 @@ def main() -> None:
         programs[args.against] = stack(revision_matmul(args.against))
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
-        outputs = [np.asarray(f(weights, x)) for f in programs.values()]
-        times = {name: [] for name in programs}
-        for run in range(args.runs):
-            for name, f in list(programs.items())[::1 if run % 2 else -1]:  # each goes first half the time
-                t0 = time.perf_counter()
-                f(weights, x).block_until_ready()
-                times[name].append(time.perf_counter() - t0)
-        t = statistics.median(times["now"])
+        t, versus = kernel_revision.side_by_side(programs, (weights, x), args.runs, args.against)
         line = (f"{M:4d} rows  {1e3 * t:7.2f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights  "
-                f"{2 * M * nbytes / 4 / t / 1e9:6.1f} GFLOP/s")
-        if args.against:
-            base = statistics.median(times[args.against])
-            line += (f"  | {args.against} {1e3 * base:7.2f} ms: now/{args.against} {t / base:.3f}, "
-                     f"bitwise {'equal' if np.array_equal(*outputs) else 'DIFFERENT'}")
+                f"{2 * M * nbytes / 4 / t / 1e9:6.1f} GFLOP/s" + versus)
         print(line, flush=True)
 
 
