@@ -349,17 +349,18 @@ class Engine:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
         decode, for the capacities on the way), so later timings measure compute, not compilation.
         With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
-        4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs
-        seconds of tracing even when the persistent cache holds its compiled code)."""
+        4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs ~1.5 s
+        of tracing and lowering even when the persistent cache holds its compiled code).
+        Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
         top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
             for T in FAST_BUCKETS:
                 if T <= min(top, cap):
-                    kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
-                    programs.forward(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg)[0].block_until_ready()
+                    programs.forward.lower(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg).compile()
         for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
-            programs.sample(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
-                            jnp.float32(1), allowed).block_until_ready()
+            programs.sample.lower(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                                  jnp.float32(1), allowed).compile()
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""
