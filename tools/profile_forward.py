@@ -36,6 +36,8 @@ CATEGORIES = [
     ("<lambda>", "", "attention: query tiling"),
     ("_write", "", "KV cache write (dynamic-update-slice)"),
     ("rms_norm", "", "RMS norms"),
+    ("_mean_square_in_order", "", "RMS norms"),
+    ("_fold", "", "RMS norms"),
     ("apply_rope", "", "RoPE"),
     ("rope_tables", "", "RoPE"),
     ("decoder_layer", "silu", "MLP silu(gate) * up"),
