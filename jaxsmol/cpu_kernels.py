@@ -169,12 +169,12 @@ def pack_params(params, packed: bool = True):
     return params.replace(layers=layers, unembed=convert(params.unembed))
 
 
-def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, panels: jax.Array, target: str = "jaxsmol_matmul") -> jax.Array:
     """x [..., K] @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
-    (available() must be True)."""
+    (available() must be True). `target`: another build's registered name (tools/kernel_revision.py)."""
     P, K, _ = panels.shape
     lead, N = x.shape[:-1], P * PANEL
-    call = jax.ffi.ffi_call("jaxsmol_matmul", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     return call(x.reshape(-1, K), panels).reshape(*lead, N)
 
 
@@ -183,10 +183,12 @@ def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
     return q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in HEAD_DIMS
 
 
-def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array,
+              target: str = "jaxsmol_attention") -> jax.Array:
     """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
     [B]) over cache layer `layer` of k_all, v_all [L, B, K, S, H] (the chunk's keys already written)
-    -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk."""
+    -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
+    `target`: another build's registered name (tools/kernel_revision.py)."""
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
-    call = jax.ffi.ffi_call("jaxsmol_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, pos, layer=np.int64(layer))

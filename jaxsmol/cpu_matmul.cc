@@ -87,16 +87,15 @@ constexpr int kWholeGroup = (kVecRegs - 1) / kPanelVecs - 1;  // accumulators + 
 constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 1.03-1.09x
 
 // One pass of R rows (xt [K, R], transposed) over one panel. Up to kFewWhole rows of a whole-panel
-// tile run over all of K (with AVX2: up to kWholeUpTo rows, whole-panel groups). Otherwise the groups (and column tiles) take turns on each kBlockRows-row
-// block of the panel: the block comes from memory for the first and from L1 for the rest, so the
+// tile run over all of K (with AVX2: up to kWholeGroup rows, then whole-panel groups up to
+// kWholeUpTo). Otherwise the groups (and column tiles) take turns on each kBlockRows-row block of
+// the panel: the block comes from memory for the first and from L1 for the rest, so the
 // weight streams in while all compute. (At 16 lanes, 16 rows x 1 vector over the whole panel, then
 // its other half, made each weight load serve half the FMAs: 1.35x the time at 16 rows.)
 template <int R>
 void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
-  if constexpr (R <= kFewWhole && kColTiles == 1) {
-    Tile<R, R, kAhead, false>(xt, panel, y, N, 0, K, true);
-  } else if constexpr (R <= kWholeGroup && R <= kWholeUpTo) {
-    Tile<R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);
+  if constexpr ((R <= kFewWhole && kColTiles == 1) || (R <= kWholeGroup && R <= kWholeUpTo)) {
+    Tile<R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
   } else if constexpr (R <= kWholeUpTo) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
       Groups<R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));

@@ -12,6 +12,7 @@ two in this process, printing the ratio and whether their outputs are bitwise eq
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +33,6 @@ def stack(attention):
     return layers
 
 
-def revision_attention(rev: str):
-    target = kernel_revision.register(rev, "cpu_attention.cc", "JaxsmolAttention")
-
-    def attention(q, k_all, v_all, layer, pos):
-        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k_all, v_all, pos,
-                                                                                    layer=np.int64(layer))
-    return attention
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["1x2000", "8x2000", "1x700", "4x700", "1x100"],
@@ -52,7 +44,8 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not available")
     programs = {"now": stack(cpu_kernels.attention)}
     if args.against:
-        programs[args.against] = stack(revision_attention(args.against))
+        target = kernel_revision.register(args.against, "cpu_attention.cc", "JaxsmolAttention")
+        programs[args.against] = stack(functools.partial(cpu_kernels.attention, target=target))
     rng = np.random.default_rng(0)
     for case in args.cases:
         B, P = map(int, case.split("x"))

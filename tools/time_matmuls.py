@@ -13,6 +13,7 @@ taken side by side compare two builds.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +41,6 @@ def stack(matmul):
     return layers
 
 
-def revision_matmul(rev: str):
-    """git revision rev's matmul kernel, built beside the current one (tools/kernel_revision.py)."""
-    target = kernel_revision.register(rev, "cpu_matmul.cc", "JaxsmolMatmul")
-
-    def matmul(x, panels):
-        out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * 32), jnp.float32)
-        return jax.ffi.ffi_call(target, out)(x, panels)
-    return matmul
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
@@ -64,7 +55,8 @@ def main() -> None:
     nbytes = sum(k * n for k, n in SHAPES) * LAYERS * 4
     programs = {"now": stack(cpu_kernels.matmul)}
     if args.against:
-        programs[args.against] = stack(revision_matmul(args.against))
+        target = kernel_revision.register(args.against, "cpu_matmul.cc", "JaxsmolMatmul")
+        programs[args.against] = stack(functools.partial(cpu_kernels.matmul, target=target))
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
         t, versus = kernel_revision.side_by_side(programs, (weights, x), args.runs, args.against)
