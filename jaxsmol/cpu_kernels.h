@@ -37,6 +37,21 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof v); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// A weight vector as float32: stored float32, or bfloat16 (a float32's upper 16 bits, so widening
+// is exact: the bits shifted up). A product then sums the same float32 values in the same order
+// whichever way its weights are stored; bfloat16 halves the bytes a decode step streams.
+typedef uint16_t HalfVec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t WideVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline Vec LoadWeight(const float* p) { return Load(p); }
+inline Vec LoadWeight(const uint16_t* p) {
+  HalfVec h;
+  std::memcpy(&h, p, sizeof h);
+  const WideVec wide = __builtin_convertvector(h, WideVec) << 16;
+  Vec v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
 // At least n floats of scratch for one use site (Site) on this thread, kept between calls: a fresh
 // buffer of more than 128 KB is a new mapping in glibc, faulted in page by page on every call (a
 // 1024-token prefill: +133K page faults when attention allocated its scratch per task). Pool threads

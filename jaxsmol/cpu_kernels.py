@@ -1,7 +1,8 @@
 """Two float32 CPU kernels, written in C++ and called from the jitted forward through JAX's foreign
 function interface (`jax.ffi`):
 
-- `matmul` (cpu_matmul.cc), for every matmul of the model. Each output element is one fused
+- `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16
+  (widened exactly as they load; activations, sums and the cache stay float32). Each output element is one fused
   multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
   other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
   as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
@@ -42,9 +43,11 @@ import numpy as np
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
-TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_attention": "JaxsmolAttention"}
+TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
+           "jaxsmol_attention": "JaxsmolAttention"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -131,10 +134,10 @@ def fits(cfg) -> bool:
 
 
 def configure(cfg, dtype, mesh=None):
-    """cfg with `cpu_kernels` set: on for float32 weights on one CPU device where the kernels load and
-    the model's shapes fit them. (A mesh partitions the forward with GSPMD, which cannot split a
-    custom call.) Params for a cfg with the kernels on are packed (pack_params)."""
-    use = (jnp.dtype(dtype) == jnp.float32 and mesh is None and jax.default_backend() == "cpu" and fits(cfg)
+    """cfg with `cpu_kernels` set: on for float32 or bfloat16 weights on one CPU device where the
+    kernels load and the model's shapes fit them. (A mesh partitions the forward with GSPMD, which
+    cannot split a custom call.) Params for a cfg with the kernels on are packed (pack_params)."""
+    use = (jnp.dtype(dtype) in WEIGHT_DTYPES and mesh is None and jax.default_backend() == "cpu" and fits(cfg)
            and available())
     return cfg if cfg.cpu_kernels == use else dataclasses.replace(cfg, cpu_kernels=use)
 
@@ -162,16 +165,27 @@ def is_packed(w) -> bool:
 def pack_params(params, packed: bool = True):
     """params with every matmul weight packed (the layers' matrices and the unembedding; not the
     embedding table, whose rows are gathered), or with packed=False every one unpacked: the layout
-    a cfg with the kernels on, or off, needs. Weights already in that layout are kept."""
+    a cfg with the kernels on, or off, needs. Weights already in that layout are kept. Packed, the
+    rest (embedding table, norms) is float32: the kernels compute in float32 whatever the matrices'
+    dtype, and the cache takes the embedding's dtype."""
     def convert(w):
         return w if is_packed(w) == packed else pack(w) if packed else unpack(w)
-    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES}) for layer in params.layers)
-    return params.replace(layers=layers, unembed=convert(params.unembed))
+
+    def rest(a):
+        return a.astype(jnp.float32) if packed else a
+    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES},
+                                 attn_norm=rest(layer.attn_norm), mlp_norm=rest(layer.mlp_norm))
+                   for layer in params.layers)
+    return params.replace(layers=layers, unembed=convert(params.unembed), embed=rest(params.embed),
+                          final_norm=rest(params.final_norm))
 
 
-def matmul(x: jax.Array, panels: jax.Array, target: str = "jaxsmol_matmul") -> jax.Array:
-    """x [..., K] @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
-    (available() must be True). `target`: another build's registered name (tools/kernel_revision.py)."""
+def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Array:
+    """x [..., K] float32 @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
+    in float32 or bfloat16 (available() must be True). `target`: another build's registered name
+    (tools/kernel_revision.py); by default the project's own for the weight's dtype."""
+    if target is None:
+        target = "jaxsmol_matmul_bf16" if panels.dtype == jnp.bfloat16 else "jaxsmol_matmul"
     P, K, _ = panels.shape
     lead, N = x.shape[:-1], P * PANEL
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))

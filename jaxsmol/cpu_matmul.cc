@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] @ w[K, N] in float32 for the jitted forward (cpu_kernels.py): every matmul of the
-// model, decode steps and prefill chunks alike.
+// model, decode steps and prefill chunks alike. The weight may be stored in bfloat16 (widened exactly
+// as it loads: LoadWeight), which halves what a decode step streams.
 //
 // Summation order: every output element is one fused multiply-add chain over k = 0, 1, ..., K-1,
 // whatever M, the path below, the thread count or the tiling. So a row's bits do not depend on how
@@ -21,7 +22,8 @@
 // - Many rows (prefill chunks). BLIS's blocking: x packed once into groups of 14 rows, k-major; per
 //   thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32 register tile (28
 //   accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that block, loaded from y
-//   and stored back between blocks, so each element is still one chain in k order. Measured in the model: as fast as XLA's GEMM at 512 rows.
+//   and stored back between blocks, so each element is still one chain in k order. Measured in the
+//   model: as fast as XLA's GEMM at 512 rows. A bfloat16 block is widened once, for all row groups.
 #include "cpu_kernels.h"
 
 namespace {
@@ -44,17 +46,17 @@ constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8
 // from y, so each element stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches
 // the panel's row (all its 32 columns: with two column tiles, the first one's prefetch serves both),
 // and x with PrefetchX, that many rows on.
-template <int R, int LD, int64_t Ahead, bool PrefetchX, int V = kTileVecs>
-inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
+template <typename W, int R, int LD, int64_t Ahead, bool PrefetchX, int V = kTileVecs>
+inline void Tile(const float* xt, const W* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (Ahead > 0)
-      for (int64_t c = 0; c < kPanel; c += 16) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
+      for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
     if constexpr (PrefetchX) __builtin_prefetch(xt + (k + Ahead) * LD);
     Vec wk[V];
-    for (int v = 0; v < V; ++v) wk[v] = Load(panel + k * kPanel + kLanes * v);
+    for (int v = 0; v < V; ++v) wk[v] = LoadWeight(panel + k * kPanel + kLanes * v);
     for (int r = 0; r < R; ++r) {
       const float xs = xt[k * LD + r];
       for (int v = 0; v < V; ++v) acc[r][v] += xs * wk[v];  // contracted to one FMA
@@ -69,11 +71,11 @@ inline void Tile(const float* xt, const float* panel, float* y, int64_t N, int64
 // Rows 0..R-1 of a pass (xt [K, LD]) over rows k0..k1 of one column tile, in groups of kFewGroup; the
 // first group prefetches when Lead.
 // (V vectors a row and groups of GS rows: the whole-panel groups below.)
-template <int R, int LD, bool Lead, int V = kTileVecs, int GS = kFewGroup>
-inline void Groups(const float* xt, const float* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
+template <typename W, int R, int LD, bool Lead, int V = kTileVecs, int GS = kFewGroup>
+inline void Groups(const float* xt, const W* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
   constexpr int G = R < GS ? R : GS;
-  Tile<G, LD, Lead ? kAhead : 0, false, V>(xt, panel, y, N, k0, k1, k0 == 0);
-  if constexpr (R > G) Groups<R - G, LD, false, V, GS>(xt + G, panel, y + G * N, N, k0, k1);
+  Tile<W, G, LD, Lead ? kAhead : 0, false, V>(xt, panel, y, N, k0, k1, k0 == 0);
+  if constexpr (R > G) Groups<W, R - G, LD, false, V, GS>(xt + G, panel, y + G * N, N, k0, k1);
 }
 
 // Whole-panel groups: Groups over the whole panel at once (kPanelVecs vectors a row), kWholeGroup rows
@@ -92,29 +94,32 @@ constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 
 // the panel: the block comes from memory for the first and from L1 for the rest, so the
 // weight streams in while all compute. (At 16 lanes, 16 rows x 1 vector over the whole panel, then
 // its other half, made each weight load serve half the FMAs: 1.35x the time at 16 rows.)
-template <int R>
-void PanelPass(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
+template <typename W, int R>
+void PanelPass(const float* xt, const W* panel, float* y, int64_t K, int64_t N) {
   if constexpr ((R <= kFewWhole && kColTiles == 1) || (R <= kWholeGroup && R <= kWholeUpTo)) {
-    Tile<R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
+    Tile<W, R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
   } else if constexpr (R <= kWholeUpTo) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
-      Groups<R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
+      Groups<W, R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
   } else {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
       const int64_t k1 = std::min(k0 + kBlockRows, K);
-      Groups<R, R, true>(xt, panel, y, N, k0, k1);
+      Groups<W, R, R, true>(xt, panel, y, N, k0, k1);
       for (int64_t c = 1; c < kColTiles; ++c)
-        Groups<R, R, false>(xt, panel + c * kTileCols, y + c * kTileCols, N, k0, k1);
+        Groups<W, R, R, false>(xt, panel + c * kTileCols, y + c * kTileCols, N, k0, k1);
     }
   }
 }
 
-using PassFn = void (*)(const float*, const float*, float*, int64_t, int64_t);
-template <int... Rs>
-constexpr PassFn kPasses[] = {nullptr, &PanelPass<Rs>...};
-constexpr auto& kPassFor = kPasses<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
+template <typename W>
+using PassFn = void (*)(const float*, const W*, float*, int64_t, int64_t);
+template <typename W, int... Rs>
+constexpr PassFn<W> kPasses[] = {nullptr, &PanelPass<W, Rs>...};
+template <typename W>
+constexpr auto& kPassFor = kPasses<W, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
 
-void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+template <typename W>
+void FewRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   // each pass of <= 16 rows transposed to [K, rows], so a k step's rows are adjacent
   float* const xt = ThreadScratch<1>(M * K);
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
@@ -127,7 +132,7 @@ void FewRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, in
   ParallelFor(pool, (panels + part - 1) / part, [xt, w, y, M, K, N, panels, part](int64_t t) {
     for (int64_t p = t * part; p < std::min(panels, (t + 1) * part); ++p)
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)  // a second pass finds the panel in cache
-        kPassFor[std::min(kRowsPerPass, M - m0)](xt + m0 * K, w + p * K * kPanel, y + m0 * N + p * kPanel, K, N);
+        kPassFor<W>[std::min(kRowsPerPass, M - m0)](xt + m0 * K, w + p * K * kPanel, y + m0 * N + p * kPanel, K, N);
   });
 }
 
@@ -142,8 +147,9 @@ constexpr int64_t kPrefetch = 8;  // k steps ahead: 1.07x the speed of none in t
 // One block (rows k0..k1) of one panel for one group of R rows of xp (k-major, R apart).
 using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, bool);
 template <int... Rs>
-constexpr TileFn kTiles[] = {nullptr, &Tile<Rs, Rs, kPrefetch, true>...};
+constexpr TileFn kTiles[] = {nullptr, &Tile<float, Rs, Rs, kPrefetch, true>...};
 constexpr auto& kTileFor = kTiles<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>;
+constexpr int64_t kWidenPanels = 32;  // bfloat16: panels widened at a time (a 768 KB block of them)
 
 // Rows g0..g0+rows of x [M, K] -> one group of xp, k-major over the whole K: xp[g0 K + k rows + r].
 void PackRows(const float* x, float* xp, int64_t K, int64_t g0, int64_t rows) {
@@ -153,21 +159,47 @@ void PackRows(const float* x, float* xp, int64_t K, int64_t g0, int64_t rows) {
     for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * K + k];
 }
 
+// Rows k0..k0+kc of panels q0..q1 as float32: (the first one's start, the stride between panels).
+// float32 weights are read in place. bfloat16 ones are widened once into scratch, not by every row
+// group's tile: at 6 rows a group, widening in the tile ran a 512-token prefill at 0.74x float32's speed.
+struct Block {
+  const float* start;
+  int64_t stride;
+};
+Block PanelBlock(const float* w, int64_t K, int64_t k0, int64_t, int64_t q0, int64_t) {
+  return {w + (q0 * K + k0) * kPanel, K * kPanel};
+}
+Block PanelBlock(const uint16_t* w, int64_t K, int64_t k0, int64_t kc, int64_t q0, int64_t q1) {
+  float* const wide = ThreadScratch<3>((q1 - q0) * kc * kPanel);
+  for (int64_t p = q0; p < q1; ++p)
+    for (int64_t k = 0; k < kc; ++k)
+      for (int64_t j = 0; j < kPanel; j += kLanes)
+        Store(wide + ((p - q0) * kc + k) * kPanel + j, LoadWeight(w + (p * K + k0 + k) * kPanel + j));
+  return {wide, kc * kPanel};
+}
+
 // y[:, 32 p0 : 32 p1] = x @ those panels of w, x packed by PackRows.
-void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+template <typename W>
+void ManyPanels(const float* xp, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
     const int64_t kc = std::min(kBlockK, K - k0);
-    for (int64_t g = 0; g < M; g += kGroup) {
-      const int64_t rows = std::min<int64_t>(kGroup, M - g);
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t c = 0; c < kPanel; c += kTileCols)
-          kTileFor[rows](xp + g * K, w + p * K * kPanel + c, y + g * N + p * kPanel + c, N, k0, k0 + kc, k0 == 0);
+    for (int64_t q0 = p0; q0 < p1; q0 += kWidenPanels) {
+      const int64_t q1 = std::min(p1, q0 + kWidenPanels);
+      const Block block = PanelBlock(w, K, k0, kc, q0, q1);
+      for (int64_t g = 0; g < M; g += kGroup) {
+        const int64_t rows = std::min<int64_t>(kGroup, M - g);
+        for (int64_t p = q0; p < q1; ++p)
+          for (int64_t c = 0; c < kPanel; c += kTileCols)
+            kTileFor[rows](xp + g * K + k0 * rows, block.start + (p - q0) * block.stride + c, y + g * N + p * kPanel + c,
+                           N, 0, kc, k0 == 0);
+      }
     }
   }
 }
 
 // x packed once (its row groups split between the threads), then the panels split between them.
-void ManyRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+template <typename W>
+void ManyRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   float* const xp = ThreadScratch<2>(M * K);
   ParallelFor(pool, (M + kGroup - 1) / kGroup,
               [=](int64_t g) { PackRows(x, xp, K, g * kGroup, std::min<int64_t>(kGroup, M - g * kGroup)); });
@@ -178,24 +210,36 @@ void ManyRows(ffi::ThreadPool& pool, const float* x, const float* w, float* y, i
 }
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: a template's comma would split the macro's arguments
-using Panels = ffi::Buffer<ffi::F32, 3>;
 using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
 
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Panels w, OutMatrix y) {
+// x float32, w packed float32 or bfloat16 (WeightType), y float32.
+template <ffi::DataType WeightType>
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WeightType, 3> w, OutMatrix y) {
+  using W = ffi::NativeType<WeightType>;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0] * kPanel;
   if (w.dimensions()[1] != K || w.dimensions()[2] != kPanel || y->dimensions()[0] != M || y->dimensions()[1] != N)
     return ffi::Error::InvalidArgument("matmul: needs x [M, K], w packed [N / 32, K, 32], y [M, N]");
-  (M < kManyFrom ? FewRows : ManyRows)(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
+  (M < kManyFrom ? FewRows<W> : ManyRows<W>)(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
   return ffi::Error::Success();
 }
 
+using Panels = ffi::Buffer<ffi::F32, 3>;
+using PanelsBf16 = ffi::Buffer<ffi::BF16, 3>;
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmul, Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmul, Matmul<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulBf16, Matmul<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<PanelsBf16>()
                                   .Ret<Matrix>());
 
 // The build's vector width (cpu_kernels.h), part of the engine's fingerprint.

@@ -15,9 +15,10 @@ dtype too, while the residual stream, RoPE, the softmax and the logits are float
 (so the residual stream keeps one dtype, and bfloat16 loses precision only where it saves memory).
 With float32 weights every cast is a no-op.
 
-With `cfg.cpu_kernels` (float32 on one CPU device; the Engine sets it), attention and every matmul
-run C++ kernels instead (cpu_kernels.py), and the RMS norm sums in a fixed order; the functions below are then the reference
-they are tested against, and what bfloat16 weights and device meshes run.
+With `cfg.cpu_kernels` (one CPU device; the Engine sets it), attention and every matmul run C++
+kernels instead (cpu_kernels.py), and the RMS norm sums in a fixed order; the functions below are then
+the reference they are tested against, and what device meshes run. The kernels compute in float32
+(activations and cache) whatever the matrices' dtype: bfloat16 matrices are widened as they load.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     into k_all, v_all [L, B, K, S, H] at slots pos.. -> (x, k_all, v_all)."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
-    dt = w.wq.dtype  # the dtype of the matrix products' inputs (see the module docstring)
+    dt = jnp.float32 if cfg.cpu_kernels else w.wq.dtype  # the matrix products' inputs (module docstring)
     layer = jnp.int32(i)
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     q = linear(h, w.wq, cfg).reshape(B, T, K * G, H)

@@ -2,8 +2,8 @@
 
 They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
 whatever else shares its call (batch rows, or the chunk a query row arrives in), read nothing beyond
-a row's position, and be switched on only where they apply (float32, one device) and off cleanly
-where they cannot be built. (Cached == uncached with them on: tests/test_bitwise.py and the prefix
+a row's position, and be switched on only where they apply (float32 or bfloat16 weights, one
+device) and off cleanly where they cannot be built. (Cached == uncached with them on: tests/test_bitwise.py and the prefix
 cache tests, whose engines have them on.)
 """
 
@@ -186,12 +186,50 @@ def test_the_kernels_use_this_cpus_vector_width():
 
 
 def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine):
-    """float32 on one device: on; bfloat16: off. (A mesh: off, asserted in tests/test_sharding.py.)"""
+    """float32 or bfloat16 weights on one device: on (a mesh: off, asserted in tests/test_sharding.py);
+    shapes that are not whole weight panels: off."""
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
 
     assert tiny_engine.cfg.cpu_kernels
-    assert not Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.cpu_kernels
+    assert Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.cpu_kernels
+    odd = dataclasses.replace(tiny_cfg, ffn_dim=144)
+    assert not Engine(odd, init_random(odd), None).cfg.cpu_kernels
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 31, 32, 100])
+def test_bfloat16_weights_give_the_bits_of_their_float32_values(M):
+    """A bfloat16 weight is widened exactly as it loads, so its product has the bits of the same
+    values stored float32, on the few-row and the many-row paths."""
+    rng = np.random.default_rng(M)
+    w = jnp.asarray(rng.standard_normal((576, 1536), dtype=np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((M, 576), dtype=np.float32))
+    half = jnp.asarray(cpu_kernels.pack(np.asarray(w)))
+    assert half.dtype == jnp.bfloat16
+    got = np.asarray(cpu_kernels.matmul(x, half))
+    np.testing.assert_array_equal(got, np.asarray(cpu_kernels.matmul(x, cpu_kernels.pack(w.astype(jnp.float32)))))
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64), rtol=0, atol=1e-3)
+
+
+def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tiny_cfg):
+    """bfloat16 weights under the kernels: the matrices stay bfloat16 (half the bytes a decode step
+    streams); the embedding, norms, activations and cache are float32; and the logits and tokens are
+    those of a float32 engine whose weights hold the same (bfloat16-rounded) values, bit for bit."""
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+    from jaxsmol.sampling import SamplingParams
+
+    narrow = init_random(tiny_cfg, seed=3, dtype=jnp.bfloat16)
+    e16 = Engine(tiny_cfg, narrow, None, ctx=512)
+    e32 = Engine(tiny_cfg, jax.tree.map(lambda a: a.astype(jnp.float32), narrow), None, ctx=512)
+    assert e16.cfg.cpu_kernels and e32.cfg.cpu_kernels
+    assert {getattr(e16.params.layers[0], f).dtype for f in cpu_kernels.MATRICES} == {jnp.dtype(jnp.bfloat16)}
+    assert e16.params.unembed.dtype == jnp.bfloat16 and e16.params.embed.dtype == jnp.float32
+    assert e16.params.layers[0].attn_norm.dtype == jnp.float32 and e16.new_cache(64).k.dtype == jnp.float32
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, tiny_cfg.vocab_size, 100)]
+    np.testing.assert_array_equal(e16.logits_all(ids), e32.logits_all(ids))
+    sp = SamplingParams(max_tokens=6)
+    assert e16.generate(ids, sp).output_ids == e32.generate(ids, sp).output_ids
 
 
 def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):

@@ -250,9 +250,9 @@ def _logprobs(logits) -> np.ndarray:
     return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
 
 
-# Why these bounds: bfloat16 keeps 8 significant bits, so every weight, activation and cached key or
-# value fed to a product is off by up to 2^-9 relative. The logits come out of 2 (tiny) or 30 (real)
-# layers of such roundings; a log-prob moves by at most twice its logits' largest move (the log-sum-exp
+# Why these bounds: bfloat16 keeps 8 significant bits, so every weight (and, on XLA's ops, every
+# activation and cached key or value) fed to a product is off by up to 2^-9 relative. The logits come
+# out of 2 (tiny) or 30 (real) layers of such roundings; a log-prob moves by at most twice its logits' largest move (the log-sum-exp
 # moves by at most that much). Measured: tiny 0.05 nats at most over the whole vocabulary; real
 # (SmolLM2-135M) 0.29 nats at most among tokens the float32 model gives log-prob > -10 (0.45 over the
 # whole vocabulary, in the far tail) on three prompts. A dtype bug (float32 state rounded through
@@ -262,22 +262,29 @@ TINY_BF16_NATS = 0.2
 REAL_BF16_NATS = 0.75  # among tokens with float32 log-prob > -10
 
 
-def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_path):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_path, monkeypatch, kernels):
+    """On the CPU kernels (only the matrices bfloat16; a float32 cache) and on XLA's ops (as with a
+    mesh, or without a C++ compiler: products and cache bfloat16)."""
     from cache.prefix_cache import PrefixCache
+    from jaxsmol import cpu_kernels
     from jaxsmol.engine import Engine
     from jaxsmol.sampling import SamplingParams
 
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     e16 = Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None, ctx=1024)
-    e16._fingerprint = "tiny-bf16"
+    e16._fingerprint = f"tiny-bf16-{kernels}"
+    cache_dtype = jnp.float32 if kernels else jnp.bfloat16
     ids = [int(t) for t in _ids(100, seed=3, vocab=253) + 3]
-    assert e16.new_cache(128).k.dtype == jnp.bfloat16  # weights and cache in bfloat16
+    assert e16.cfg.cpu_kernels == kernels and e16.new_cache(128).k.dtype == cache_dtype
     a, b = tiny_engine.logits_all(ids), e16.logits_all(ids)
     assert b.dtype == np.float32
     assert np.abs(_logprobs(a) - _logprobs(b)).max() <= TINY_BF16_NATS
     sp = SamplingParams(max_tokens=8)
     cold = e16.generate(ids, sp)
     assert cold.output_ids == tiny_engine.generate(ids, sp).output_ids
-    # the prefix cache holds bfloat16 segments, and a warm run has the bits of the cold one
+    # the prefix cache holds segments of the cache's dtype, and a warm run has the bits of the cold one
     cache = PrefixCache(e16)
     cache.generate(ids, sp)
     warm, report = cache.generate(ids + cold.output_ids[:3] + [7, 8], sp)
@@ -285,8 +292,8 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     assert report.reused >= 100 and warm.output_ids == ref.output_ids
     assert np.array_equal(warm.prompt_logits, ref.prompt_logits)
     seg = cache.snapshot_of(ids)
-    assert seg.k.dtype == jnp.bfloat16 and seg.logits[100].dtype == np.float32
-    # a bfloat16 snapshot file passes the engine's dtype check and restores exactly
+    assert seg.k.dtype == cache_dtype and seg.logits[100].dtype == np.float32
+    # a snapshot file passes the engine's dtype check and restores exactly
     from cache.disk import load_prompt_cache, save_prompt_cache
 
     save_prompt_cache(cache, tmp_path / "bf16.safetensors", ids)
