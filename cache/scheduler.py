@@ -279,7 +279,7 @@ class Scheduler:
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
         if self.batch is None or not live:
             cfg = self.engine.cfg
-            self.batch = KVCache.zeros(cfg, capacity, batch=width, dtype=self.engine.params.embed.dtype,
+            self.batch = KVCache.zeros(cfg, capacity, batch=width, dtype=self.engine.params.compute_dtype,
                                        mesh=self.engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
         else:
             source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)

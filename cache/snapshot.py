@@ -63,7 +63,7 @@ def identity(engine) -> dict:
     tok_fp = "none" if tok is None else (getattr(tok, "fingerprint", None) or f"unhashed:{type(tok).__name__}")
     return {"model": engine.fingerprint, "tokenizer": tok_fp,
             "kv_dims": (cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim),
-            "kv_dtype": np.dtype(engine.params.embed.dtype).name, "vocab": cfg.vocab_size, "ctx": engine.ctx,
+            "kv_dtype": np.dtype(engine.params.compute_dtype).name, "vocab": cfg.vocab_size, "ctx": engine.ctx,
             "max_bytes": max_snapshot_bytes(engine)}
 
 

@@ -165,19 +165,11 @@ def is_packed(w) -> bool:
 def pack_params(params, packed: bool = True):
     """params with every matmul weight packed (the layers' matrices and the unembedding; not the
     embedding table, whose rows are gathered), or with packed=False every one unpacked: the layout
-    a cfg with the kernels on, or off, needs. Weights already in that layout are kept. Packed, the
-    rest (embedding table, norms) is float32: the kernels compute in float32 whatever the matrices'
-    dtype, and the cache takes the embedding's dtype."""
+    a cfg with the kernels on, or off, needs. Weights already in that layout are kept."""
     def convert(w):
         return w if is_packed(w) == packed else pack(w) if packed else unpack(w)
-
-    def rest(a):
-        return a.astype(jnp.float32) if packed else a
-    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES},
-                                 attn_norm=rest(layer.attn_norm), mlp_norm=rest(layer.mlp_norm))
-                   for layer in params.layers)
-    return params.replace(layers=layers, unembed=convert(params.unembed), embed=rest(params.embed),
-                          final_norm=rest(params.final_norm))
+    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES}) for layer in params.layers)
+    return params.replace(layers=layers, unembed=convert(params.unembed))
 
 
 def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Array:

@@ -242,7 +242,7 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one position over all layers (float32 SmolLM2-135M: 46,080)."""
         c = self.cfg
-        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.params.embed.dtype.itemsize
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.params.compute_dtype.itemsize
 
     # ---- validation -----------------------------------------------------------------------------
     def check_prompt(self, ids, max_tokens: int = 0) -> list[int]:
@@ -275,7 +275,7 @@ class Engine:
         cap = capacity_for(slots)
         if self._pool.get(cap):
             return self._pool[cap].pop().replace(pos=jnp.zeros((), jnp.int32))
-        return KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
+        return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
@@ -354,7 +354,7 @@ class Engine:
         Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
         top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
-            kv = KVCache.zeros(self.cfg, cap, dtype=self.params.embed.dtype, mesh=self.mesh)
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
             for T in FAST_BUCKETS:
                 if T <= min(top, cap):
                     programs.forward.lower(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg).compile()

@@ -191,7 +191,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     """
     B, T = tokens.shape
     pos = kv.pos
-    dt = params.embed.dtype
+    dt = params.compute_dtype
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), cfg.head_dim, cfg.rope_theta)  # [T, H] or [B, T, H]
     x = params.embed[tokens].astype(jnp.float32)  # [B, T, D], the residual stream
     k_all, v_all = kv.k, kv.v

@@ -47,6 +47,12 @@ class Params:
     # x . [V, D] for one decode row (4.4 vs 11 ms for SmolLM2's 49152 x 576), a quarter of a step.
 
     @property
+    def compute_dtype(self):
+        """The activations' and the cache's dtype: float32 under the CPU kernels (packed matrices, which
+        they widen as they load), else the weights' own (XLA's ops compute in it)."""
+        return jnp.dtype(jnp.float32) if self.unembed.ndim == 3 else self.embed.dtype
+
+    @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
@@ -133,8 +139,7 @@ def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
 def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     """Map HF tensors (a dict of arrays, or a `Checkpoint`) to `Params`, asserting every shape;
     a missing or unexpected tensor is an error. Tensors are read one at a time. With
-    cfg.cpu_kernels the matrices come packed for the kernel, in dtype, and the rest float32
-    (cpu_kernels.pack_params)."""
+    cfg.cpu_kernels the matrices come packed for the kernel (cpu_kernels.pack_params)."""
     shape_of = tensors.shape if isinstance(tensors, Checkpoint) else (lambda name: tuple(tensors[name].shape))
     names = {k for k in tensors.keys() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
@@ -153,19 +158,16 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     def matrix(a):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra matrix)
         return jnp.asarray(cpu_kernels.pack(a.T) if cfg.cpu_kernels else np.ascontiguousarray(a.T), dtype)
 
-    def vector(a):  # the embedding table or a norm: in dtype, held float32 for the kernels (pack_params)
-        v = jnp.asarray(a, dtype)
-        return v.astype(jnp.float32) if cfg.cpu_kernels else v
-
     def weight(i, suffix, shape):  # a matrix, or a norm's [D]
         a = tensors[f"model.layers.{i}.{suffix}"]
-        return matrix(a) if len(shape) == 2 else vector(a)
+        return matrix(a) if len(shape) == 2 else jnp.asarray(a, dtype)
 
     layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
                    for i in range(cfg.n_layers))
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
-    return Params(embed=vector(embed), layers=layers, final_norm=vector(tensors["model.norm.weight"]),
+    return Params(embed=jnp.asarray(embed, dtype), layers=layers,
+                  final_norm=jnp.asarray(tensors["model.norm.weight"], dtype),
                   unembed=matrix(head))
 
 

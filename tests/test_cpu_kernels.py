@@ -213,7 +213,7 @@ def test_bfloat16_weights_give_the_bits_of_their_float32_values(M):
 
 def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tiny_cfg):
     """bfloat16 weights under the kernels: the matrices stay bfloat16 (half the bytes a decode step
-    streams); the embedding, norms, activations and cache are float32; and the logits and tokens are
+    streams, as do the embedding and norms); activations and cache are float32; and the logits and tokens are
     those of a float32 engine whose weights hold the same (bfloat16-rounded) values, bit for bit."""
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
@@ -224,8 +224,9 @@ def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tin
     e32 = Engine(tiny_cfg, jax.tree.map(lambda a: a.astype(jnp.float32), narrow), None, ctx=512)
     assert e16.cfg.cpu_kernels and e32.cfg.cpu_kernels
     assert {getattr(e16.params.layers[0], f).dtype for f in cpu_kernels.MATRICES} == {jnp.dtype(jnp.bfloat16)}
-    assert e16.params.unembed.dtype == jnp.bfloat16 and e16.params.embed.dtype == jnp.float32
-    assert e16.params.layers[0].attn_norm.dtype == jnp.float32 and e16.new_cache(64).k.dtype == jnp.float32
+    assert e16.params.unembed.dtype == e16.params.embed.dtype == e16.params.layers[0].attn_norm.dtype == jnp.bfloat16
+    assert e16.params.compute_dtype == jnp.float32 and e16.new_cache(64).k.dtype == jnp.float32
+    assert e16.params.nbytes * 2 == e32.params.nbytes
     ids = [int(t) for t in np.random.default_rng(4).integers(3, tiny_cfg.vocab_size, 100)]
     np.testing.assert_array_equal(e16.logits_all(ids), e32.logits_all(ids))
     sp = SamplingParams(max_tokens=6)

@@ -252,12 +252,14 @@ def _logprobs(logits) -> np.ndarray:
 
 # Why these bounds: bfloat16 keeps 8 significant bits, so every weight (and, on XLA's ops, every
 # activation and cached key or value) fed to a product is off by up to 2^-9 relative. The logits come
-# out of 2 (tiny) or 30 (real) layers of such roundings; a log-prob moves by at most twice its logits' largest move (the log-sum-exp
-# moves by at most that much). Measured: tiny 0.05 nats at most over the whole vocabulary; real
-# (SmolLM2-135M) 0.29 nats at most among tokens the float32 model gives log-prob > -10 (0.45 over the
-# whole vocabulary, in the far tail) on three prompts. A dtype bug (float32 state rounded through
-# bfloat16 twice, RoPE or softmax in bfloat16, a cache of the wrong dtype) moves them by whole nats.
-# The bounds leave about 4x (tiny) and 2.5x (real) the measured moves for other prompts.
+# out of 2 (tiny) or 30 (real) layers of such roundings; a log-prob moves by at most twice its logits'
+# largest move (the log-sum-exp moves by at most that much). Measured on XLA's ops: tiny 0.05 nats at
+# most over the whole vocabulary; real (SmolLM2-135M) 0.29 nats at most among tokens the float32
+# model gives log-prob > -10 (0.45 over the whole vocabulary, in the far tail) on three prompts. With
+# the kernels (only the weights rounded): real 0.10 nats (0.13 over the whole vocabulary). A dtype bug
+# (float32 state rounded through bfloat16 twice, RoPE or softmax in bfloat16, a cache of the wrong
+# dtype) moves them by whole nats. The bounds leave about 4x (tiny) and 2.5x (real) the measured
+# moves of XLA's ops for other prompts.
 TINY_BF16_NATS = 0.2
 REAL_BF16_NATS = 0.75  # among tokens with float32 log-prob > -10
 
