@@ -1,9 +1,9 @@
-"""Two float32 CPU kernels, written in C++ and called from the jitted forward through JAX's foreign
-function interface (`jax.ffi`):
+"""Two CPU kernels computing in float32, written in C++ and called from the jitted forward through
+JAX's foreign function interface (`jax.ffi`):
 
 - `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16
-  (widened exactly as they load; activations, sums and the cache stay float32). Each output element is one fused
-  multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
+  (widened exactly as they load; activations, sums and the cache stay float32). Each output element
+  is one fused multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
   other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
   as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
   without the kernels needs >= 64-row chunks). Its weights are packed once, at load, in 32-column

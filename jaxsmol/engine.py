@@ -8,8 +8,8 @@ A prompt prefilled from a restored prefix gives exactly the bits of a prompt pre
 because a prompt row's bits do not depend on the chunk that carries it. That is what makes the
 prefix cache exact. On XLA:CPU the rows of `x @ W` are bit-identical for any row count >= 64 (not
 for 1..56), so every prefill chunk has at least 64 rows, wherever it starts, and attention blocks
-are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 on
-one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
+are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 or
+bfloat16 weights on one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
 prefill may also use 16- and 32-row chunks: a short suffix after a restore costs 16 rows, not 64.
 (Single rows are decode steps, whose attention takes another path: never a prefill chunk.)
 """

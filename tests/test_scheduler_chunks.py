@@ -86,14 +86,15 @@ def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_
     assert len(first.results[0].output_ids) == 60
 
 
-def test_a_budget_below_the_smallest_exact_chunk_still_advances_prompts(tiny_cfg):
-    """Without the CPU kernels (bfloat16 weights) exact chunks start at 64 rows; a --prefill-chunk of
-    32 then runs 64-row chunks beside a decoding row rather than never prefilling."""
-    import jax.numpy as jnp
+def test_a_budget_below_the_smallest_exact_chunk_still_advances_prompts(tiny_cfg, monkeypatch):
+    """Without the CPU kernels (a mesh, or no C++ compiler) exact chunks start at 64 rows; a
+    --prefill-chunk of 32 then runs 64-row chunks beside a decoding row rather than never prefilling."""
+    from jaxsmol import cpu_kernels
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
 
-    engine = Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None, ctx=1024)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
     assert not engine.cfg.cpu_kernels and engine.buckets(True)[0] == 64
     streaming, long_ = prompts(16, [10, 150])
     sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=2, chunk_rows=32)
