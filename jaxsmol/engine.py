@@ -142,9 +142,10 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     from jaxsmol.params import abstract_params
 
     params = abstract_params(cfg, getattr(jnp, dtype))
+    cache_dtype = params.compute_dtype  # float32 under the kernels, whatever the weights' dtype
     plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
     cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
-    kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype)))
+    kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=cache_dtype))
     for T in sorted(set(plan) | ({1} if max_tokens > 1 else set())):
         tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
         programs.forward.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.int32), kv, cfg).compile()
@@ -155,7 +156,7 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     # the small programs a generation runs around them (scalars, its key, indexing, a cache's zeros)
     # are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
     jax.block_until_ready((jax.random.fold_in(seed_key(0), 0), logits[0], jnp.zeros((1,), jnp.int32)[0],
-                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=getattr(jnp, dtype))))
+                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=cache_dtype)))
 
 
 # The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.

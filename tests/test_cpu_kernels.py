@@ -245,3 +245,24 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
     assert done.returncode == 0, done.stderr
     assert "kernels False 3" in done.stdout
     assert "CPU kernels are not available" in done.stderr and "no-such-compiler" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, dtype, caplog):
+    """engine.compile_cold_request builds a request's programs from shapes alone (`jaxsmol generate`
+    runs it while the weights load); the request then compiles no forward of its own, in either dtype
+    (a bfloat16 engine's cache is float32 under the kernels, as its shapes must say)."""
+    import logging
+
+    from jaxsmol.engine import Engine, compile_cold_request
+    from jaxsmol.params import init_random
+    from jaxsmol.sampling import SamplingParams
+
+    cfg = cpu_kernels.configure(tiny_cfg, getattr(jnp, dtype))
+    assert cfg.cpu_kernels
+    compile_cold_request(cfg, dtype, 40, 4)
+    engine = Engine(cfg, init_random(cfg, seed=5, dtype=getattr(jnp, dtype)), None)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        engine.generate(list(range(3, 43)), SamplingParams(max_tokens=4))
+    compiled = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(forward")]
+    assert compiled == []
