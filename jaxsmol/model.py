@@ -155,12 +155,11 @@ def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -
 
 
 def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, pos: jax.Array,
-                  sin: jax.Array, cos: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  sin: jax.Array, cos: jax.Array, cfg: Config, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: x [B, T, D] float32 (the residual stream) with layer i's keys/values written
-    into k_all, v_all [L, B, K, S, H] at slots pos.. -> (x, k_all, v_all)."""
+    into k_all, v_all [L, B, K, S, H] at slots pos.. -> (x, k_all, v_all); dt: the matrix products' inputs."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
-    dt = jnp.float32 if cfg.cpu_kernels else w.wq.dtype  # the matrix products' inputs (module docstring)
     layer = jnp.int32(i)
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     q = linear(h, w.wq, cfg).reshape(B, T, K * G, H)
@@ -191,7 +190,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     """
     B, T = tokens.shape
     pos = kv.pos
-    dt = params.compute_dtype
+    dt = params.compute_dtype  # the matrix products' inputs (see the module docstring)
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), cfg.head_dim, cfg.rope_theta)  # [T, H] or [B, T, H]
     x = params.embed[tokens].astype(jnp.float32)  # [B, T, D], the residual stream
     k_all, v_all = kv.k, kv.v
@@ -201,7 +200,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     # the same). The price is compile time (L copies of the layer: ~4x), paid once per shape and kept
     # by the persistent compilation cache.
     for i, w in enumerate(params.layers):
-        x, k_all, v_all = decoder_layer(w, x, k_all, v_all, i, pos, sin, cos, cfg)
+        x, k_all, v_all = decoder_layer(w, x, k_all, v_all, i, pos, sin, cos, cfg, dt)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
