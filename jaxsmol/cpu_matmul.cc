@@ -15,15 +15,16 @@
 // keep up with: 1.16x / 1.64x / 1.51x the time at 1 / 8 / 16 rows (tools/time_matmuls.py).
 //
 // Two paths, by row count:
-// - Few rows (decode steps, M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of the weight
-//   before every product; at 2-16 rows that costs more than the arithmetic. This path applies each
-//   weight row to every row of x while it is in registers (see PanelPass), prefetching the panel
-//   kAhead rows ahead.
-// - Many rows (prefill chunks). BLIS's blocking: x packed once into groups of 14 rows, k-major; per
-//   thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32 register tile (28
-//   accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that block, loaded from y
-//   and stored back between blocks, so each element is still one chain in k order. Measured in the
-//   model: as fast as XLA's GEMM at 512 rows. A bfloat16 block is widened once, for all row groups.
+// - Few rows (decode steps up to 15 rows, M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of
+//   the weight before every product; at 2-16 rows that costs more than the arithmetic. This path
+//   applies each weight row to every row of x while it is in registers (see PanelPass), prefetching
+//   the panel kAhead rows ahead.
+// - Many rows (prefill chunks, wider decode steps). BLIS's blocking: x packed once into groups of 14
+//   rows, k-major; per thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32
+//   register tile (28 accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that
+//   block, loaded from y and stored back between blocks, so each element is still one chain in k
+//   order. Measured in the model: as fast as XLA's GEMM at 512 rows. A bfloat16 block is widened
+//   once, for all row groups.
 #include "cpu_kernels.h"
 
 namespace {
@@ -35,7 +36,7 @@ constexpr int64_t kColTiles = kPanel / kTileCols;
 constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
 constexpr int64_t kBlockRows = 32;   // few rows, in groups: weight rows per k block (4 KB, in L1)
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
-constexpr int64_t kManyFrom = 32;    // from this many rows on, the tiled path
+constexpr int64_t kManyFrom = 16;    // from this many rows on, the tiled path (16, 24 rows: 0.95, 0.91x the few-row time)
 // Few rows: up to kFewWhole rows run as one tile over the whole panel; more take turns in groups of
 // kFewGroup on each k block (accumulators 2 per row, plus the weight's 2 vectors, in the registers).
 constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8 : 6;
@@ -159,39 +160,44 @@ void PackRows(const float* x, float* xp, int64_t K, int64_t g0, int64_t rows) {
     for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * K + k];
 }
 
-// Rows k0..k0+kc of panels q0..q1 as float32: (the first one's start, the stride between panels).
-// float32 weights are read in place. bfloat16 ones are widened once into scratch, not by every row
-// group's tile: at 6 rows a group, widening in the tile ran a 512-token prefill at 0.74x float32's speed.
-struct Block {
-  const float* start;
-  int64_t stride;
-};
-Block PanelBlock(const float* w, int64_t K, int64_t k0, int64_t, int64_t q0, int64_t) {
-  return {w + (q0 * K + k0) * kPanel, K * kPanel};
-}
-Block PanelBlock(const uint16_t* w, int64_t K, int64_t k0, int64_t kc, int64_t q0, int64_t q1) {
-  float* const wide = ThreadScratch<3>((q1 - q0) * kc * kPanel);
-  for (int64_t p = q0; p < q1; ++p)
-    for (int64_t k = 0; k < kc; ++k)
-      for (int64_t j = 0; j < kPanel; j += kLanes)
-        Store(wide + ((p - q0) * kc + k) * kPanel + j, LoadWeight(w + (p * K + k0 + k) * kPanel + j));
-  return {wide, kc * kPanel};
+// y[:, 32 p0 : 32 p1] = x @ those panels of w, x packed by PackRows; float32 panels are read in
+// place, panel by panel and each one's k blocks in order, so a thread's panels are one sequential
+// stream (they are adjacent in the packed layout). With the k blocks outermost (as bfloat16 does
+// below) the stream jumped ~73-196 KB after each 24 KB block; side by side (tools/time_matmuls.py
+// --against): 0.95-0.97x the time at 16-24 rows, 0.98x at 64 and 512.
+void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t kc = std::min(kBlockK, K - k0);
+      const float* block = w + (p * K + k0) * kPanel;
+      for (int64_t g = 0; g < M; g += kGroup) {
+        const int64_t rows = std::min<int64_t>(kGroup, M - g);
+        for (int64_t c = 0; c < kPanel; c += kTileCols)
+          kTileFor[rows](xp + g * K + k0 * rows, block + c, y + g * N + p * kPanel + c, N, 0, kc, k0 == 0);
+      }
+    }
 }
 
-// y[:, 32 p0 : 32 p1] = x @ those panels of w, x packed by PackRows.
-template <typename W>
-void ManyPanels(const float* xp, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+// bfloat16 panels: rows k0..k0+kc of up to kWidenPanels panels at a time are widened once into
+// scratch [panels, kc, 32] for all the row groups: at 6 rows a group, widening in the tile ran a
+// 512-token prefill at 0.74x float32's speed.
+void ManyPanels(const float* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0,
+                int64_t p1) {
   for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
     const int64_t kc = std::min(kBlockK, K - k0);
     for (int64_t q0 = p0; q0 < p1; q0 += kWidenPanels) {
       const int64_t q1 = std::min(p1, q0 + kWidenPanels);
-      const Block block = PanelBlock(w, K, k0, kc, q0, q1);
+      float* const wide = ThreadScratch<3>((q1 - q0) * kc * kPanel);
+      for (int64_t p = q0; p < q1; ++p)
+        for (int64_t k = 0; k < kc; ++k)
+          for (int64_t j = 0; j < kPanel; j += kLanes)
+            Store(wide + ((p - q0) * kc + k) * kPanel + j, LoadWeight(w + (p * K + k0 + k) * kPanel + j));
       for (int64_t g = 0; g < M; g += kGroup) {
         const int64_t rows = std::min<int64_t>(kGroup, M - g);
         for (int64_t p = q0; p < q1; ++p)
           for (int64_t c = 0; c < kPanel; c += kTileCols)
-            kTileFor[rows](xp + g * K + k0 * rows, block.start + (p - q0) * block.stride + c, y + g * N + p * kPanel + c,
-                           N, 0, kc, k0 == 0);
+            kTileFor[rows](xp + g * K + k0 * rows, wide + (p - q0) * kc * kPanel + c, y + g * N + p * kPanel + c, N,
+                           0, kc, k0 == 0);
       }
     }
   }

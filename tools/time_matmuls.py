@@ -2,6 +2,7 @@
 weights packed, each its own buffer so they come from memory), at several row counts.
 
     PYTHONPATH=$PWD python tools/time_matmuls.py [--rows 1 8 16 32] [--runs 15] [--against REV]
+                                                 [--dtype bfloat16]
 
 Prints, per row count, the median time of the whole set, the weight bytes streamed per second and the
 arithmetic rate. `--against REV` also builds git revision REV's cpu_matmul.cc (its symbols renamed)
@@ -46,22 +47,25 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--against", metavar="REV", help="alternate with git revision REV's kernel in this process")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not available")
     rng = np.random.default_rng(0)
-    weights = [[cpu_kernels.pack(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02)) for s in SHAPES]
+    dtype = jnp.dtype(args.dtype)
+    weights = [[cpu_kernels.pack(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02, dtype)) for s in SHAPES]
                for _ in range(LAYERS)]
-    nbytes = sum(k * n for k, n in SHAPES) * LAYERS * 4
+    nbytes = sum(k * n for k, n in SHAPES) * LAYERS * dtype.itemsize
     programs = {"now": stack(cpu_kernels.matmul)}
     if args.against:
-        target = kernel_revision.register(args.against, "cpu_matmul.cc", "JaxsmolMatmul")
+        handler = "JaxsmolMatmulBf16" if dtype == jnp.bfloat16 else "JaxsmolMatmul"
+        target = kernel_revision.register(args.against, "cpu_matmul.cc", handler)
         programs[args.against] = stack(functools.partial(cpu_kernels.matmul, target=target))
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
         t, versus = kernel_revision.side_by_side(programs, (weights, x), args.runs, args.against)
         line = (f"{M:4d} rows  {1e3 * t:7.2f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights  "
-                f"{2 * M * nbytes / 4 / t / 1e9:6.1f} GFLOP/s" + versus)
+                f"{2 * M * nbytes / dtype.itemsize / t / 1e9:6.1f} GFLOP/s" + versus)
         print(line, flush=True)
 
 
