@@ -42,7 +42,7 @@ from cache.prefix_cache import PrefixCache
 from cache.requests import Finished, Request
 from cache.scheduler_state import Prefill, Row, SchedulerStats
 from jaxsmol import programs
-from jaxsmol.engine import capacity_for, tight_plan
+from jaxsmol.engine import MIN_CAPACITY, capacity_for, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
@@ -98,6 +98,34 @@ class Scheduler:
         return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
                 "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
+
+    def compile_programs(self, slots: int = MIN_CAPACITY) -> int:
+        """Compile, from shapes alone (nothing runs), the batched programs that requests of up to
+        `slots` positions use: decode_step and insert_row at every width of the ladder, relayout
+        from each width to each other one, and sample_first for one choice. Returns how many. The
+        daemon runs it in the background at start: compiled on first use instead, a burst's first
+        step at each new width held every stream while the 30-layer forward was traced and compiled.
+        Not with a mesh (the programs' shardings come from the live arrays there)."""
+        engine, cfg = self.engine, self.engine.cfg
+        if engine.mesh is not None:
+            return 0
+        capacity, dtype, n = capacity_for(slots), engine.params.compute_dtype, 0
+        row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=dtype))
+        for i, width in enumerate(self.widths):
+            batch = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, batch=width, dtype=dtype).replace(
+                pos=jnp.zeros((width,), jnp.int32)))
+            sampling = row_settings([SamplingParams()] * width, [0] * width, [None] * width,
+                                    all_allowed(width, cfg.vocab_size))
+            programs.decode_step.lower(engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
+                                       jax.ShapeDtypeStruct((width,), bool), sampling, cfg, logprobs=False).compile()
+            programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+            for other in self.widths[:i] + self.widths[i + 1:]:  # growing and shrinking
+                programs.relayout.lower(batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity).compile()
+            n += 1 + len(self.widths)
+        logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
+        sampling = row_settings([SamplingParams()], [0], [None], all_allowed(1, cfg.vocab_size))
+        programs.sample_first.lower(logits, sampling, logprobs=False).compile()  # static args named as called
+        return n + 1
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one

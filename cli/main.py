@@ -127,7 +127,7 @@ def _serve(args) -> int:
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
-          write_timeout_s=args.write_timeout,
+          write_timeout_s=args.write_timeout, compile_ahead=not args.no_compile_ahead,
           batch=BatchSettings(max_batch=args.max_batch, kv_bytes=args.kv_cache_bytes,
                               batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk))
     return 0
@@ -245,6 +245,9 @@ def _add_serve(sub) -> None:
                         "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
                         "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
                         "arrive, larger gives a burst of newcomers their first tokens sooner)")
+    s.add_argument("--no-compile-ahead", action="store_true",
+                   help="do not compile the batched decoding programs (every --max-batch width) in the background "
+                        "at start; each then compiles when the batch first reaches its width, holding every stream")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import signal
 import sys
+import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -87,9 +89,9 @@ class Daemon:
     """The daemon's state and its routes (one method each); `create_app` wires them to FastAPI."""
 
     def __init__(self, engine, cache: PrefixCache, worker: Worker, metrics: Metrics, tenants: Tenants,
-                 model_name: str, write_timeout_s: float):
+                 model_name: str, write_timeout_s: float, compile_ahead: bool = False):
         self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
-        self.tenants, self.model_name = tenants, model_name
+        self.tenants, self.model_name, self.compile_ahead = tenants, model_name, compile_ahead
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
 
     def _auth(self, request: Request, admin: bool = False):
@@ -103,12 +105,24 @@ class Daemon:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
         worker.start()
+        if self.compile_ahead:
+            threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True).start()
         yield
         worker.stop()  # queued jobs finish first (SIGTERM drains)
         await asyncio.to_thread(worker.join, 120)
         if cache.disk is not None:
             n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
             print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
+
+    def _compile_batched(self):
+        """The batched decoding programs, compiled beside the first requests (Scheduler.compile_programs)."""
+        t0 = time.perf_counter()
+        try:
+            n = self.worker.scheduler.compile_programs()
+        except Exception as e:  # only a head start is lost: the programs compile on first use
+            print(f"jaxsmol: batched decoding programs not compiled ahead ({e})", file=sys.stderr, flush=True)
+            return
+        print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def _locked(self, fn):
         with self.worker.lock:  # not while a request is using the model or the cache
@@ -197,7 +211,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
-               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings()) -> FastAPI:
+               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
+               compile_ahead: bool = False) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.disk import DiskStore, identity
@@ -209,7 +224,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     metrics = Metrics()
     worker = Worker(cache, max_queue, metrics, batch)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
-    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s)
+    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, compile_ahead)
 
     app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=d.lifespan)
     app.state.daemon, app.state.cache, app.state.worker, app.state.metrics = d, cache, worker, metrics

@@ -42,10 +42,11 @@ class Server:
                                      stderr=subprocess.STDOUT)
         self.ready = False
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 6000) -> str:
         self.log.flush()
         self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-6000:]
+        text = self.log.read().decode(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout

@@ -258,3 +258,40 @@ def test_structured_output_rows_beside_free_rows(real_engine):
         jsonschema.validate(json.loads(result.text), schema)
     [[free]] = generate_many(PrefixCache(real_engine, mode="off"), [prompt], settings[2])
     assert sinks[2].results[0].output_ids == free.output_ids
+
+
+BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_and_score")
+
+
+def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
+    """Which batched programs a burst of four short requests compiles on a fresh engine of cfg (after
+    Scheduler.compile_programs when `ahead`). Their answers end at different steps, so the batch
+    grows to 4 rows and later shrinks to 1."""
+    import logging
+
+    import jax
+
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
+    if ahead:
+        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1  # decode and insert per width, 3 x 2 relayouts, sampling
+    sinks = [Collector() for _ in range(4)]
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        for p, n, sink in zip(prompts(12, [40, 9, 70, 25]), [30, 3, 4, 5], sinks):
+            sched.submit(Request(p, [SamplingParams(max_tokens=n)], sink))
+        sched.run()
+    assert all(len(s.results[0].output_ids) == n for s, n in zip(sinks, [30, 3, 4, 5]))
+    assert sched.stats.relayouts >= 2  # it grew and shrank
+    messages = [r.getMessage() for r in caplog.records]
+    return {name for name in BATCHED_PROGRAMS if any(m.startswith(f"Compiling jit({name})") for m in messages)}
+
+
+def test_programs_compiled_ahead_are_the_ones_a_burst_runs(tiny_cfg, caplog):
+    """The daemon compiles the batched programs in the background at start (compile_programs, from
+    shapes alone): a burst of requests then compiles none of them. Without it the same burst compiles
+    them as the batch reaches each width (each config is fresh, so nothing earlier compiled them)."""
+    assert _burst_compiles(dataclasses.replace(tiny_cfg, rope_theta=20000.0), False, caplog) == set(BATCHED_PROGRAMS)
+    assert _burst_compiles(dataclasses.replace(tiny_cfg, rope_theta=30000.0), True, caplog) == set()

@@ -22,9 +22,11 @@ test) cannot change what they see.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -70,6 +72,19 @@ def test_health_and_models(server):
     assert len(models) == 1
     assert models[0].id and models[0].object == "model"
     assert models[0].model_extra.get("max_model_len") == CTX
+
+
+def test_batched_programs_are_compiled_at_start(server, serve_daemons):
+    """The daemon compiles its batched decoding programs in the background at start
+    (Scheduler.compile_programs; tests/test_scheduler.py checks that a burst then compiles none) and
+    says so on stderr: --max-batch 16 is widths 1, 2, 4, 8, 16, so 5 decode steps, 5 inserts, 20
+    relayouts and the first tokens' sampling."""
+    main = serve_daemons.servers["main"]
+    deadline = time.monotonic() + 120
+    while not (found := re.search(r"batched decoding: (\d+) programs compiled", main.output(None))):
+        assert time.monotonic() < deadline and main.proc.poll() is None, main.output()
+        time.sleep(0.5)
+    assert int(found.group(1)) == 31
 
 
 def test_completion_text_and_token_id_prompts(server, tokenizer):
