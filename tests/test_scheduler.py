@@ -289,9 +289,12 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
     return {name for name in BATCHED_PROGRAMS if any(m.startswith(f"Compiling jit({name})") for m in messages)}
 
 
-def test_programs_compiled_ahead_are_the_ones_a_burst_runs(tiny_cfg, caplog):
+def test_programs_compiled_ahead_are_the_ones_a_burst_runs(caplog):
     """The daemon compiles the batched programs in the background at start (compile_programs, from
     shapes alone): a burst of requests then compiles none of them. Without it the same burst compiles
-    them as the batch reaches each width (each config is fresh, so nothing earlier compiled them)."""
-    assert _burst_compiles(dataclasses.replace(tiny_cfg, rope_theta=20000.0), False, caplog) == set(BATCHED_PROGRAMS)
-    assert _burst_compiles(dataclasses.replace(tiny_cfg, rope_theta=30000.0), True, caplog) == set()
+    them as the batch reaches each width. Each burst has a config of its own shapes (layers for the
+    cache, vocabulary for the sampling), so no earlier test compiled its programs."""
+    from jaxsmol.config import Config
+
+    assert _burst_compiles(Config.tiny(n_layers=3, vocab_size=288), False, caplog) == set(BATCHED_PROGRAMS)
+    assert _burst_compiles(Config.tiny(n_layers=4, vocab_size=320), True, caplog) == set()
