@@ -32,12 +32,15 @@ def free_port() -> int:
 class Server:
     """One `jaxsmol serve` subprocess on a free loopback port; its stdout+stderr go to a temporary file."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, compile_ahead: bool = False):
+        """compile_ahead: the daemon's default, compiling its batched programs in the background at
+        start; off in the tests' daemons but the "main" one (tests/test_serve.py checks it), since
+        those compiles only compete with each test's own requests for the two cores."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
         self.cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--ctx", str(CTX), *extra]
+                    "--ctx", str(CTX), *extra] + ([] if compile_ahead else ["--no-compile-ahead"])
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.ready = False
@@ -92,7 +95,8 @@ class Daemons:
         """Starts the named servers not launched yet (one that was stopped by its test stays stopped)."""
         for name in names:
             if name not in self.servers:
-                self.servers[name] = Server("--model", str(self.model), *self.CONFIGS[name])
+                self.servers[name] = Server("--model", str(self.model), *self.CONFIGS[name],
+                                            compile_ahead=name == "main")
         return self.servers
 
     def stop_all(self) -> None:

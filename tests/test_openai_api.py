@@ -36,9 +36,7 @@ LONG = "Here is a list of facts. " + " ".join(f"Fact {i}: {i} times 3 is {3 * i}
 def servers(tmp_path_factory, tiny_model_dir):  # tiny_model_dir imports the default model once, unraced
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEYS)
-    # the real model's batched programs compiling in the background would only slow these tests down
-    started = {"api": _Server("--no-compile-ahead"),
-               "keyed": _Server("--model", str(tiny_model_dir), "--api-keys", str(keys))}
+    started = {"api": _Server(), "keyed": _Server("--model", str(tiny_model_dir), "--api-keys", str(keys))}
     try:
         yield {name: s.wait_ready() for name, s in started.items()}
     finally:

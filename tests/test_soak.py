@@ -134,10 +134,8 @@ def wait_cancelled(url: str, rounds: Rounds, timeout_s: float = 600) -> float:
 
 
 def test_soak_memory_stays_within_budget():
-    # --no-compile-ahead: the real model's batched programs compiling beside the rounds would only slow
-    # them (compiling ahead is tested on the two-layer daemons, tests/test_serve.py)
     server = Server("--cache-bytes", str(CACHE_BYTES), "--kv-cache-bytes", str(KV_CACHE_BYTES),
-                    "--write-timeout", str(WRITE_TIMEOUT_S), "--no-compile-ahead").wait_ready()
+                    "--write-timeout", str(WRITE_TIMEOUT_S)).wait_ready()
     try:
         url, pid = server.url, server.proc.pid
         before = known_answer(url)
