@@ -99,19 +99,22 @@ class Scheduler:
                 "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
 
-    def compile_programs(self, slots: int = MIN_CAPACITY) -> int:
+    def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile, from shapes alone (nothing runs), the batched programs that requests of up to
         `slots` positions use: decode_step and insert_row at every width of the ladder, relayout
         from each width to each other one, and sample_first for one choice. Returns how many. The
         daemon runs it in the background at start: compiled on first use instead, a burst's first
         step at each new width held every stream while the 30-layer forward was traced and compiled.
-        Not with a mesh (the programs' shardings come from the live arrays there)."""
+        Not with a mesh (the programs' shardings come from the live arrays there). `stop` (an Event):
+        checked before each width's programs, so a shutting-down daemon waits for one width at most."""
         engine, cfg = self.engine, self.engine.cfg
         if engine.mesh is not None:
             return 0
         capacity, dtype, n = capacity_for(slots), engine.params.compute_dtype, 0
         row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=dtype))
         for i, width in enumerate(self.widths):
+            if stop is not None and stop.is_set():
+                return n
             batch = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, batch=width, dtype=dtype).replace(
                 pos=jnp.zeros((width,), jnp.int32)))
             sampling = row_settings([SamplingParams()] * width, [0] * width, [None] * width,

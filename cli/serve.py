@@ -92,6 +92,7 @@ class Daemon:
                  model_name: str, write_timeout_s: float, compile_ahead: bool = False):
         self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
         self.tenants, self.model_name, self.compile_ahead = tenants, model_name, compile_ahead
+        self._stop_compiling = threading.Event()
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
 
     def _auth(self, request: Request, admin: bool = False):
@@ -105,11 +106,15 @@ class Daemon:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
         worker.start()
+        compiling = threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True)
         if self.compile_ahead:
-            threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True).start()
+            compiling.start()
         yield
         worker.stop()  # queued jobs finish first (SIGTERM drains)
         await asyncio.to_thread(worker.join, 120)
+        self._stop_compiling.set()  # a process that exits while XLA compiles in a thread can crash (SIGSEGV)
+        if compiling.is_alive():
+            await asyncio.to_thread(compiling.join, 120)
         if cache.disk is not None:
             n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
             print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
@@ -118,7 +123,7 @@ class Daemon:
         """The batched decoding programs, compiled beside the first requests (Scheduler.compile_programs)."""
         t0 = time.perf_counter()
         try:
-            n = self.worker.scheduler.compile_programs()
+            n = self.worker.scheduler.compile_programs(stop=self._stop_compiling)
         except Exception as e:  # only a head start is lost: the programs compile on first use
             print(f"jaxsmol: batched decoding programs not compiled ahead ({e})", file=sys.stderr, flush=True)
             return
