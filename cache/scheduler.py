@@ -110,15 +110,18 @@ class Scheduler:
         engine, cfg = self.engine, self.engine.cfg
         if engine.mesh is not None:
             return 0
-        capacity, dtype, n = capacity_for(slots), engine.params.compute_dtype, 0
-        row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=dtype))
+        capacity, n = capacity_for(slots), 0
+        row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.params.compute_dtype))
+
+        def free_settings(width):  # rows that sample freely, as most requests do
+            return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
+                                all_allowed(width, cfg.vocab_size))
+
         for i, width in enumerate(self.widths):
             if stop is not None and stop.is_set():
                 return n
-            batch = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, batch=width, dtype=dtype).replace(
-                pos=jnp.zeros((width,), jnp.int32)))
-            sampling = row_settings([SamplingParams()] * width, [0] * width, [None] * width,
-                                    all_allowed(width, cfg.vocab_size))
+            batch = jax.eval_shape(lambda: self._empty_batch(width, capacity))
+            sampling = free_settings(width)
             programs.decode_step.lower(engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
                                        jax.ShapeDtypeStruct((width,), bool), sampling, cfg, logprobs=False).compile()
             programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)).compile()
@@ -126,8 +129,7 @@ class Scheduler:
                 programs.relayout.lower(batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity).compile()
             n += 1 + len(self.widths)
         logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-        sampling = row_settings([SamplingParams()], [0], [None], all_allowed(1, cfg.vocab_size))
-        programs.sample_first.lower(logits, sampling, logprobs=False).compile()  # static args named as called
+        programs.sample_first.lower(logits, free_settings(1), logprobs=False).compile()  # static args named as called
         return n + 1
 
     def step(self) -> None:
@@ -309,15 +311,19 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None]
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
         if self.batch is None or not live:
-            cfg = self.engine.cfg
-            self.batch = KVCache.zeros(cfg, capacity, batch=width, dtype=self.engine.params.compute_dtype,
-                                       mesh=self.engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
+            self.batch = self._empty_batch(width, capacity)
         else:
             source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
             self.batch = programs.relayout(self.batch, source, width, capacity)
         self.rows = rows
         self.stats.relayouts += 1
         self._shrink_votes = 0
+
+    def _empty_batch(self, width: int, capacity: int) -> KVCache:
+        """An empty batch: k, v [L, width, K, capacity, H] zeros, pos [width]."""
+        e = self.engine
+        return KVCache.zeros(e.cfg, capacity, batch=width, dtype=e.params.compute_dtype, mesh=e.mesh).replace(
+            pos=jnp.zeros((width,), jnp.int32))
 
     def _maybe_shrink(self) -> None:
         if self.batch is None or self.batch_invariant or self.prefills:
