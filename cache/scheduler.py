@@ -190,13 +190,22 @@ class Scheduler:
     def _need(self, req: Request) -> int:
         return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))
 
+    @staticmethod
+    def _rows_for(req: Request) -> int:
+        """The decode rows req's choices take: a choice of at most one token takes none (its token is
+        sampled from the prompt's logits), so a long prompt scored or answered with one token does
+        not keep a streaming newcomer from a free row while it is prefilled."""
+        return sum(sp.max_tokens > 1 for sp in req.samplings)
+
     def _room_for(self, req: Request) -> bool:
         """Whether decode rows (and memory for them) will be free for req's choices, counting the
         requests already being prefilled as holding theirs."""
-        held = [p.request for p in self.prefills]
-        rows = self.live_rows + sum(len(r.samplings) for r in held) + len(req.samplings)
+        held = [p.request for p in self.prefills if self._rows_for(p.request)]
+        rows = self.live_rows + sum(self._rows_for(r) for r in held) + self._rows_for(req)
         if rows > self.max_batch:
             return False
+        if not self._rows_for(req):
+            return True
         width = self._width_for(rows)
         capacity = max([self._need(r) for r in held + [req]]
                        + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
@@ -301,7 +310,7 @@ class Scheduler:
         """The width a batch grows to for `needed` rows: room for the choices already waiting too, as far
         as kv_bytes allows, so that a burst of requests moves the batch once rather than at every
         rung of the ladder (each move copies every live row; growing 8 -> 16 rows at 512 slots: ~0.3 s)."""
-        waiting = sum(len(r.samplings) for r in self.pending)
+        waiting = sum(self._rows_for(r) for r in self.pending)
         fits = [w for w in self.widths if self._width_for(needed) <= w <= self._width_for(needed + waiting)
                 and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
         return max(fits, default=self._width_for(needed))

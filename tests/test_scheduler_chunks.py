@@ -149,3 +149,25 @@ def test_a_prompt_alone_runs_128_rows_a_step_so_a_newcomer_waits_little(tiny_eng
     assert quick.steps and not slow.steps
     sched.run()
     assert len(slow.results[0].output_ids) == 3
+
+
+def test_a_one_token_request_takes_no_decode_row(tiny_engine):
+    """A choice of max_tokens 1 is sampled from its prompt's logits and never decodes, so it holds no
+    row: with the only row busy it is still answered, and while its long prompt is prefilled a
+    streaming newcomer takes the row that frees up rather than waiting for that prompt to finish."""
+    streaming, long_, late = prompts(17, [10, 400, 20])
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=1, chunk_rows=48)
+    first, one, second = Collector(), Collector(), Collector()
+    sched.submit(Request(streaming, [SamplingParams(max_tokens=4)], first))
+    sched.step()
+    sched.submit(Request(long_, [SamplingParams(max_tokens=1, logprobs=2)], one))
+    sched.submit(Request(late, [SamplingParams(max_tokens=8)], second))
+    while not first.results:
+        sched.step()
+    assert sched.prefills and not one.results  # the long prompt is still being prefilled, beside the row
+    sched.step()
+    assert second.steps and not one.results  # the newcomer took the freed row ahead of the long prompt
+    sched.run()
+    got, alone = one.results[0], run_alone(tiny_engine, long_, SamplingParams(max_tokens=1, logprobs=2))[0]
+    assert got.output_ids == alone.output_ids and got.logprobs == alone.logprobs
+    assert len(second.results[0].output_ids) == 8 and sched.stats.steps > 0
