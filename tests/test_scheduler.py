@@ -197,6 +197,28 @@ def test_answers_are_stored_when_no_row_decodes(tiny_engine):
     assert follow.cached_tokens == len(a) + len(answer)
 
 
+@pytest.mark.parametrize("width,capacity,rows", [(8, 64, [0, 1, 2, -1, -1, -1, -1, -1]),  # growing
+                                                 (2, 64, [3, 1]),  # shrinking, compacted
+                                                 (4, 128, [2, -1, 0, 3])])  # more slots, a gap
+def test_relayout_moves_each_row_and_zeroes_the_rest(tiny_cfg, width, capacity, rows):
+    """programs.relayout against numpy: new row i is old row rows[i] (its slots, then zeros past the
+    old capacity); an empty row (-1) is zeros at position 0."""
+    from jaxsmol.kv import KVCache
+
+    rng = np.random.default_rng(width)
+    old = KVCache.zeros(tiny_cfg, 64, batch=4)
+    old = old.replace(k=rng.standard_normal(old.k.shape, np.float32), v=rng.standard_normal(old.v.shape, np.float32),
+                      pos=np.array([5, 17, 40, 63], np.int32))
+    new = programs.relayout(old, np.array(rows, np.int32), width, capacity)
+    for name in ("k", "v"):
+        want = np.zeros(getattr(new, name).shape, np.float32)  # [L, W, K, S, H]
+        for i, r in enumerate(rows):
+            if r >= 0:
+                want[:, i, :, :64] = np.asarray(getattr(old, name))[:, r]
+        assert np.array_equal(np.asarray(getattr(new, name)), want)
+    assert np.asarray(new.pos).tolist() == [int(old.pos[r]) if r >= 0 else 0 for r in rows]
+
+
 def test_widths_and_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload through a max_batch 8 scheduler compiles at most one decode program per
     (width, capacity, logprobs) and one insert per (width, capacity, row capacity)."""

@@ -5,7 +5,8 @@
 Starts a daemon (`--max-batch`, default 16) on a free loopback port, warms it up, then for each
 client count runs that many concurrent streaming /v1/completions clients (each a different prompt,
 `--tokens` sampled tokens, ignore_eos so every answer has the same length) and prints aggregate
-decode tok/s, time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
+decode tok/s (over the wall time: prompts and ramp included), the steady decode tok/s (while every
+client streams), time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
 extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill.
 With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
 peer right after jaxsmol, in the same run, with the same client code.
@@ -79,7 +80,13 @@ async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed
     ttft = [r["arrivals"][0] - r["t0"] for r in runs if r["arrivals"]]
     itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     n = sum(len(r["arrivals"]) for r in runs)
+    # decode alone: the tokens that arrived while every client was streaming (after the last first
+    # token, before the first last one), per second of that window; the wall figure adds the ramp
+    # (every prompt prefilled) and the tail
+    begin, end = max(r["arrivals"][0] for r in runs), min(r["arrivals"][-1] for r in runs)
+    steady = sum(begin < t <= end for r in runs for t in r["arrivals"])
     return {"clients": clients, "long_prompts": with_long, "tokens": n, "tok_s": n / wall,
+            "steady_tok_s": steady / (end - begin) if end > begin else float("nan"),
             "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
             "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)), "itl_p99_ms": 1e3 * float(np.percentile(itl, 99))}
 
@@ -103,7 +110,7 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
 
 
 def row(name: str, r: dict) -> str:
-    return (f"{name:9} {r['clients']:3} {'yes' if r['long_prompts'] else 'no':>5} {r['tok_s']:8.1f} "
+    return (f"{name:9} {r['clients']:3} {'yes' if r['long_prompts'] else 'no':>5} {r['tok_s']:8.1f} {r['steady_tok_s']:8.1f} "
             f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f} {r['itl_p50_ms']:7.0f} {r['itl_p99_ms']:7.0f}")
 
 
@@ -126,7 +133,7 @@ def main() -> None:
                 asyncio.run(run_clients(url, c, 12, with_long, seed=0))
         for name, u in targets[1:]:  # a peer compiles nothing; one call wakes it
             asyncio.run(run_clients(u, 1, 4, False, seed=0))
-        print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
+        print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'steady':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
         for with_long in (False, True):
             for c in args.clients:
                 for name, u in targets:  # alternate servers row by row: same machine state for both
