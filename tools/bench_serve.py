@@ -109,6 +109,19 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the daemon did not start")
 
 
+def wait_idle(url: str, timeout_s: float = 300) -> None:
+    """Wait until a jaxsmol daemon has no work left (/health "busy": false). After a row it stores
+    the answers for their next turns (~16 x 64 tokens re-prefilled after 16 clients, a few
+    seconds); the next row, on either server, must not run beside that. A peer without the field
+    is taken as idle."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if not httpx.get(url + "/health", timeout=10).json().get("busy", False):
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"{url} still busy after {timeout_s} s")
+
+
 def row(name: str, r: dict) -> str:
     return (f"{name:9} {r['clients']:3} {'yes' if r['long_prompts'] else 'no':>5} {r['tok_s']:8.1f} {r['steady_tok_s']:8.1f} "
             f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f} {r['itl_p50_ms']:7.0f} {r['itl_p99_ms']:7.0f}")
@@ -137,6 +150,7 @@ def main() -> None:
         for with_long in (False, True):
             for c in args.clients:
                 for name, u in targets:  # alternate servers row by row: same machine state for both
+                    wait_idle(url)
                     r = asyncio.run(run_clients(u, c, args.tokens, with_long, seed=c))
                     rows.append({"server": name, **r})
                     print(row(name, r), flush=True)
