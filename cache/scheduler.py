@@ -38,6 +38,7 @@ import numpy as np
 
 from cache.answers import AnswerQueue
 from cache.batch_settings import BatchSettings
+from cache.compile_ahead import compile_batched, empty_batch
 from cache.prefix_cache import PrefixCache
 from cache.requests import Finished, Request
 from cache.scheduler_state import Prefill, Row, SchedulerStats
@@ -100,37 +101,8 @@ class Scheduler:
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
-        """Compile, from shapes alone (nothing runs), the batched programs that requests of up to
-        `slots` positions use: decode_step and insert_row at every width of the ladder, relayout
-        from each width to each other one, and sample_first for one choice. Returns how many. The
-        daemon runs it in the background at start: compiled on first use instead, a burst's first
-        step at each new width held every stream while the 30-layer forward was traced and compiled.
-        Not with a mesh (the programs' shardings come from the live arrays there). `stop` (an Event):
-        checked before each width's programs, so a shutting-down daemon waits for one width at most."""
-        engine, cfg = self.engine, self.engine.cfg
-        if engine.mesh is not None:
-            return 0
-        capacity, n = capacity_for(slots), 0
-        row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.params.compute_dtype))
-
-        def free_settings(width):  # rows that sample freely, as most requests do
-            return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
-                                all_allowed(width, cfg.vocab_size))
-
-        for i, width in enumerate(self.widths):
-            if stop is not None and stop.is_set():
-                return n
-            batch = jax.eval_shape(lambda: self._empty_batch(width, capacity))
-            sampling = free_settings(width)
-            programs.decode_step.lower(engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
-                                       jax.ShapeDtypeStruct((width,), bool), sampling, cfg, logprobs=False).compile()
-            programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-            for other in self.widths[:i] + self.widths[i + 1:]:  # growing and shrinking
-                programs.relayout.lower(batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity).compile()
-            n += 1 + len(self.widths)
-        logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-        programs.sample_first.lower(logits, free_settings(1), logprobs=False).compile()  # static args named as called
-        return n + 1
+        """Compile the batched programs ahead, from shapes alone (cache/compile_ahead.py); returns how many."""
+        return compile_batched(self.engine, self.widths, slots, stop)
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
@@ -200,11 +172,12 @@ class Scheduler:
     def _room_for(self, req: Request) -> bool:
         """Whether decode rows (and memory for them) will be free for req's choices, counting the
         requests already being prefilled as holding theirs."""
+        need = self._rows_for(req)
         held = [p.request for p in self.prefills if self._rows_for(p.request)]
-        rows = self.live_rows + sum(self._rows_for(r) for r in held) + self._rows_for(req)
+        rows = self.live_rows + sum(self._rows_for(r) for r in held) + need
         if rows > self.max_batch:
             return False
-        if not self._rows_for(req):
+        if not need:
             return True
         width = self._width_for(rows)
         capacity = max([self._need(r) for r in held + [req]]
@@ -320,19 +293,13 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None]
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
         if self.batch is None or not live:
-            self.batch = self._empty_batch(width, capacity)
+            self.batch = empty_batch(self.engine, width, capacity)
         else:
             source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
             self.batch = programs.relayout(self.batch, source, width, capacity)
         self.rows = rows
         self.stats.relayouts += 1
         self._shrink_votes = 0
-
-    def _empty_batch(self, width: int, capacity: int) -> KVCache:
-        """An empty batch: k, v [L, width, K, capacity, H] zeros, pos [width]."""
-        e = self.engine
-        return KVCache.zeros(e.cfg, capacity, batch=width, dtype=e.params.compute_dtype, mesh=e.mesh).replace(
-            pos=jnp.zeros((width,), jnp.int32))
 
     def _maybe_shrink(self) -> None:
         if self.batch is None or self.batch_invariant or self.prefills:
