@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cache.side_by_side import MAX_ROWS
 from jaxsmol import programs
 from jaxsmol.batch import row_settings
 from jaxsmol.engine import capacity_for
@@ -25,10 +26,11 @@ def empty_batch(engine, width: int, capacity: int) -> KVCache:
                          mesh=engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
 
 
-def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None) -> int:
+def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side_by_side: int = 1) -> int:
     """Compile the batched programs that requests of up to `slots` positions use: decode_step and
-    insert_row at every width, relayout from each width to each other one, and sample_first for one
-    choice. Returns how many. Not with a mesh (the programs' shardings come from the live arrays
+    insert_row at every width, relayout from each width to each other one, sample_first for one
+    choice, and prefill_rows for up to `side_by_side` prompts side by side. Returns how many.
+    Not with a mesh (the programs' shardings come from the live arrays
     there). `stop` (an Event): checked before each width's programs, so a shutting-down daemon
     waits for one width at most."""
     cfg = engine.cfg
@@ -54,4 +56,21 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None) -> i
         n += 1 + len(widths)
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
     programs.sample_first.lower(logits, free_settings(1), logprobs=False).compile()
-    return n + 1
+    return n + 1 + compile_side_by_side(engine, side_by_side, capacity, stop)
+
+
+def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
+    """Compile prefill_rows for 2..`most` prompts side by side at each exact chunk length up to
+    side_by_side.MAX_ROWS, at one capacity. Returns how many."""
+    if not engine.side_by_side:
+        return 0
+    row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.params.compute_dtype))
+    n = 0
+    for P in range(2, most + 1):
+        for T in (T for T in engine.buckets(True) if T <= MAX_ROWS):
+            if stop is not None and stop.is_set():
+                return n
+            programs.prefill_rows.lower(engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
+                                        jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg).compile()
+            n += 1
+    return n

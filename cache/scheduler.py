@@ -4,14 +4,14 @@ Each `step()` does, in order:
   1. admission: while fewer than PREFILLS_AT_ONCE prompts are being prefilled, the oldest waiting
      request, if decode rows will be free for its choices, is looked up in the prefix cache and its
      state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
-  2. prefill chunks of the admitted prompts, the one with the fewest rows left first (a short newcomer
-     overtakes a long prompt), from the engine's exact buckets (a prompt state has a cold prefill's
-     bits), at most `chunk_rows` rows in all while others decode (a long prompt half of that, 32 rows
-     at least, per step, one that the rest finishes in its least padded chunks), admitting the next waiting
-     requests while that budget lasts; or else, when no row decodes (or a waiting prompt needs it),
-     one chunk of an answer being re-prefilled for the cache (the next chat turn's prefix); a complete
-     prompt's first tokens are sampled and its state inserted into one decode row per choice (`n`
-     forks share one prefill);
+  2. prefill chunks of the admitted prompts, from the engine's exact buckets (a prompt state has a
+     cold prefill's bits): each prompt at most `chunk_rows` rows while others decode (as one chunk of
+     half that, 32 rows at least, unless the rest finishes it in its least padded chunks), the
+     chunks of the same length side by side in one forward (with the CPU kernels a row's bits do not
+     depend on the rows beside it), so a burst of prompts is prefilled in a step or two; or else,
+     when no row decodes (or a waiting prompt needs it), one chunk of an answer being re-prefilled
+     for the cache (the next chat turn's prefix); a complete prompt's first tokens are sampled and
+     its state inserted into one decode row per choice (`n` forks share one prefill);
   3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
      then sampling with each row's own settings), then the host side of every row (TokenStream).
 Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
@@ -41,6 +41,7 @@ from cache.batch_settings import BatchSettings
 from cache.compile_ahead import compile_batched, empty_batch
 from cache.prefix_cache import PrefixCache
 from cache.requests import Finished, Request
+from cache.side_by_side import group_chunks
 from cache.scheduler_state import Prefill, Row, SchedulerStats
 from jaxsmol import programs
 from jaxsmol.engine import MIN_CAPACITY, capacity_for, tight_plan
@@ -52,9 +53,10 @@ from jaxsmol.stream import TokenStream
 from jaxsmol.structured import all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
-# Prompts prefilled side by side, shortest remaining first: a short newcomer's first token does not
-# wait for a long prompt ahead of it to finish (each holds a one-row staging cache, so few).
-PREFILLS_AT_ONCE = 2
+# Prompts prefilled at once (side by side where their chunks have one length): a burst's prompts
+# share a forward, and a short newcomer's first token does not wait for a long prompt ahead of it.
+# Each holds a one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
+PREFILLS_AT_ONCE = 8
 
 
 class Scheduler:
@@ -87,6 +89,11 @@ class Scheduler:
         return sum(r is not None for r in self.rows)
 
     @property
+    def free_rows(self) -> int:
+        """Decode rows neither live nor held by a prompt being prefilled."""
+        return self.max_batch - self.live_rows - sum(self._rows_for(p.request) for p in self.prefills)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.pending or self.prefills or self.saves or self.live_rows)
 
@@ -102,7 +109,7 @@ class Scheduler:
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile the batched programs ahead, from shapes alone (cache/compile_ahead.py); returns how many."""
-        return compile_batched(self.engine, self.widths, slots, stop)
+        return compile_batched(self.engine, self.widths, slots, stop, side_by_side=PREFILLS_AT_ONCE)
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
@@ -115,28 +122,36 @@ class Scheduler:
         self._maybe_shrink()
 
     def _prefill_newcomers(self) -> bool:
-        """Prefill chunks of admitted requests while the step's row budget lasts, the prompt with the
-        fewest rows left first: a burst of short prompts is admitted several per step rather than one
-        per decode step, and a short newcomer overtakes a long prompt. While rows decode, a prompt gets
-        one chunk per step of at most `chunk_cap` rows (a long prompt advances in short steps), or, when
-        the rest of the budget finishes it, the chunks of its least padded plan (a 45-token prompt: 32
-        + 16 rows rather than 64). Returns whether any prompt work was done."""
-        used, worked, chunked = 0, False, []
-        smallest = self.engine.buckets(True)[0]  # a budget below it (32 or 48 on XLA's ops) acts as it
-        while (budget := max(self.settings.step_rows(self.live_rows > 0), smallest) - used) >= smallest:
-            if len(self.prefills) < PREFILLS_AT_ONCE:
-                self._admit()
-            decoding = self.live_rows > 0
-            ready = [p for p in self.prefills if not (decoding and p in chunked)]
-            if not ready:
-                break
-            left, p = min(((len(p.lookup.prompt) - int(p.kv.pos), p) for p in ready), key=lambda t: t[0])
-            worked = True
-            chunked.append(p)
-            for rows in self.settings.chunks(tight_plan(left, self.engine.buckets(self._exact(p))), budget, decoding):
-                if p in self.prefills:  # a failed chunk ends it
-                    used += self._prefill_chunk(p, rows)
-        return worked
+        """Admit what fits (at most PREFILLS_AT_ONCE prompts being prefilled), then give each prompt,
+        the fewest rows left first, this step's chunks: at most `step_rows` rows per prompt, as one chunk
+        of at most `chunk_cap` rows while rows decode (a long prompt advances in short steps) unless
+        the rest finishes it, in its least padded plan (45 tokens: 32 + 16 rows, not 64). The
+        prompts' chunks of the same length run side by side in one forward (a burst of short prompts
+        reads the weights once, not once per prompt). Returns whether any prompt work was done."""
+        self._admit()
+        if not self.prefills:
+            return False
+        budget, decoding = self.settings.step_rows(self.live_rows > 0), self.live_rows > 0
+        budget = max(budget, self.engine.buckets(True)[0])  # a budget below the smallest exact chunk acts as it
+        plans = {}
+        for p in sorted(self.prefills, key=self._rows_left):
+            plans[p] = self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
+                                            budget, decoding)
+        for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk
+            todo = [(p, rows[j]) for p, rows in plans.items() if j < len(rows) and p in self.prefills]
+            for group in self._side_by_side(todo):
+                self._prefill_group(group)
+        return True
+
+    def _rows_left(self, p: Prefill) -> int:
+        return len(p.lookup.prompt) - int(p.kv.pos)
+
+    def _side_by_side(self, todo: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
+        """todo's chunks (prompt, its most rows) in the groups that run in one forward each
+        (cache/side_by_side.py); each alone where the engine cannot keep a lone chunk's bits so."""
+        most = PREFILLS_AT_ONCE if self.engine.side_by_side else 1
+        return group_chunks(todo, lambda c: (self.engine.chunk_rows(self._rows_left(c[0]), c[1], self._exact(c[0])),
+                                             c[0].kv.capacity), most)
 
     def run(self) -> None:
         while self.has_work:
@@ -144,7 +159,9 @@ class Scheduler:
 
     # ---- admission and prefill ---------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.pending:
+        """Begin the waiting requests in order while decode rows (and memory) will be free for them
+        and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
+        while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
             req = self.pending[0]
             if req.sink.cancelled():
                 self.pending.popleft()
@@ -155,7 +172,6 @@ class Scheduler:
             self.pending.popleft()
             try:
                 self._begin(req)
-                return
             except JaxsmolError as e:
                 req.sink.error(e)
 
@@ -209,18 +225,29 @@ class Scheduler:
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
             self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
 
-    def _prefill_chunk(self, p: Prefill, max_rows: int) -> int:
-        """One chunk (at most max_rows rows) of p's prompt; returns the rows it ran."""
-        rows = self.engine.chunk_rows(len(p.lookup.prompt) - int(p.kv.pos), max_rows, self._exact(p))
+    def _prefill_group(self, group: list[tuple[Prefill, int]]) -> None:
+        """One chunk (at most its rows) of each prompt in group, side by side when more than one."""
+        prefills = [p for p, _ in group]
         try:
-            logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, max_rows, exact=self._exact(p))
-            done = int(p.kv.pos) >= len(p.lookup.prompt)
-        except Exception as e:  # a failure costs this request, never the others
-            self._abort_prefill(p, e)
-            return rows
-        if done:
+            if len(group) == 1:
+                (p, rows), = group
+                logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, rows, exact=self._exact(p))
+                done = [(p, logits)]
+            else:
+                T = self.engine.chunk_rows(self._rows_left(prefills[0]), group[0][1], self._exact(prefills[0]))
+                logits, kvs = self.engine.prefill_side_by_side([p.lookup.prompt for p in prefills],
+                                                               [p.kv for p in prefills], T)
+                for p, kv in zip(prefills, kvs):
+                    p.kv = kv
+                done = [(p, logits[i:i + 1]) for i, p in enumerate(prefills)]
+            done = [(p, lg) for p, lg in done if int(p.kv.pos) >= len(p.lookup.prompt)]
+        except Exception as e:  # a failure costs these requests, never the others
+            for p in prefills:
+                self._abort_prefill(p, e)
+            return
+        self.stats.prefill_calls += 1
+        for p, logits in done:
             self._prompt_done(p, logits)
-        return rows
 
     def _exact(self, p: Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
@@ -273,17 +300,19 @@ class Scheduler:
         width = self._width_for(needed)
         capacity = max(kv.capacity, self.batch.capacity if self.batch is not None else 0)
         if self.batch is None or width > len(self.rows) or capacity > self.batch.capacity:
-            self._relayout(max(self._grown_width(needed, capacity), len(self.rows)), capacity)
+            self._relayout(max(self._grown_width(needed, capacity, rows[0].request), len(self.rows)), capacity)
         free = [i for i, r in enumerate(self.rows) if r is None]  # admission left room for all
         for row, i in zip(rows, free):
             self.rows[i] = row
             self.batch = programs.insert_row(self.batch, kv, jnp.int32(i))
 
-    def _grown_width(self, needed: int, capacity: int) -> int:
-        """The width a batch grows to for `needed` rows: room for the choices already waiting too, as far
-        as kv_bytes allows, so that a burst of requests moves the batch once rather than at every
-        rung of the ladder (each move copies every live row; growing 8 -> 16 rows at 512 slots: ~0.3 s)."""
-        waiting = sum(self._rows_for(r) for r in self.pending)
+    def _grown_width(self, needed: int, capacity: int, inserting: Request) -> int:
+        """The width a batch grows to for `needed` rows: room for the choices already waiting or being
+        prefilled too, as far as kv_bytes allows, so that a burst of requests moves the batch once
+        rather than at every rung of the ladder (each move copies every live row; growing 8 -> 16
+        rows at 512 slots: ~0.15 s)."""
+        coming = list(self.pending) + [p.request for p in self.prefills if p.request is not inserting]
+        waiting = sum(self._rows_for(r) for r in coming)
         fits = [w for w in self.widths if self._width_for(needed) <= w <= self._width_for(needed + waiting)
                 and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
         return max(fits, default=self._width_for(needed))

@@ -37,5 +37,6 @@ class SchedulerStats:
     steps: int = 0  # decode steps
     decoded_tokens: int = 0  # tokens sampled by decode steps (first tokens excluded)
     prefilled_tokens: int = 0  # prompt positions computed (padding excluded)
+    prefill_calls: int = 0  # forwards that ran prompt chunks (several prompts side by side count once)
     admitted: int = 0
     relayouts: int = 0

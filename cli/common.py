@@ -86,7 +86,7 @@ class Precompile:
     """Compile a one-shot request's programs in a thread while the weights load (`jaxsmol generate`).
 
     `start` is Engine.load's on_config hook: with the config and tokenizer known, it encodes the
-    prompt and compiles the programs of a cold request of that length (engine.compile_cold_request),
+    prompt and compiles the programs of a cold request of that length (compile_cache.compile_cold_request),
     or from the persistent compilation cache when they are there. `wait` returns the thread's wall
     time. A failure here is not an error: the programs are then compiled on first use. Used as a
     context manager, it waits for the thread when the request fails: a process that exits while XLA
@@ -117,7 +117,7 @@ class Precompile:
     def _compile(self, cfg, n: int) -> None:
         import time
 
-        from jaxsmol.engine import compile_cold_request
+        from jaxsmol.compile_cache import compile_cold_request
 
         t0 = time.perf_counter()
         try:

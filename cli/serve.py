@@ -93,6 +93,7 @@ class Daemon:
         self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
         self.tenants, self.model_name, self.compile_ahead = tenants, model_name, compile_ahead
         self._stop_compiling = threading.Event()
+        self._compiling = threading.Thread()  # replaced at start (lifespan)
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
 
     def _auth(self, request: Request, admin: bool = False):
@@ -106,7 +107,7 @@ class Daemon:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
         worker.start()
-        compiling = threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True)
+        self._compiling = compiling = threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True)
         if self.compile_ahead:
             compiling.start()
         yield
@@ -135,8 +136,9 @@ class Daemon:
 
     # ---- routes ----------------------------------------------------------------------------------
     async def health(self):
+        # "compiling": the batched programs are still being compiled ahead (requests run meanwhile)
         return {"status": "ok", "model": self.model_name, "busy": self.worker.busy,
-                "queued": self.worker.jobs.qsize()}
+                "queued": self.worker.jobs.qsize(), "compiling": self._compiling.is_alive()}
 
     async def models(self, request: Request):
         self._auth(request)

@@ -109,9 +109,10 @@ class Worker(threading.Thread):
 
     def _take_jobs(self, wait: bool) -> None:
         """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle) while the scheduler
-        has nothing waiting for admission: jobs beyond that wait in the bounded queue (--max-queue),
-        so a full batch and a full queue answer 503."""
-        while not self.scheduler.pending:
+        has fewer waiting for admission than it has free rows (one at least): a burst is admitted and
+        prefilled together. Jobs beyond that wait in the bounded queue (--max-queue), so a full
+        batch and a full queue answer 503."""
+        while len(self.scheduler.pending) < max(1, self.scheduler.free_rows):
             try:
                 job = self.jobs.get(timeout=0.1) if wait else self.jobs.get_nowait()
             except queue.Empty:

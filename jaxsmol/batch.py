@@ -10,6 +10,8 @@ JetStream's shape: a newcomer is prefilled alone, as a single sequence (B = 1, e
 so its prompt state has the bits of a cold prefill), then `insert_row` writes that state into a free
 row with `dynamic_update_slice`; `decode_rows` then advances every row by one token per call.
 `relayout` moves rows into a batch of another width or capacity (when the batch grows or shrinks).
+`prefill_rows` runs a chunk of several newcomers' prompts in one forward (a burst of short prompts
+reads the weights once, not once per prompt), each still in its own staging cache.
 
 Rows that hold no sequence still run (their results are dropped): `active` [W] keeps their
 position at 0, so they never make the attention loop longer than the longest live row.
@@ -57,6 +59,21 @@ def sample_and_score(logits: jax.Array, sampling: dict, logprobs: bool = False) 
         out["logprob"] = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         out["top_ids"], out["top_logprobs"] = top_logprobs(logits, TOP_LOGPROBS)
     return out
+
+
+def prefill_rows(params: Params, tokens: jax.Array, lengths: jax.Array, rows: tuple[KVCache, ...],
+                 cfg: Config) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """One prefill chunk of P prompts side by side: tokens [P, T] (row i's first lengths[i] real)
+    written into rows[i] (k, v [L, 1, K, S, H], pos []: one prompt's staging cache each, all of one
+    capacity) at its own position. Returns (logits [P, V] after each row's last real token, rows
+    with pos + lengths). A prompt's rows get the bits of its own [1, T] chunk where a row's bits do
+    not depend on the rows beside it (the C++ kernels; XLA's GEMM with >= 64-row chunks): one pass
+    over the weights serves P prompts (a burst of short prompts)."""
+    batch = KVCache(k=jnp.concatenate([r.k for r in rows], axis=1), v=jnp.concatenate([r.v for r in rows], axis=1),
+                    pos=jnp.stack([r.pos for r in rows]))  # k, v [L, P, K, S, H], pos [P]
+    logits, batch = forward(params, tokens, lengths, batch, cfg)
+    return logits, tuple(KVCache(k=batch.k[:, i:i + 1], v=batch.v[:, i:i + 1], pos=batch.pos[i])
+                         for i in range(len(rows)))
 
 
 def insert_row(batch: KVCache, row: KVCache, index: jax.Array) -> KVCache:

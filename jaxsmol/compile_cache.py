@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from jaxsmol.config import Config
 from jaxsmol.default_model import data_home
 
 
@@ -28,3 +29,36 @@ def enable_compilation_cache() -> None:
         return
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every program: most take < 1 s
+
+
+def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, structured: bool = False) -> None:
+    """Compile the programs a cold request of n_prompt tokens generating max_tokens runs (its prefill
+    chunk lengths and decode at its cache capacity, and sampling) from shapes alone, so it can run
+    while the weights load; the jitted functions then find them compiled (or in the disk cache)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxsmol import programs
+    from jaxsmol.engine import capacity_for, chunk_plan, prefill_buckets
+    from jaxsmol.sampling import seed_key
+    from jaxsmol.kv import KVCache
+    from jaxsmol.params import abstract_params
+    from jaxsmol.structured import all_allowed
+
+    params = abstract_params(cfg, getattr(jnp, dtype))
+    cache_dtype = params.compute_dtype  # float32 under the kernels, whatever the weights' dtype
+    plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
+    cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
+    kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=cache_dtype))
+    for T in sorted(set(plan) | ({1} if max_tokens > 1 else set())):
+        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        programs.forward.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.int32), kv, cfg).compile()
+        jnp.asarray(np.zeros((1, T), np.int32)).block_until_ready()  # the host -> device copy of a chunk
+    allowed = all_allowed(1, cfg.vocab_size) if structured else None
+    logits = jnp.zeros((1, cfg.vocab_size))
+    programs.sample.lower(logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed).compile()
+    # the small programs a generation runs around them (scalars, its key, indexing, a cache's zeros)
+    # are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
+    jax.block_until_ready((jax.random.fold_in(seed_key(0), 0), logits[0], jnp.zeros((1,), jnp.int32)[0],
+                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=cache_dtype)))

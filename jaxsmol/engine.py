@@ -32,7 +32,7 @@ from jaxsmol import programs, cpu_kernels
 from jaxsmol.kv import KVCache, aligned_host_prefix
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
-from jaxsmol.sampling import SamplingParams, seed_key
+from jaxsmol.sampling import SamplingParams
 from jaxsmol.sharding import describe, kv_sharding, shard_params
 from jaxsmol.generation import Generation
 from jaxsmol.structured import all_allowed
@@ -89,6 +89,18 @@ def tight_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
     return split if sum(split) < whole else [whole]
 
 
+def _next_chunk(ids: list[int], kv: KVCache, T: int) -> tuple[np.ndarray, int, KVCache]:
+    """The chunk of T rows (padded) that continues ids in kv: (tokens [T], real rows, kv). A chunk
+    that would run past the cache's capacity starts earlier (kv.pos moved back), recomputing a few
+    positions already written: an exact chunk gives every row the same bits wherever it starts."""
+    pos = int(kv.pos)
+    begin = max(min(pos, kv.capacity - T), 0)
+    n = min(T, len(ids) - begin)
+    chunk = np.zeros(T, np.int32)
+    chunk[:n] = ids[begin:begin + n]
+    return chunk, n, kv if begin == pos else kv.replace(pos=jnp.int32(begin))
+
+
 def context_length(cfg: Config, ctx: int | None) -> int:
     """ctx (None: the model's max_position_embeddings), or JaxsmolError if the model cannot hold it."""
     ctx = cfg.max_position if ctx is None else int(ctx)
@@ -133,30 +145,6 @@ def compile_bound(ctx: int, buckets: tuple = FAST_BUCKETS) -> int:
         n_caps += 1
     lengths = set(buckets) | {1}
     return len(lengths) * n_caps
-
-
-def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, structured: bool = False) -> None:
-    """Compile the programs a cold request of n_prompt tokens generating max_tokens runs (its prefill
-    chunk lengths and decode at its cache capacity, and sampling) from shapes alone, so it can run
-    while the weights load; the jitted functions then find them compiled (or in the disk cache)."""
-    from jaxsmol.params import abstract_params
-
-    params = abstract_params(cfg, getattr(jnp, dtype))
-    cache_dtype = params.compute_dtype  # float32 under the kernels, whatever the weights' dtype
-    plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
-    cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
-    kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=cache_dtype))
-    for T in sorted(set(plan) | ({1} if max_tokens > 1 else set())):
-        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
-        programs.forward.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.int32), kv, cfg).compile()
-        jnp.asarray(np.zeros((1, T), np.int32)).block_until_ready()  # the host -> device copy of a chunk
-    allowed = all_allowed(1, cfg.vocab_size) if structured else None
-    logits = jnp.zeros((1, cfg.vocab_size))
-    programs.sample.lower(logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed).compile()
-    # the small programs a generation runs around them (scalars, its key, indexing, a cache's zeros)
-    # are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
-    jax.block_until_ready((jax.random.fold_in(seed_key(0), 0), logits[0], jnp.zeros((1,), jnp.int32)[0],
-                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=cache_dtype)))
 
 
 # The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.
@@ -258,8 +246,8 @@ class Engine:
 
     def recycle(self, kv: KVCache | None) -> None:
         """Hand back a cache that nothing will read again (the caller must drop its reference)."""
-        if kv is None or self.mesh is not None or kv.k.shape[1] != 1:
-            return
+        if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
+            return  # (deleted: donated to a call that failed)
         free = self._pool.setdefault(kv.capacity, [])
         if len(free) < self.POOL_PER_CAPACITY:
             free.append(kv)
@@ -327,20 +315,31 @@ class Engine:
     def prefill_chunk(self, ids: list[int], kv: KVCache, max_rows: int = PREFILL_BUCKETS[-1],
                       exact: bool = True) -> tuple[jax.Array, KVCache]:
         """Feed the next chunk of ids[kv.pos:] (at most max_rows real tokens) into kv (donated);
-        returns (logits [1, V] after the chunk's last token, kv).
+        returns (logits [1, V] after the chunk's last token, kv). (A chunk that would run past the
+        capacity starts earlier: see _next_chunk.)"""
+        T = self.chunk_rows(len(ids) - int(kv.pos), max_rows, exact)
+        chunk, n, kv = _next_chunk(ids, kv, T)
+        return programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), kv, self.cfg)
 
-        A chunk that would run past the cache's capacity starts earlier instead, recomputing a few
-        positions already written: an exact chunk gives every row the same bits wherever it starts
-        (module docstring), so they are rewritten unchanged."""
-        pos = int(kv.pos)
-        T = self.chunk_rows(len(ids) - pos, max_rows, exact)
-        begin = max(min(pos, kv.capacity - T), 0)
-        n = min(T, len(ids) - begin)
-        chunk = np.zeros((1, T), np.int32)
-        chunk[0, :n] = ids[begin:begin + n]
-        if begin != pos:
-            kv = kv.replace(pos=jnp.int32(begin))
-        return programs.forward(self.params, jnp.asarray(chunk), jnp.int32(n), kv, self.cfg)
+    def prefill_side_by_side(self, prompts: list[list[int]], kvs: list[KVCache], T: int
+                             ) -> tuple[jax.Array, list[KVCache]]:
+        """The next chunk, T rows padded, of each prompt (ids[kv.pos:]) in one forward; every kv
+        (donated) is one prompt's [L, 1, K, S, H] cache, all of one capacity. Returns (logits [P, V]
+        after each chunk's last token, kvs). Each prompt's rows get the bits `prefill_chunk` gives
+        them: only with the C++ kernels (`side_by_side`), whose rows do not depend on the others."""
+        if not self.side_by_side:
+            raise ValueError("prompts are prefilled side by side only with the CPU kernels")
+        chunks, lengths, ready = zip(*(_next_chunk(ids, kv, T) for ids, kv in zip(prompts, kvs)))
+        logits, kvs = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
+                                            jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg)
+        return logits, list(kvs)
+
+    @property
+    def side_by_side(self) -> bool:
+        """Whether several prompts' chunks may share a forward (prefill_side_by_side) and keep the
+        bits of a lone prefill: with the C++ kernels a row's bits do not depend on the rows beside
+        it; XLA's fused attention may differ with the batch's shape, so without them, no."""
+        return self.cfg.cpu_kernels
 
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""

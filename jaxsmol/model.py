@@ -162,11 +162,15 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     layer = jnp.int32(i)
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
-    q = linear(h, w.wq, cfg).reshape(B, T, K * G, H)
-    k = linear(h, w.wk, cfg).reshape(B, T, K, H)
+    # q's and k's heads rotated together, in one tensor that attention and the cache write both read:
+    # XLA:CPU then computes the rotation once, as its own loop, whatever the batch. (k's rotation
+    # alone was fused into a lone chunk's cache write and compiled otherwise than a batch's: a
+    # prompt prefilled beside others got keys differing from its lone chunk's in the last bits.)
+    qk = jnp.concatenate([linear(h, w.wq, cfg).reshape(B, T, K * G, H),
+                          linear(h, w.wk, cfg).reshape(B, T, K, H)], axis=2)
+    qk = apply_rope(qk, sin, cos)  # [B, T, K * G + K, H]
+    q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
     v = linear(h, w.wv, cfg).reshape(B, T, K, H)
-    q = apply_rope(q, sin, cos) * (H ** -0.5)
-    k = apply_rope(k, sin, cos)
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
     a = attend(q.reshape(B, T, K, G, H), k_all, v_all, i, pos, cfg).reshape(B, T, K * G * H)
@@ -178,12 +182,20 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     return x, k_all, v_all
 
 
+def _last_real(x: jax.Array, length: jax.Array) -> jax.Array:
+    """x [B, T, D] -> [B, D]: row length - 1 of every sequence (length a scalar, or [B])."""
+    if length.ndim == 0:
+        return lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)
+    return jnp.take_along_axis(x, (length - 1)[:, None, None], axis=1)[:, 0]
+
+
 def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
             all_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
 
     kv.pos is a scalar (every row at the same position: one sequence, or a prompt's forks) or a
-    vector [B] (each row its own sequence at its own position: batched decoding, see batch.py).
+    vector [B] (each row its own sequence at its own position: batched decoding and prompts
+    prefilled side by side, see batch.py); so is `length` (a vector: each row's own real tokens).
     Writes their keys/values into the cache with `dynamic_update_slice` and returns
     (logits, new kv with pos + length). Logits are [B, V] for the last real token, or
     [B, T, V] for every row when `all_logits`. Requires kv.pos + T <= S (the caller sizes S).
@@ -202,7 +214,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     for i, w in enumerate(params.layers):
         x, k_all, v_all = decoder_layer(w, x, k_all, v_all, i, pos, sin, cos, cfg, dt)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
-        x = lax.dynamic_index_in_dim(x, length - 1, axis=1, keepdims=False)  # [B, D]
+        x = _last_real(x, length)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     logits = linear(x, params.unembed, cfg, jnp.float32)  # [B, V] or [B, T, V]
     return logits, KVCache(k=k_all, v=v_all, pos=pos + length.astype(jnp.int32))

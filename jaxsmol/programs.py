@@ -2,7 +2,7 @@
 
 Single sequence (engine.py): `forward` (chunked prefill and decode), `sample`, `top_logprobs`,
 `load_prefix`. Batched decoding (batch.py, used by the scheduler): `decode_step`, `sample_first`,
-`insert_row`, `relayout`.
+`insert_row`, `relayout`, `prefill_rows`.
 
 A cache argument is donated where the caller hands over a buffer that nothing else holds (a fresh
 cache, a recycled one, or one restored from a host snapshot), so XLA updates it in place. Host
@@ -25,10 +25,11 @@ decode_step = jax.jit(batch.decode_step, static_argnames=("cfg", "logprobs"), do
 sample_first = jax.jit(batch.sample_and_score, static_argnames=("logprobs",))
 insert_row = jax.jit(batch.insert_row, donate_argnames=("batch",))
 relayout = jax.jit(batch.relayout, static_argnames=("width", "capacity"))
+prefill_rows = jax.jit(batch.prefill_rows, static_argnames=("cfg",), donate_argnames=("rows",))
 
 ALL = {"forward": forward, "sample": sample, "load_prefix": load_prefix, "top_logprobs": top_logprobs,
        "decode_step": decode_step, "sample_first": sample_first, "insert_row": insert_row,
-       "relayout": relayout}
+       "relayout": relayout, "prefill_rows": prefill_rows}
 
 
 def compiled_count(name: str = "forward") -> int:

@@ -249,12 +249,13 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, dtype, caplog):
-    """engine.compile_cold_request builds a request's programs from shapes alone (`jaxsmol generate`
+    """compile_cache.compile_cold_request builds a request's programs from shapes alone (`jaxsmol generate`
     runs it while the weights load); the request then compiles no forward of its own, in either dtype
     (a bfloat16 engine's cache is float32 under the kernels, as its shapes must say)."""
     import logging
 
-    from jaxsmol.engine import Engine, compile_cold_request
+    from jaxsmol.compile_cache import compile_cold_request
+    from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
     from jaxsmol.sampling import SamplingParams
 

@@ -282,13 +282,13 @@ def test_structured_output_rows_beside_free_rows(real_engine):
     assert sinks[2].results[0].output_ids == free.output_ids
 
 
-BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_and_score")
+BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_and_score", "prefill_rows")
 
 
 def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
     """Which batched programs a burst of four short requests compiles on a fresh engine of cfg (after
-    Scheduler.compile_programs when `ahead`). Their answers end at different steps, so the batch
-    grows to 4 rows and later shrinks to 1."""
+    Scheduler.compile_programs when `ahead`). Their prompts' chunks run side by side, and their
+    answers end at different steps, so the batch grows to 4 rows and later shrinks to 1."""
     import logging
 
     import jax
@@ -298,7 +298,8 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
 
     sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
     if ahead:
-        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1  # decode and insert per width, 3 x 2 relayouts, sampling
+        # decode and insert per width, 3 x 2 relayouts, sampling; 2..8 prompts side by side at 16 and 32 rows
+        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + 7 * 2
     sinks = [Collector() for _ in range(4)]
     caplog.clear()
     with jax.log_compiles(), caplog.at_level(logging.WARNING):

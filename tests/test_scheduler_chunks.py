@@ -13,9 +13,9 @@ from scheduler_runs import prompts, run_alone
 
 
 def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
-    """Prompt chunks fill the step's row budget (chunk_rows = 128), down to the smallest exact chunk
-    (16 rows), each prompt in its least padded chunks: 30 tokens in 32 rows, 40 in 32 + 16, 20 in 32,
-    then 16 rows of the 50-token prompt; the next step finishes it and admits the other two."""
+    """Up to PREFILLS_AT_ONCE prompts are admitted in one step, each in its least padded chunks (30
+    tokens in 32 rows, 40 in 32 + 16, 20 in 32, ...): six short prompts all get their first token
+    and one decode step in the first step."""
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, chunk_rows=128)
     sinks = [Collector() for _ in range(6)]
     for p, sink in zip(prompts(9, [30, 40, 50, 20, 60, 10]), sinks):
@@ -25,9 +25,9 @@ def test_a_burst_of_short_prompts_joins_several_per_step(tiny_engine):
         sched.step()
         admitted.append(sched.live_rows)
         streamed.append([len(s.steps.get(0, [])) for s in sinks])
-    assert admitted == [3, 6, 6]
-    assert streamed[0] == [2, 2, 2, 0, 0, 0]  # each: its first token from the prefill, then one decode step
-    assert streamed[2] == [4, 4, 4, 3, 3, 3]
+    assert admitted == [6, 6, 6]
+    assert streamed[0] == [2] * 6  # each: its first token from the prefill, then one decode step
+    assert streamed[2] == [4] * 6
     sched.run()
     assert all(len(s.results[0].output_ids) == 20 for s in sinks)
 
@@ -55,30 +55,33 @@ def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engi
 
 
 def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_engine):
-    """--prefill-chunk 48: beside a decoding row a step runs at most 48 prompt rows (exact 32- and
-    16-row chunks), a long prompt advances 32 a step, a 40-token newcomer finishes in one step as
-    32 + 16 rows; both answers are bitwise their runs alone."""
+    """--prefill-chunk 48: beside a decoding row a prompt runs at most 48 rows a step (exact 32- and
+    16-row chunks): a long prompt advances 32 a step, a 40-token newcomer finishes in one step as
+    32 + 16 rows, its 32 side by side with the long prompt's; both answers are bitwise their runs
+    alone."""
     streaming, long_, short = prompts(15, [10, 200, 40])
     sp = SamplingParams(max_tokens=3, logprobs=2)
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True, chunk_rows=48)
-    ran, chunk = [0], sched._prefill_chunk
+    steps, run_group = [[]], sched._prefill_group
 
-    def counted(p, max_rows):  # the rows (padding included) each step's chunks ran
-        rows = chunk(p, max_rows)
-        ran[-1] += rows
-        return rows
-    sched._prefill_chunk = counted
+    def counted(group):  # each step's forwards: the prompt lengths of the chunks side by side, and their rows
+        steps[-1].append(sorted((len(p.lookup.prompt), sched.engine.chunk_rows(sched._rows_left(p), rows))
+                                for p, rows in group))
+        run_group(group)
+    sched._prefill_group = counted
     first, slow, quick = Collector(), Collector(), Collector()
     sched.submit(Request(streaming, [SamplingParams(max_tokens=60)], first))
     sched.step()
     sched.submit(Request(long_, [sp], slow))
-    ran = [0]  # from here on, beside the decoding row
+    steps = [[]]  # from here on, beside the decoding row
     sched.step()
     sched.submit(Request(short, [sp], quick))
     while not slow.steps:
-        ran.append(0)
+        steps.append([])
         sched.step()
-    assert ran[0] == 32 and max(ran) == 48 and sum(ran) == 208 + 48
+    assert steps[0] == [[(200, 32)]]
+    assert steps[1] == [[(40, 32), (200, 32)], [(40, 16)]]  # side by side, then the newcomer's rest
+    assert all(s == [[(200, 32)]] for s in steps[2:-1]) and sum(len(s) for s in steps) == 8
     sched.run()
     for got, prompt in [(slow, long_), (quick, short)]:
         alone = run_alone(tiny_engine, prompt, sp)[0]

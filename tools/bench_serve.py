@@ -110,13 +110,15 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
 
 
 def wait_idle(url: str, timeout_s: float = 300) -> None:
-    """Wait until a jaxsmol daemon has no work left (/health "busy": false). After a row it stores
-    the answers for their next turns (~16 x 64 tokens re-prefilled after 16 clients, a few
-    seconds); the next row, on either server, must not run beside that. A peer without the field
-    is taken as idle."""
+    """Wait until a jaxsmol daemon has no work left (/health "busy" and "compiling" false). After a
+    row it stores the answers for their next turns (~16 x 64 tokens re-prefilled after 16 clients, a
+    few seconds), and after its start it compiles the batched programs in the background (~1 min);
+    the next row, on either server, must not run beside that. A peer without the fields is taken as
+    idle."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        if not httpx.get(url + "/health", timeout=10).json().get("busy", False):
+        health = httpx.get(url + "/health", timeout=10).json()
+        if not health.get("busy", False) and not health.get("compiling", False):
             return
         time.sleep(0.2)
     raise SystemExit(f"{url} still busy after {timeout_s} s")

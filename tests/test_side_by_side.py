@@ -1,0 +1,102 @@
+"""Prompts prefilled side by side (jaxsmol/batch.py prefill_rows, Engine.prefill_side_by_side, the
+scheduler's grouping): one forward for several prompts' chunks, every row with the bits of its
+prompt's lone chunk, so cached == uncached still holds bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cache.prefix_cache import PrefixCache
+from cache.requests import Collector, Request
+from cache.scheduler import Scheduler
+from cache.side_by_side import MAX_ROWS, group_chunks
+from jaxsmol.sampling import SamplingParams
+
+from scheduler_runs import prompts, run_alone
+
+
+def _started(engine, prompt, start):
+    """A staging cache holding prompt[:start], computed alone (as a restored prefix would be)."""
+    kv = engine.new_cache(512)
+    while int(kv.pos) < start:
+        _, kv = engine.prefill_chunk(prompt[:start], kv)
+    return kv
+
+
+def _assert_side_by_side_bits(engine, T, seed):
+    """Three prompts at different positions (0, a 16-row prefix, a 70-token prefix), with fewer
+    real tokens than T in two of them: each prompt's logits and cache equal its lone chunk's, bitwise."""
+    assert engine.side_by_side
+    ps = prompts(seed, [T - 5, 16 + T, 70 + T // 2])
+    starts = [0, 16, 70]
+    lone = [engine.prefill_chunk(p, _started(engine, p, s), T) for p, s in zip(ps, starts)]
+    logits, kvs = engine.prefill_side_by_side(ps, [_started(engine, p, s) for p, s in zip(ps, starts)], T)
+    assert logits.shape == (3, engine.cfg.vocab_size)
+    for i, (lone_logits, lone_kv) in enumerate(lone):
+        n = int(lone_kv.pos)
+        assert int(kvs[i].pos) == n == min(len(ps[i]), starts[i] + T)
+        np.testing.assert_array_equal(np.asarray(logits[i]), np.asarray(lone_logits[0]))
+        np.testing.assert_array_equal(np.asarray(kvs[i].k)[..., :n, :], np.asarray(lone_kv.k)[..., :n, :])
+        np.testing.assert_array_equal(np.asarray(kvs[i].v)[..., :n, :], np.asarray(lone_kv.v)[..., :n, :])
+
+
+@pytest.mark.parametrize("T", [16, 32, 64])
+def test_side_by_side_rows_have_their_lone_chunks_bits(tiny_engine, T):
+    _assert_side_by_side_bits(tiny_engine, T, 40 + T)
+
+
+def test_side_by_side_rows_have_their_lone_chunks_bits_on_the_real_model(real_engine):
+    _assert_side_by_side_bits(real_engine, 32, 44)
+
+
+def test_chunks_are_grouped_by_shape_up_to_most():
+    """Chunks of one (rows, capacity) share a forward, at most `most` to a group and at most
+    MAX_ROWS rows long; the rest run alone; order is kept within a group."""
+    chunks = [("a", 32, 512), ("b", 16, 512), ("c", 32, 512), ("d", 64, 512), ("e", 32, 1024),
+              ("f", 32, 512), ("g", 64, 512)]
+    groups = group_chunks(chunks, lambda c: (c[1], c[2]), 2)
+    assert [[c[0] for c in g] for g in groups] == [["a", "c"], ["b"], ["d"], ["e"], ["f"], ["g"]]
+    assert len(group_chunks(chunks, lambda c: (c[1], c[2]), 1)) == len(chunks)
+    assert MAX_ROWS == 32
+
+
+def test_a_burst_is_prefilled_side_by_side_and_answers_as_alone(tiny_engine):
+    """Six short prompts arriving at once are all admitted in the first step and prefilled in a few
+    forwards (chunks of one length side by side), not one or more each; every answer (tokens and
+    log-probabilities) is bitwise its run alone."""
+    ps = prompts(41, [30, 40, 50, 20, 60, 10])
+    sp = SamplingParams(max_tokens=5, logprobs=2)
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, batch_invariant=True)
+    sinks = [Collector() for _ in ps]
+    for p, sink in zip(ps, sinks):
+        sched.submit(Request(p, [sp], sink))
+    sched.step()
+    assert sched.live_rows == 6 and all(s.steps for s in sinks)
+    # 10, 20, 30 tokens: one 16-, 32-, 32-row chunk; 40, 50, 60: 32 + 16, 64, 64 rows. First round:
+    # the 16, the three 32s side by side, the two 64s each alone (64-row chunks gain nothing side
+    # by side); then 40's 16: 5 forwards for 6 prompts (alone: 7)
+    assert sched.stats.prefill_calls == 5
+    sched.run()
+    for p, sink in zip(ps, sinks):
+        alone = run_alone(tiny_engine, p, sp)[0]
+        assert sink.results[0].output_ids == alone.output_ids and sink.results[0].logprobs == alone.logprobs
+
+
+def test_without_the_kernels_prompts_are_prefilled_one_by_one(tiny_cfg, monkeypatch):
+    """Without the CPU kernels (XLA's fused attention may change with the batch's shape) no chunks run
+    side by side: each prompt gets forwards of its own, and the engine refuses a side-by-side call."""
+    from jaxsmol import cpu_kernels
+    from jaxsmol.engine import Engine
+    from jaxsmol.params import init_random
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
+    assert not engine.side_by_side
+    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=4)
+    for p in prompts(42, [20, 30]):
+        sched.submit(Request(p, [SamplingParams(max_tokens=5)], Collector()))
+    sched.step()
+    assert sched.live_rows == 2 and sched.stats.prefill_calls == 2
+    with pytest.raises(ValueError, match="CPU kernels"):
+        engine.prefill_side_by_side(prompts(43, [20, 30]), [engine.new_cache(512), engine.new_cache(512)], 64)
