@@ -53,9 +53,8 @@ from jaxsmol.stream import TokenStream
 from jaxsmol.structured import all_allowed, constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
-# Prompts prefilled at once (side by side where their chunks have one length): a burst's prompts
-# share a forward, and a short newcomer's first token does not wait for a long prompt ahead of it.
-# Each holds a one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
+# Prompts prefilled at once (side by side where their chunks have one length), each holding a
+# one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
 PREFILLS_AT_ONCE = 8
 
 
@@ -131,27 +130,20 @@ class Scheduler:
         self._admit()
         if not self.prefills:
             return False
-        budget, decoding = self.settings.step_rows(self.live_rows > 0), self.live_rows > 0
-        budget = max(budget, self.engine.buckets(True)[0])  # a budget below the smallest exact chunk acts as it
-        plans = {}
-        for p in sorted(self.prefills, key=self._rows_left):
-            plans[p] = self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
-                                            budget, decoding)
-        for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk
-            todo = [(p, rows[j]) for p, rows in plans.items() if j < len(rows) and p in self.prefills]
-            for group in self._side_by_side(todo):
+        decoding = self.live_rows > 0  # a budget below the smallest exact chunk acts as it:
+        budget = max(self.settings.step_rows(decoding), self.engine.buckets(True)[0])
+        plans = {p: self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
+                                         budget, decoding) for p in sorted(self.prefills, key=self._rows_left)}
+        most = PREFILLS_AT_ONCE if self.engine.side_by_side else 1  # without the kernels: each alone
+        for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk, padded rows T
+            todo = [(p, self.engine.chunk_rows(self._rows_left(p), rows[j], self._exact(p)))
+                    for p, rows in plans.items() if j < len(rows) and p in self.prefills]
+            for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), most):
                 self._prefill_group(group)
         return True
 
-    def _rows_left(self, p: Prefill) -> int:
+    def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p.kv
         return len(p.lookup.prompt) - int(p.kv.pos)
-
-    def _side_by_side(self, todo: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
-        """todo's chunks (prompt, its most rows) in the groups that run in one forward each
-        (cache/side_by_side.py); each alone where the engine cannot keep a lone chunk's bits so."""
-        most = PREFILLS_AT_ONCE if self.engine.side_by_side else 1
-        return group_chunks(todo, lambda c: (self.engine.chunk_rows(self._rows_left(c[0]), c[1], self._exact(c[0])),
-                                             c[0].kv.capacity), most)
 
     def run(self) -> None:
         while self.has_work:
@@ -226,21 +218,18 @@ class Scheduler:
             self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
 
     def _prefill_group(self, group: list[tuple[Prefill, int]]) -> None:
-        """One chunk (at most its rows) of each prompt in group, side by side when more than one."""
-        prefills = [p for p, _ in group]
+        """One chunk of T padded rows of each prompt in group (one T), side by side when more than one."""
+        prefills, T = [p for p, _ in group], group[0][1]
         try:
             if len(group) == 1:
-                (p, rows), = group
-                logits, p.kv = self.engine.prefill_chunk(p.lookup.prompt, p.kv, rows, exact=self._exact(p))
-                done = [(p, logits)]
+                logits, prefills[0].kv = self.engine.prefill_chunk(prefills[0].lookup.prompt, prefills[0].kv, T,
+                                                                   exact=self._exact(prefills[0]))
             else:
-                T = self.engine.chunk_rows(self._rows_left(prefills[0]), group[0][1], self._exact(prefills[0]))
                 logits, kvs = self.engine.prefill_side_by_side([p.lookup.prompt for p in prefills],
                                                                [p.kv for p in prefills], T)
                 for p, kv in zip(prefills, kvs):
                     p.kv = kv
-                done = [(p, logits[i:i + 1]) for i, p in enumerate(prefills)]
-            done = [(p, lg) for p, lg in done if int(p.kv.pos) >= len(p.lookup.prompt)]
+            done = [(p, logits[i:i + 1]) for i, p in enumerate(prefills) if int(p.kv.pos) >= len(p.lookup.prompt)]
         except Exception as e:  # a failure costs these requests, never the others
             for p in prefills:
                 self._abort_prefill(p, e)
