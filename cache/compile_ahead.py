@@ -61,16 +61,20 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
 
 def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
     """Compile prefill_rows for 2..`most` prompts side by side at each exact chunk length up to
-    side_by_side.MAX_ROWS, at one capacity. Returns how many."""
+    side_by_side.MAX_ROWS, at one capacity, for each window it may use (a burst of short prompts:
+    the 128 leading slots; longer ones the whole capacity). Returns how many."""
     if not engine.side_by_side:
         return 0
     row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.params.compute_dtype))
     n = 0
+    windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
     for P in range(2, most + 1):
         for T in (T for T in engine.buckets(True) if T <= MAX_ROWS):
-            if stop is not None and stop.is_set():
-                return n
-            programs.prefill_rows.lower(engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
-                                        jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg).compile()
-            n += 1
+            for window in windows:
+                if stop is not None and stop.is_set():
+                    return n
+                programs.prefill_rows.lower(engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
+                                            jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg,
+                                            window=window).compile()
+                n += 1
     return n

@@ -62,18 +62,30 @@ def sample_and_score(logits: jax.Array, sampling: dict, logprobs: bool = False) 
 
 
 def prefill_rows(params: Params, tokens: jax.Array, lengths: jax.Array, rows: tuple[KVCache, ...],
-                 cfg: Config) -> tuple[jax.Array, tuple[KVCache, ...]]:
+                 cfg: Config, window: int | None = None) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """One prefill chunk of P prompts side by side: tokens [P, T] (row i's first lengths[i] real)
     written into rows[i] (k, v [L, 1, K, S, H], pos []: one prompt's staging cache each, all of one
     capacity) at its own position. Returns (logits [P, V] after each row's last real token, rows
     with pos + lengths). A prompt's rows get the bits of its own [1, T] chunk where a row's bits do
     not depend on the rows beside it (the C++ kernels; XLA's GEMM with >= 64-row chunks): one pass
-    over the weights serves P prompts (a burst of short prompts)."""
-    batch = KVCache(k=jnp.concatenate([r.k for r in rows], axis=1), v=jnp.concatenate([r.v for r in rows], axis=1),
+    over the weights serves P prompts (a burst of short prompts).
+
+    window: when every row's pos + T fits in the first `window` slots, only those are stacked into
+    the forward's batch and written back (in place: the rows are donated); the forward then runs at
+    capacity `window`. Stacking and splitting 8 prompts' whole 512-slot caches (189 MB each way)
+    cost ~0.15 s beside a 0.27 s [8, 16] forward. None: the whole capacity."""
+    S = rows[0].capacity if window is None else window
+    batch = KVCache(k=jnp.concatenate([r.k[seq_index(0, S)] for r in rows], axis=1),
+                    v=jnp.concatenate([r.v[seq_index(0, S)] for r in rows], axis=1),
                     pos=jnp.stack([r.pos for r in rows]))  # k, v [L, P, K, S, H], pos [P]
     logits, batch = forward(params, tokens, lengths, batch, cfg)
-    return logits, tuple(KVCache(k=batch.k[:, i:i + 1], v=batch.v[:, i:i + 1], pos=batch.pos[i])
-                         for i in range(len(rows)))
+
+    def back(full: jax.Array, stacked: jax.Array, i: int) -> jax.Array:  # row i into its own cache
+        part = stacked[:, i:i + 1]
+        return part if S == full.shape[SEQ_AXIS] else jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+
+    return logits, tuple(KVCache(k=back(r.k, batch.k, i), v=back(r.v, batch.v, i), pos=batch.pos[i])
+                         for i, r in enumerate(rows))
 
 
 def insert_row(batch: KVCache, row: KVCache, index: jax.Array) -> KVCache:

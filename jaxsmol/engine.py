@@ -43,6 +43,9 @@ ROW_EXACT_BUCKETS = (16, 32) + PREFILL_BUCKETS  # exact with the CPU kernels (se
 # padding, but those rows differ from a cold prefill's in the last bits.
 FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
 MIN_CAPACITY = 2 * ATTN_BLOCK
+# The leading slots a side-by-side chunk's forward stacks (prefill_rows' window): the smallest that
+# holds every prompt's pos + T, else the whole capacity.
+SIDE_BY_SIDE_WINDOWS = (128, MIN_CAPACITY)
 
 
 def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int, ...]:
@@ -330,9 +333,18 @@ class Engine:
         if not self.side_by_side:
             raise ValueError("prompts are prefilled side by side only with the CPU kernels")
         chunks, lengths, ready = zip(*(_next_chunk(ids, kv, T) for ids, kv in zip(prompts, kvs)))
+        window = self.side_by_side_window(max(int(kv.pos) for kv in ready) + T, ready[0].capacity)
         logits, kvs = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
-                                            jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg)
+                                            jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg, window=window)
         return logits, list(kvs)
+
+    def side_by_side_window(self, slots: int, capacity: int) -> int | None:
+        """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
+        caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
+        Only with a float32 cache: XLA's attention (a bfloat16 cache) reads whole 256-slot blocks."""
+        if self.params.compute_dtype != jnp.float32:
+            return None
+        return next((w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity), None)
 
     @property
     def side_by_side(self) -> bool:

@@ -25,7 +25,7 @@ decode_step = jax.jit(batch.decode_step, static_argnames=("cfg", "logprobs"), do
 sample_first = jax.jit(batch.sample_and_score, static_argnames=("logprobs",))
 insert_row = jax.jit(batch.insert_row, donate_argnames=("batch",))
 relayout = jax.jit(batch.relayout, static_argnames=("width", "capacity"))
-prefill_rows = jax.jit(batch.prefill_rows, static_argnames=("cfg",), donate_argnames=("rows",))
+prefill_rows = jax.jit(batch.prefill_rows, static_argnames=("cfg", "window"), donate_argnames=("rows",))
 
 ALL = {"forward": forward, "sample": sample, "load_prefix": load_prefix, "top_logprobs": top_logprobs,
        "decode_step": decode_step, "sample_first": sample_first, "insert_row": insert_row,

@@ -43,7 +43,26 @@ def _assert_side_by_side_bits(engine, T, seed):
 
 @pytest.mark.parametrize("T", [16, 32, 64])
 def test_side_by_side_rows_have_their_lone_chunks_bits(tiny_engine, T):
+    # the furthest chunk ends at slot 70 + T: in the 128-slot window at 16 and 32 rows, the whole
+    # 512 slots at 64
+    assert tiny_engine.side_by_side_window(70 + T, 512) == (128 if T < 64 else None)
     _assert_side_by_side_bits(tiny_engine, T, 40 + T)
+
+
+def test_a_short_chunk_stacks_only_its_window(tiny_engine):
+    """Chunks ending within the first 128 slots stack (and write back) only those: the slots past
+    them are left as they were, in place. Past 128, the whole capacity (or 512 of a larger one)."""
+    e = tiny_engine
+    assert [e.side_by_side_window(s, 512) for s in (1, 48, 128, 129, 512)] == [128, 128, 128, None, None]
+    assert e.side_by_side_window(300, 2048) == 512 and e.side_by_side_window(600, 2048) is None
+    ps = prompts(50, [30, 20])
+    kvs = [e.new_cache(512) for _ in ps]
+    kvs = [kv.replace(k=kv.k.at[..., 128:, :].set(7.0), v=kv.v.at[..., 128:, :].set(7.0)) for kv in kvs]
+    _, out = e.prefill_side_by_side(ps, kvs, 32)
+    for kv, p in zip(out, ps):
+        assert int(kv.pos) == len(p)
+        assert np.all(np.asarray(kv.k)[..., 128:, :] == 7.0) and np.all(np.asarray(kv.v)[..., 128:, :] == 7.0)
+        assert np.any(np.asarray(kv.k)[..., :len(p), :] != 0)
 
 
 def test_side_by_side_rows_have_their_lone_chunks_bits_on_the_real_model(real_engine):
