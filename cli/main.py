@@ -294,7 +294,10 @@ def build_parser() -> ArgumentParser:
 
 @user_errors
 def main(argv=None) -> int:
+    from jaxsmol.host_memory import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # big buffers reused, not faulted in afresh (see jaxsmol/host_memory.py)
     return args.func(args)
 
 
