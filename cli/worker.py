@@ -29,6 +29,12 @@ class QueueFull(Exception):
     pass
 
 
+# An idle worker that gets a job waits this long for more before its first step, as long as they keep
+# coming: clients of a burst arrive a few ms apart, and a step begun with the first one alone (a
+# prompt's prefill, ~0.2 s here) held every other until it ended.
+ARRIVAL_GAP_S = 0.02
+
+
 @dataclasses.dataclass(eq=False)
 class JobSink:
     """The scheduler's sink for one job: relays its events and ends the job after its last choice."""
@@ -108,16 +114,17 @@ class Worker(threading.Thread):
                 return
 
     def _take_jobs(self, wait: bool) -> None:
-        """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle) while the scheduler
-        has fewer waiting for admission than it has free rows (one at least): a burst is admitted and
-        prefilled together. Jobs beyond that wait in the bounded queue (--max-queue), so a full
-        batch and a full queue answer 503."""
+        """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle, then for more while
+        they arrive at most ARRIVAL_GAP_S apart) while the scheduler has fewer waiting for admission
+        than it has free rows (one at least): a burst is admitted and prefilled together. Jobs beyond
+        that wait in the bounded queue (--max-queue), so a full batch and a full queue answer 503."""
+        timeout = 0.1 if wait else None
         while len(self.scheduler.pending) < max(1, self.scheduler.free_rows):
             try:
-                job = self.jobs.get(timeout=0.1) if wait else self.jobs.get_nowait()
+                job = self.jobs.get(timeout=timeout) if timeout else self.jobs.get_nowait()
             except queue.Empty:
                 return
-            wait = False
+            timeout = ARRIVAL_GAP_S if wait else None
             try:
                 with self.lock:
                     self._start(job)

@@ -1,13 +1,15 @@
 """Serving benchmark: concurrent streaming clients against `jaxsmol serve` (and optionally a peer).
 
-    python tools/bench_serve.py [--clients 1 2 4 8 16] [--tokens 64] [--peer-url http://127.0.0.1:8090]
+    python tools/bench_serve.py [--clients 1 2 4 8 16] [--tokens 64] [--peer-url http://127.0.0.1:8090] [--no-long]
 
 Starts a daemon (`--max-batch`, default 16) on a free loopback port, warms it up, then for each
 client count runs that many concurrent streaming /v1/completions clients (each a different prompt,
 `--tokens` sampled tokens, ignore_eos so every answer has the same length) and prints aggregate
 decode tok/s (over the wall time: prompts and ramp included), the steady decode tok/s (while every
 client streams), time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
-extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill.
+extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill
+(not with --no-long). Every row has prompts of its own (a client count may be repeated: `--clients
+8 16 8 16`), the same for jaxsmol and the peer.
 With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
 peer right after jaxsmol, in the same run, with the same client code.
 """
@@ -137,6 +139,7 @@ def main() -> None:
     p.add_argument("--batch-invariant", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=48, help="the daemon's --prefill-chunk")
     p.add_argument("--peer-url", help="also measure this OpenAI-compatible server (e.g. llama-server)")
+    p.add_argument("--no-long", action="store_true", help="skip the rows with long prompts arriving")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     proc, url = start_daemon(args)
@@ -144,16 +147,18 @@ def main() -> None:
     rows = []
     try:
         for c in sorted(set(args.clients)):  # warm up: compile every width, growth and shrink on the way
-            for with_long in (False, True):
+            for with_long in (False,) if args.no_long else (False, True):
                 asyncio.run(run_clients(url, c, 12, with_long, seed=0))
         for name, u in targets[1:]:  # a peer compiles nothing; one call wakes it
             asyncio.run(run_clients(u, 1, 4, False, seed=0))
         print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'steady':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
-        for with_long in (False, True):
-            for c in args.clients:
+        for with_long in (False,) if args.no_long else (False, True):
+            for i, c in enumerate(args.clients):
                 for name, u in targets:  # alternate servers row by row: same machine state for both
                     wait_idle(url)
-                    r = asyncio.run(run_clients(u, c, args.tokens, with_long, seed=c))
+                    # the same prompts for both servers, new ones for every row (a repeated row would
+                    # find its prompts in either server's prompt cache)
+                    r = asyncio.run(run_clients(u, c, args.tokens, with_long, seed=1000 * (i + 1) + c))
                     rows.append({"server": name, **r})
                     print(row(name, r), flush=True)
     finally:
