@@ -342,9 +342,8 @@ class Engine:
         """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
         caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
         Only with a float32 cache: XLA's attention (a bfloat16 cache) reads whole 256-slot blocks."""
-        if self.params.compute_dtype != jnp.float32:
-            return None
-        return next((w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity), None)
+        fits = [w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity]
+        return fits[0] if fits and self.params.compute_dtype == jnp.float32 else None
 
     @property
     def side_by_side(self) -> bool:
