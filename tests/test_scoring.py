@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +161,41 @@ def test_score_cli(tiny_model_dir):  # the command's behaviour, on the two-layer
     for bad in (["--ids", "1", "999999"], ["hi", "--top-k", "99"], []):
         p = run(*bad)
         assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.splitlines()) == 1, p.stderr
+
+
+def test_an_idle_worker_admits_a_burst_arriving_ms_apart_together(tiny_engine):
+    """Jobs arriving a few ms apart at an idle worker are admitted in its first step (ARRIVAL_GAP_S):
+    four prompts of 20 tokens share one side-by-side forward, where the first alone would have run
+    its own before the other three arrived."""
+    from cache.prefix_cache import PrefixCache
+    from cli.events import ChoiceSpec, Job, JobEnd
+    from cli.metrics import Metrics
+    from cli.worker import ARRIVAL_GAP_S, Worker
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    worker = Worker(PrefixCache(tiny_engine, mode="off"), 8, Metrics())
+    worker.start()
+    try:
+        time.sleep(0.3)  # idle: waiting for a job
+        sp = SamplingParams(max_tokens=2, temperature=0.0)
+        jobs = [Job(choices=[ChoiceSpec(0, list(range(3 + i, 23 + i)), sp)], salt=None, bypass=False, loop=loop)
+                for i in range(4)]
+        for job in jobs:
+            worker.submit(job)
+            time.sleep(ARRIVAL_GAP_S / 4)
+
+        async def ended(job):
+            while not isinstance(await asyncio.wait_for(job.events.get(), 60), JobEnd):
+                pass
+        for job in jobs:
+            asyncio.run_coroutine_threadsafe(ended(job), loop).result(120)
+        assert worker.scheduler.stats.admitted == 4
+        assert worker.scheduler.stats.prefill_calls == 1  # one forward for the four prompts
+    finally:
+        worker.stop()
+        worker.join(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
