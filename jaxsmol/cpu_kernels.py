@@ -186,7 +186,13 @@ def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Ar
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
     """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: float32, H in 16..128."""
-    return q.dtype == k_all.dtype == jnp.float32 and q.shape[-1] in HEAD_DIMS
+    return q.dtype == k_all.dtype and attention_kernel_for(k_all.dtype, q.shape[-1])
+
+
+def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
+    """Whether a cache of this dtype and head size is read by the kernel (in place, any capacity),
+    not by XLA's attention (whole 256-slot blocks)."""
+    return cache_dtype == jnp.float32 and head_dim in HEAD_DIMS
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array,

@@ -341,9 +341,9 @@ class Engine:
     def side_by_side_window(self, slots: int, capacity: int) -> int | None:
         """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
         caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
-        Only with a float32 cache: XLA's attention (a bfloat16 cache) reads whole 256-slot blocks."""
+        Only where the attention kernel reads the cache: XLA's attention reads whole 256-slot blocks."""
         fits = [w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity]
-        return fits[0] if fits and self.params.compute_dtype == jnp.float32 else None
+        return fits[0] if fits and cpu_kernels.attention_kernel_for(self.params.compute_dtype, self.cfg.head_dim) else None
 
     @property
     def side_by_side(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt parameters (malloc.h)
@@ -37,7 +38,11 @@ def keep_freed_memory() -> bool:
 
 def _mallopt(param: int, value: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+        return bool(_libc().mallopt(ctypes.c_int(param), ctypes.c_int(value)))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -48,9 +48,9 @@ def test_score_refuses_bad_input(tiny_engine, ids, top_k):
 
 # ---- the worker, on the tiny engine --------------------------------------------------------------------
 @pytest.fixture
-def run_job(tiny_engine):
-    """run_job(cache, choices, salt=None) -> the job's events, in order (the worker thread runs it)."""
-    from cli.events import Job, JobEnd
+def worker_loop():
+    """(loop, start_worker): an event loop on its own thread (the jobs' events live there) and
+    start_worker(cache) -> a started Worker; all stopped after the test."""
     from cli.metrics import Metrics
     from cli.worker import Worker
 
@@ -59,27 +59,41 @@ def run_job(tiny_engine):
     thread.start()
     workers = []
 
-    def run(cache, choices, salt=None):
-        worker = Worker(cache, 4, Metrics())
-        worker.start()
-        workers.append(worker)
+    def start_worker(cache):
+        workers.append(Worker(cache, 8, Metrics()))
+        workers[-1].start()
+        return workers[-1]
 
-        async def go():
-            job = Job(choices=choices, salt=salt, bypass=False, loop=loop)
-            worker.submit(job)
-            events = []
-            while not isinstance(events[-1:] and events[-1], JobEnd):
-                events.append(await asyncio.wait_for(job.events.get(), 60))
-            return events
-        return asyncio.run_coroutine_threadsafe(go(), loop).result(120)
-
-    yield run
+    yield loop, start_worker
     for w in workers:
         w.stop()
         w.join(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
+
+
+async def _events_until_end(job) -> list:
+    from cli.events import JobEnd
+
+    events = []
+    while not isinstance(events[-1:] and events[-1], JobEnd):
+        events.append(await asyncio.wait_for(job.events.get(), 60))
+    return events
+
+
+@pytest.fixture
+def run_job(worker_loop):
+    """run_job(cache, choices, salt=None) -> the job's events, in order (the worker thread runs it)."""
+    from cli.events import Job
+
+    loop, start_worker = worker_loop
+
+    def run(cache, choices, salt=None):
+        job = Job(choices=choices, salt=salt, bypass=False, loop=loop)
+        start_worker(cache).submit(job)
+        return asyncio.run_coroutine_threadsafe(_events_until_end(job), loop).result(120)
+    return run
 
 
 def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, run_job):
@@ -163,39 +177,24 @@ def test_score_cli(tiny_model_dir):  # the command's behaviour, on the two-layer
         assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.splitlines()) == 1, p.stderr
 
 
-def test_an_idle_worker_admits_a_burst_arriving_ms_apart_together(tiny_engine):
+def test_an_idle_worker_admits_a_burst_arriving_ms_apart_together(tiny_engine, worker_loop):
     """Jobs arriving a few ms apart at an idle worker are admitted in its first step (ARRIVAL_GAP_S):
     four prompts of 20 tokens share one side-by-side forward, where the first alone would have run
     its own before the other three arrived."""
     from cache.prefix_cache import PrefixCache
-    from cli.events import ChoiceSpec, Job, JobEnd
-    from cli.metrics import Metrics
-    from cli.worker import ARRIVAL_GAP_S, Worker
+    from cli.events import ChoiceSpec, Job
+    from cli.worker import ARRIVAL_GAP_S
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    worker = Worker(PrefixCache(tiny_engine, mode="off"), 8, Metrics())
-    worker.start()
-    try:
-        time.sleep(0.3)  # idle: waiting for a job
-        sp = SamplingParams(max_tokens=2, temperature=0.0)
-        jobs = [Job(choices=[ChoiceSpec(0, list(range(3 + i, 23 + i)), sp)], salt=None, bypass=False, loop=loop)
-                for i in range(4)]
-        for job in jobs:
-            worker.submit(job)
-            time.sleep(ARRIVAL_GAP_S / 4)
-
-        async def ended(job):
-            while not isinstance(await asyncio.wait_for(job.events.get(), 60), JobEnd):
-                pass
-        for job in jobs:
-            asyncio.run_coroutine_threadsafe(ended(job), loop).result(120)
-        assert worker.scheduler.stats.admitted == 4
-        assert worker.scheduler.stats.prefill_calls == 1  # one forward for the four prompts
-    finally:
-        worker.stop()
-        worker.join(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    loop, start_worker = worker_loop
+    worker = start_worker(PrefixCache(tiny_engine, mode="off"))
+    time.sleep(0.3)  # idle: waiting for a job
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    jobs = [Job(choices=[ChoiceSpec(0, list(range(3 + i, 23 + i)), sp)], salt=None, bypass=False, loop=loop)
+            for i in range(4)]
+    for job in jobs:
+        worker.submit(job)
+        time.sleep(ARRIVAL_GAP_S / 4)
+    for job in jobs:
+        asyncio.run_coroutine_threadsafe(_events_until_end(job), loop).result(120)
+    assert worker.scheduler.stats.admitted == 4
+    assert worker.scheduler.stats.prefill_calls == 1  # one forward for the four prompts

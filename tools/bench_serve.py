@@ -145,14 +145,15 @@ def main() -> None:
     proc, url = start_daemon(args)
     targets = [("jaxsmol", url)] + ([("peer", args.peer_url)] if args.peer_url else [])
     rows = []
+    longs = (False,) if args.no_long else (False, True)
     try:
         for c in sorted(set(args.clients)):  # warm up: compile every width, growth and shrink on the way
-            for with_long in (False,) if args.no_long else (False, True):
+            for with_long in longs:
                 asyncio.run(run_clients(url, c, 12, with_long, seed=0))
         for name, u in targets[1:]:  # a peer compiles nothing; one call wakes it
             asyncio.run(run_clients(u, 1, 4, False, seed=0))
         print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'steady':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
-        for with_long in (False,) if args.no_long else (False, True):
+        for with_long in longs:
             for i, c in enumerate(args.clients):
                 for name, u in targets:  # alternate servers row by row: same machine state for both
                     wait_idle(url)
