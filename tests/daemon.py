@@ -85,7 +85,7 @@ class Daemons:
     shared by those files; `stop_all` ends them (conftest does when the run moves on to other tests)."""
 
     CONFIGS = {"main": (), "nocache": ("--no-prefix-cache",), "queue1": ("--max-queue", "1", "--max-batch", "1"),
-               "sigterm": ()}
+               "sigterm": ("--max-batch", "1")}
 
     def __init__(self, model: Path):
         self.model = model  # the two-layer checkpoint (conftest's tiny_model_dir): see conftest.serve_daemons

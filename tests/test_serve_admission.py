@@ -96,8 +96,9 @@ def test_queue_full_answers_503_with_retry_after(queue_server):
 # ---- SIGTERM drains -----------------------------------------------------------------------------------
 def test_sigterm_finishes_requests_in_flight(sigterm_server, server):
     url, proc = sigterm_server.url, sigterm_server.proc
-    bodies = [{"prompt": f"Chapter {i}. The old lighthouse keeper", "max_tokens": 30, "temperature": 0,
-               "return_token_ids": True} for i in (1, 2)]
+    # the daemon has one decode row: the first request runs while the second waits for it
+    bodies = [{"prompt": f"Chapter {i}. The old lighthouse keeper", "max_tokens": 120, "temperature": 0,
+               "ignore_eos": True, "return_token_ids": True} for i in (1, 2)]
     results = [None, None]
 
     def one(i):
@@ -109,13 +110,13 @@ def test_sigterm_finishes_requests_in_flight(sigterm_server, server):
     threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
     for t in threads:
         t.start()
-    # both accepted: one running, one waiting in the queue
+    # both accepted: one decoding, one waiting (in the worker's queue or the scheduler's)
     deadline = time.monotonic() + 60
     while True:
-        h = httpx.get(url + "/health", timeout=30).json()
-        if h["busy"] and h["queued"] == 1:
+        m = _metrics(url)
+        if m["jaxsmol_batch_rows"] == 1 and m["jaxsmol_queue_depth"] + m["jaxsmol_batch_pending"] == 1:
             break
-        assert time.monotonic() < deadline and all(r is None for r in results), (h, results)
+        assert time.monotonic() < deadline and all(r is None for r in results), (m, results)
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
