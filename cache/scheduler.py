@@ -24,7 +24,9 @@ always `max_batch`: a row's logits then do not depend on how many other rows are
 request's tokens are the same alone or among others (a step's row count changes the last bits).
 
 Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
-a request that would break it waits, except that one request alone is always admitted.
+a request that would break it waits, except that one request alone is always admitted. An idle
+batch is kept (and counted) for the next burst: reused as it is for the same shape, else freed just
+before the new one is made, so its memory goes to it instead of fresh pages.
 """
 
 from __future__ import annotations
@@ -285,11 +287,11 @@ class Scheduler:
     # ---- decode rows ---------------------------------------------------------------------------------
     def _insert(self, rows: list[Row], kv: KVCache) -> None:
         """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
-        needed = self.live_rows + len(rows)
+        needed, held = self.live_rows + len(rows), len(self.rows) if self.live_rows else 0  # idle: any shape
         width = self._width_for(needed)
-        capacity = max(kv.capacity, self.batch.capacity if self.batch is not None else 0)
-        if self.batch is None or width > len(self.rows) or capacity > self.batch.capacity:
-            self._relayout(max(self._grown_width(needed, capacity, rows[0].request), len(self.rows)), capacity)
+        capacity = max(kv.capacity, self.batch.capacity if held else 0)
+        if not held or width > held or capacity > self.batch.capacity:
+            self._relayout(max(self._grown_width(needed, capacity, rows[0].request), held), capacity)
         free = [i for i, r in enumerate(self.rows) if r is None]  # admission left room for all
         for row, i in zip(rows, free):
             self.rows[i] = row
@@ -310,7 +312,10 @@ class Scheduler:
         """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
-        if self.batch is None or not live:
+        if self.batch is not None and not live and (len(self.rows), self.batch.capacity) == (width, capacity):
+            self.batch = self.batch.replace(pos=jnp.zeros_like(self.batch.pos))  # no row reads past its pos
+        elif self.batch is None or not live:  # the old one freed first: its memory, not fresh pages
+            self.batch = None
             self.batch = empty_batch(self.engine, width, capacity)
         else:
             source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
@@ -323,8 +328,7 @@ class Scheduler:
         if self.batch is None or self.batch_invariant or self.prefills:
             return
         live = self.live_rows
-        if live == 0 and len(self.rows) > 1:
-            self.batch, self.rows = None, []  # idle: give the memory back
+        if live == 0:  # idle: the batch is kept for the next burst (see _relayout)
             return
         target = self._width_for(max(live, 1))
         self._shrink_votes = self._shrink_votes + 1 if target <= len(self.rows) // 2 else 0

@@ -97,6 +97,28 @@ def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
     tight.run()
 
 
+def test_an_idle_batch_is_kept_for_the_next_burst(tiny_engine):
+    """After a burst the batch stays (counted in kv_bytes_held): the next burst of the same shape
+    decodes in the same buffer, with tokens equal to a fresh scheduler's; one of another width gets
+    a new batch of its own width."""
+    def burst(sched, seed, n):
+        sinks = [Collector() for _ in range(n)]
+        for p, sink in zip(prompts(seed, [20 + 7 * i for i in range(n)]), sinks):
+            sched.submit(Request(p, [SamplingParams(max_tokens=12, temperature=1.0, seed=seed)], sink))
+        sched.run()
+        return [sink.results[0].output_ids for sink in sinks]
+
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8)
+    burst(sched, 31, 4)
+    assert sched.live_rows == 0 and len(sched.rows) == 4 and sched.kv_bytes_held == sched.batch.nbytes > 0
+    buffer = sched.batch.k.unsafe_buffer_pointer()
+    again = burst(sched, 32, 4)
+    assert sched.batch.k.unsafe_buffer_pointer() == buffer  # reused in place, not allocated afresh
+    assert again == burst(Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8), 32, 4)
+    burst(sched, 33, 2)
+    assert len(sched.rows) == 2
+
+
 def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=2)
     sinks = [Collector() for _ in range(3)]
