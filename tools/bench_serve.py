@@ -8,7 +8,8 @@ client count runs that many concurrent streaming /v1/completions clients (each a
 decode tok/s (over the wall time: prompts and ramp included), the steady decode tok/s (while every
 client streams), time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
 extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill
-(not with --no-long). Every row has prompts of its own (a client count may be repeated: `--clients
+(not with --no-long), and how many of them were answered while the clients ran and their median
+time to the token (`longs`, `long_ttft`): a server whose slots are all taken queues them. Every row has prompts of its own (a client count may be repeated: `--clients
 8 16 8 16`), the same for jaxsmol and the peer.
 With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
 peer right after jaxsmol, in the same run, with the same client code.
@@ -58,12 +59,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, tokens: i
     return {"t0": t0, "arrivals": arrivals}
 
 
-async def long_prompts(client, url, rng, stop: asyncio.Event) -> int:
-    sent = 0
+async def long_prompts(client, url, rng, stop: asyncio.Event) -> list[float]:
+    """Send ~1000-token prompts (one answer token each) one after another until stopped: the seconds
+    each took to its token (a server that queues it behind busy slots answers few of them)."""
+    waits = []
     while not stop.is_set():
-        await stream_one(client, url, text(rng, 700), 1)  # ~1000 tokens of prompt
-        sent += 1
-    return sent
+        r = await stream_one(client, url, text(rng, 700), 1)  # ~1000 tokens of prompt
+        waits.append(r["arrivals"][0] - r["t0"] if r["arrivals"] else float("nan"))
+    return waits
 
 
 async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed: int) -> dict:
@@ -77,8 +80,7 @@ async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed
         runs = await asyncio.gather(*(stream_one(client, url, text(rng, 40), tokens) for _ in range(clients)))
         wall = time.perf_counter() - t0
         stop.set()
-        if background is not None:
-            await background
+        long_waits = await background if background is not None else []
     ttft = [r["arrivals"][0] - r["t0"] for r in runs if r["arrivals"]]
     itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     n = sum(len(r["arrivals"]) for r in runs)
@@ -90,7 +92,10 @@ async def run_clients(url: str, clients: int, tokens: int, with_long: bool, seed
     return {"clients": clients, "long_prompts": with_long, "tokens": n, "tok_s": n / wall,
             "steady_tok_s": steady / (end - begin) if end > begin else float("nan"),
             "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
-            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)), "itl_p99_ms": 1e3 * float(np.percentile(itl, 99))}
+            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)), "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+            # the long prompts answered while the clients ran (the last one may finish after them)
+            "long_answered": len(long_waits),
+            "long_ttft_ms": 1e3 * float(np.median(long_waits)) if long_waits else float("nan")}
 
 
 def start_daemon(args) -> tuple[subprocess.Popen, str]:
@@ -128,7 +133,8 @@ def wait_idle(url: str, timeout_s: float = 300) -> None:
 
 def row(name: str, r: dict) -> str:
     return (f"{name:9} {r['clients']:3} {'yes' if r['long_prompts'] else 'no':>5} {r['tok_s']:8.1f} {r['steady_tok_s']:8.1f} "
-            f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f} {r['itl_p50_ms']:7.0f} {r['itl_p99_ms']:7.0f}")
+            f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f} {r['itl_p50_ms']:7.0f} {r['itl_p99_ms']:7.0f}"
+            + (f" {r['long_answered']:5} {r['long_ttft_ms']:8.0f}" if r["long_prompts"] else ""))
 
 
 def main() -> None:
@@ -152,7 +158,8 @@ def main() -> None:
                 asyncio.run(run_clients(url, c, 12, with_long, seed=0))
         for name, u in targets[1:]:  # a peer compiles nothing; one call wakes it
             asyncio.run(run_clients(u, 1, 4, False, seed=0))
-        print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'steady':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}")
+        print(f"{'server':9} {'clients':>3} {'long':>5} {'tok/s':>8} {'steady':>8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7}"
+              f" {'longs':>5} {'long_ttft':>8}")
         for with_long in longs:
             for i, c in enumerate(args.clients):
                 for name, u in targets:  # alternate servers row by row: same machine state for both
