@@ -7,7 +7,8 @@ JAX's foreign function interface (`jax.ffi`):
   other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
   as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
   without the kernels needs >= 64-row chunks). Its weights are packed once, at load, in 32-column
-  panels (`pack`, `pack_params`), so every call streams them sequentially. Few rows (decode steps)
+  panels (`pack`, `pack_params`; q, k, v as one product and gate, up as another: `pack_layer`), so
+  every call streams them sequentially. Few rows (decode steps)
   stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which at
   2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over
   the panels, as fast as XLA's.
@@ -49,6 +50,7 @@ PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multi
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # packed: one product each
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -163,13 +165,31 @@ def is_packed(w) -> bool:
 
 
 def pack_params(params, packed: bool = True):
-    """params with every matmul weight packed (the layers' matrices and the unembedding; not the
-    embedding table, whose rows are gathered), or with packed=False every one unpacked: the layout
-    a cfg with the kernels on, or off, needs. Weights already in that layout are kept."""
-    def convert(w):
-        return w if is_packed(w) == packed else pack(w) if packed else unpack(w)
-    layers = tuple(layer.replace(**{f: convert(getattr(layer, f)) for f in MATRICES}) for layer in params.layers)
-    return params.replace(layers=layers, unembed=convert(params.unembed))
+    """params with every matmul weight packed (the layers' matrices, see pack_layer, and the
+    unembedding; not the embedding table, whose rows are gathered), or with packed=False every one
+    unpacked: the layout a cfg with the kernels on, or off, needs. Weights already in it are kept."""
+    unembed = params.unembed if is_packed(params.unembed) == packed else (pack if packed else unpack)(params.unembed)
+    return params.replace(layers=tuple(pack_layer(layer, packed) for layer in params.layers), unembed=unembed)
+
+
+def pack_layer(layer, packed: bool = True):
+    """A LayerParams in the kernels' layout: every matrix packed, and q, k, v (and gate, up) as one
+    product each, their panels side by side (FUSED); packed=False: back to separate [in, out] matrices.
+    One call streams the three weights where three calls each had their own start-up and stream."""
+    if packed and layer.wqkv is not None:
+        return layer
+    if not packed and layer.wqkv is None:
+        return layer.replace(**{f: unpack(getattr(layer, f)) for f in MATRICES if is_packed(getattr(layer, f))})
+    if not packed:  # split the fused panels by their widths (wo's input is q's width, w_down's is up's)
+        q, f = layer.wo.shape[1] // PANEL, layer.w_down.shape[1] // PANEL
+        kv = (layer.wqkv.shape[0] - q) // 2
+        parts = {"wq": layer.wqkv[:q], "wk": layer.wqkv[q:q + kv], "wv": layer.wqkv[q + kv:],
+                 "w_gate": layer.w_gate_up[:f], "w_up": layer.w_gate_up[f:], "wo": layer.wo, "w_down": layer.w_down}
+        return layer.replace(wqkv=None, w_gate_up=None, **{k: unpack(w) for k, w in parts.items()})
+    panels = {f: getattr(layer, f) if is_packed(getattr(layer, f)) else pack(getattr(layer, f)) for f in MATRICES}
+    fused = {name: jnp.concatenate([panels[f] for f in parts]) for name, parts in FUSED.items()}
+    return layer.replace(wo=panels["wo"], w_down=panels["w_down"], **fused,
+                         **{f: None for parts in FUSED.values() for f in parts})
 
 
 def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Array:

@@ -166,18 +166,24 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     # XLA:CPU then computes the rotation once, as its own loop, whatever the batch. (k's rotation
     # alone was fused into a lone chunk's cache write and compiled otherwise than a batch's: a
     # prompt prefilled beside others got keys differing from its lone chunk's in the last bits.)
-    qk = jnp.concatenate([linear(h, w.wq, cfg).reshape(B, T, K * G, H),
-                          linear(h, w.wk, cfg).reshape(B, T, K, H)], axis=2)
+    if w.wqkv is not None:  # the kernels' layout: one product (see LayerParams)
+        qkv = linear(h, w.wqkv, cfg).reshape(B, T, K * G + 2 * K, H)
+        qk, v = qkv[:, :, :K * G + K], qkv[:, :, K * G + K:]
+    else:
+        qk = jnp.concatenate([linear(h, w.wq, cfg).reshape(B, T, K * G, H),
+                              linear(h, w.wk, cfg).reshape(B, T, K, H)], axis=2)
+        v = linear(h, w.wv, cfg).reshape(B, T, K, H)
     qk = apply_rope(qk, sin, cos)  # [B, T, K * G + K, H]
     q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
-    v = linear(h, w.wv, cfg).reshape(B, T, K, H)
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
     a = attend(q.reshape(B, T, K, G, H), k_all, v_all, i, pos, cfg).reshape(B, T, K * G * H)
     x = x + linear(a.astype(dt), w.wo, cfg, jnp.float32)
     h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
-    gate = linear(h, w.w_gate, cfg)  # [B, T, F]
-    up = linear(h, w.w_up, cfg)
+    if w.w_gate_up is not None:
+        gate, up = jnp.split(linear(h, w.w_gate_up, cfg), 2, axis=-1)  # [B, T, F] each
+    else:
+        gate, up = linear(h, w.w_gate, cfg), linear(h, w.w_up, cfg)  # [B, T, F] each
     x = x + linear(jax.nn.silu(gate) * up, w.w_down, cfg, jnp.float32)
     return x, k_all, v_all
 

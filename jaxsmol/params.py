@@ -27,14 +27,19 @@ class LayerParams:
     """One decoder layer. Matrices are [in, out], or packed [out / 32, in, 32] when the config runs
     the CPU kernels (cpu_kernels.pack)."""
     attn_norm: jax.Array  # [D]
-    wq: jax.Array  # [D, N*H]
-    wk: jax.Array  # [D, K*H]
-    wv: jax.Array  # [D, K*H]
+    wq: jax.Array | None  # [D, N*H]
+    wk: jax.Array | None  # [D, K*H]
+    wv: jax.Array | None  # [D, K*H]
     wo: jax.Array  # [N*H, D]
     mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [D, F]
-    w_up: jax.Array  # [D, F]
+    w_gate: jax.Array | None  # [D, F]
+    w_up: jax.Array | None  # [D, F]
     w_down: jax.Array  # [F, D]
+    # Under the CPU kernels (cpu_kernels.pack_layer) q, k and v are one packed product and gate and
+    # up another, and the fields they replace are None: fewer, longer weight streams per decode step
+    # (0.97x a step's time), and each output column keeps its own sum, so no bit changes.
+    wqkv: jax.Array | None = None  # packed [(N*H + 2 K*H) / 32, D, 32]
+    w_gate_up: jax.Array | None = None  # packed [2F / 32, D, 32]
 
 
 @flax.struct.dataclass
@@ -171,8 +176,11 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         a = tensors[f"model.layers.{i}.{suffix}"]
         return matrix(a) if len(shape) == 2 else jnp.asarray(a, dtype)
 
-    layers = tuple(LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
-                   for i in range(cfg.n_layers))
+    def layer(i):  # fused as it is read (packed under the kernels), not all layers at the end
+        fields = LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
+        return cpu_kernels.pack_layer(fields) if cfg.cpu_kernels else fields
+
+    layers = tuple(layer(i) for i in range(cfg.n_layers))
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     return Params(embed=jnp.asarray(embed, dtype), layers=layers,
