@@ -35,7 +35,7 @@ def kernels_built():
 
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 64, 192), (8, 33, 64), (16, 1536, 576), (17, 100, 96),
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 70, 160), (1, 64, 96), (3, 64, 192), (8, 33, 64), (16, 1536, 576), (17, 100, 96),
                                    (40, 64, 32), (31, 200, 64), (32, 576, 192), (45, 400, 96), (512, 576, 1536)])
 def test_matmul_matches_a_float64_reference(M, K, N):
     rng = np.random.default_rng(M * K + N)
@@ -53,8 +53,9 @@ def test_matmul_rows_do_not_depend_on_the_others(M, K):
     x = jnp.asarray(rng.standard_normal((M, K), np.float32))
     w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((K, 1536), np.float32)))
     together = np.asarray(cpu_kernels.matmul(x, w))
-    for r in (0, M // 2, M - 1):
+    for r in (0, M // 2, M - 1):  # a lone row: two panels a pass (FewRows), an odd one alone
         np.testing.assert_array_equal(together[r], np.asarray(cpu_kernels.matmul(x[r:r + 1], w))[0])
+        np.testing.assert_array_equal(together[r, :160], np.asarray(cpu_kernels.matmul(x[r:r + 1], w[:5]))[0])
 
 
 def _cache(rng, L=2, B=4, K=2, S=512, H=64):
