@@ -42,7 +42,7 @@ from cache.answers import AnswerQueue
 from cache.batch_settings import BatchSettings
 from cache.compile_ahead import compile_batched, empty_batch
 from cache.prefix_cache import PrefixCache
-from cache.requests import Finished, Request
+from cache.requests import Request
 from cache.side_by_side import group_chunks
 from cache.scheduler_state import Prefill, Row, SchedulerStats
 from jaxsmol import programs
@@ -265,7 +265,7 @@ class Scheduler:
             rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
                              p.constraints[i]))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
-                self._push(rows[-1], out, i)
+                rows[-1].push(out, i)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
         # of a 700-token prompt: ~70 ms), and before a finished choice's answer extends it
         self.cache.save_prompt(lk, p.kv, logits)
@@ -359,30 +359,14 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.decoded_tokens += len(live)
         for i, r in live:
-            self._push(r, out, i)
+            r.push(out, i)
             if r.stream.done:
                 self.rows[i] = None
                 self._finish(r)
 
-    def _push(self, row: Row, out: dict, i: int) -> None:
-        """Feed row's sampled token (entry i of a step's output) to its stream and its sink."""
-        k = row.stream.sp.logprobs
-        logprob, top = None, None
-        if k:
-            logprob = float(out["logprob"][i])
-            top = [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
-        token = int(out["tokens"][i])
-        if row.constraint is not None:
-            row.constraint.advance(token)
-        step = row.stream.push(token, logprob, top)
-        row.request.sink.token(row.index, step)
-
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup
-        row.request.sink.done(Finished(index=row.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
-                                       output_ids=list(s.output_ids), text=s.text,
-                                       finish_reason=s.finish_reason or "length", logprobs=list(s.logprobs),
-                                       ttft_s=row.ttft_s))
+        row.request.sink.done(row.finished())
         if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
             save = self.cache.begin_answer(lk, s.output_ids)
             if save is not None:

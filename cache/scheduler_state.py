@@ -1,12 +1,12 @@
 """What the scheduler (cache/scheduler.py) holds per request: a prompt being prefilled, a decode
-row per choice, and its counters."""
+row per choice (which feeds its tokens to its stream and sink), and its counters."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from cache.records import Lookup
-from cache.requests import Request
+from cache.requests import Finished, Request
 from jaxsmol.kv import KVCache
 from jaxsmol.stream import TokenStream
 from jaxsmol.structured import Constraint
@@ -30,6 +30,26 @@ class Row:
     stream: TokenStream
     ttft_s: float
     constraint: Constraint | None = None
+
+    def push(self, out: dict, i: int) -> None:
+        """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
+        its stream, its structured-output constraint and its request's sink."""
+        k = self.stream.sp.logprobs
+        logprob, top = None, None
+        if k:
+            logprob = float(out["logprob"][i])
+            top = [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
+        token = int(out["tokens"][i])
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        self.request.sink.token(self.index, self.stream.push(token, logprob, top))
+
+    def finished(self) -> Finished:
+        """This row's result so far (its stream's tokens, text and finish reason)."""
+        s, lk = self.stream, self.lookup
+        return Finished(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
+                        output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
+                        logprobs=list(s.logprobs), ttft_s=self.ttft_s)
 
 
 @dataclasses.dataclass

@@ -176,16 +176,15 @@ def pack_layer(layer, packed: bool = True):
     """A LayerParams in the kernels' layout: every matrix packed, and q, k, v (and gate, up) as one
     product each, their panels side by side (FUSED); packed=False: back to separate [in, out] matrices.
     One call streams the three weights where three calls each had their own start-up and stream."""
-    if packed and layer.wqkv is not None:
-        return layer
-    if not packed and layer.wqkv is None:
+    if not packed:
+        if layer.wqkv is not None:  # the fused panels split by width (wo's input is q's, w_down's up's)
+            q, f = layer.wo.shape[1] // PANEL, layer.w_down.shape[1] // PANEL
+            kv = (layer.wqkv.shape[0] - q) // 2
+            layer = layer.replace(wq=layer.wqkv[:q], wk=layer.wqkv[q:q + kv], wv=layer.wqkv[q + kv:], wqkv=None,
+                                  w_gate=layer.w_gate_up[:f], w_up=layer.w_gate_up[f:], w_gate_up=None)
         return layer.replace(**{f: unpack(getattr(layer, f)) for f in MATRICES if is_packed(getattr(layer, f))})
-    if not packed:  # split the fused panels by their widths (wo's input is q's width, w_down's is up's)
-        q, f = layer.wo.shape[1] // PANEL, layer.w_down.shape[1] // PANEL
-        kv = (layer.wqkv.shape[0] - q) // 2
-        parts = {"wq": layer.wqkv[:q], "wk": layer.wqkv[q:q + kv], "wv": layer.wqkv[q + kv:],
-                 "w_gate": layer.w_gate_up[:f], "w_up": layer.w_gate_up[f:], "wo": layer.wo, "w_down": layer.w_down}
-        return layer.replace(wqkv=None, w_gate_up=None, **{k: unpack(w) for k, w in parts.items()})
+    if layer.wqkv is not None:
+        return layer
     panels = {f: getattr(layer, f) if is_packed(getattr(layer, f)) else pack(getattr(layer, f)) for f in MATRICES}
     fused = {name: jnp.concatenate([panels[f] for f in parts]) for name, parts in FUSED.items()}
     return layer.replace(wo=panels["wo"], w_down=panels["w_down"], **fused,

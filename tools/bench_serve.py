@@ -9,8 +9,9 @@ decode tok/s (over the wall time: prompts and ramp included), the steady decode 
 client streams), time to first token p50/p99 and inter-token latency p50/p99. Then the same with one
 extra client that keeps sending ~1000-token prompts (max_tokens 1), to show decode beside prefill
 (not with --no-long), and how many of them were answered while the clients ran and their median
-time to the token (`longs`, `long_ttft`): a server whose slots are all taken queues them. Every row has prompts of its own (a client count may be repeated: `--clients
-8 16 8 16`), the same for jaxsmol and the peer.
+time to the token (`longs`, `long_ttft`): a server whose slots are all taken queues them. Every row
+has prompts of its own (a client count may be repeated: `--clients 8 16 8 16`), the same for
+jaxsmol and the peer.
 With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
 peer right after jaxsmol, in the same run, with the same client code.
 """
