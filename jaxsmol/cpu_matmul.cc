@@ -18,7 +18,7 @@
 // - Few rows (decode steps up to 15 rows, M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of
 //   the weight before every product; at 2-16 rows that costs more than the arithmetic. This path
 //   applies each weight row to every row of x while it is in registers (see PanelPass), prefetching
-//   the panel kAhead rows ahead.
+//   the panel kAhead rows ahead where it is read in k blocks (see kWholeAhead, OneRowTwoPanels).
 // - Many rows (prefill chunks, wider decode steps). BLIS's blocking: x packed once into groups of 14
 //   rows, k-major; per thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32
 //   register tile (28 accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that
@@ -33,7 +33,7 @@ constexpr int64_t kPanel = 32;       // columns per weight panel (the packed lay
 constexpr int kTileVecs = 2;         // vectors per row of a register tile: the whole panel at 16 lanes
 constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
 constexpr int64_t kColTiles = kPanel / kTileCols;
-constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
+constexpr int64_t kAhead = 64;      // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
 constexpr int64_t kBlockRows = 32;   // few rows, in groups: weight rows per k block (4 KB, in L1)
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
 constexpr int64_t kManyFrom = 16;    // from this many rows on, the tiled path (16, 24 rows: 0.95, 0.91x the few-row time)
@@ -88,6 +88,10 @@ inline void Groups(const float* xt, const W* panel, float* y, int64_t N, int64_t
 constexpr int kPanelVecs = kPanel / kLanes;
 constexpr int kWholeGroup = (kVecRegs - 1) / kPanelVecs - 1;  // accumulators + the panel row + x's broadcast
 constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 1.03-1.09x
+// A whole-panel tile over all of K reads its panel as one sequential stream, which the hardware
+// prefetcher follows alone: with AVX2 (1-2 rows) software prefetches only took load slots, 0.95x
+// the time at 2 rows without them (and 0.93x at 1, OneRowTwoPanels). Kept where not measured (AVX-512).
+constexpr int64_t kWholeAhead = kColTiles > 1 ? 0 : kAhead;
 
 // One pass of R rows (xt [K, R], transposed) over one panel. Up to kFewWhole rows of a whole-panel
 // tile run over all of K (with AVX2: up to kWholeGroup rows, then whole-panel groups up to
@@ -98,7 +102,7 @@ constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 
 template <typename W, int R>
 void PanelPass(const float* xt, const W* panel, float* y, int64_t K, int64_t N) {
   if constexpr ((R <= kFewWhole && kColTiles == 1) || (R <= kWholeGroup && R <= kWholeUpTo)) {
-    Tile<W, R, R, kAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
+    Tile<W, R, R, kWholeAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
   } else if constexpr (R <= kWholeUpTo) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
       Groups<W, R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
@@ -123,15 +127,13 @@ constexpr auto& kPassFor = kPasses<W, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 // weight streams, not one, and keeps more reads from memory in flight (a stand-alone two-thread test
 // streaming 425 MB: 24-26 GB/s against 19-22 with one; the model's 30 layers of matmuls at one row,
 // tools/time_matmuls.py --against: 0.88-0.98x the time, mostly 0.90-0.94). Each output is still one
-// FMA chain over k.
+// FMA chain over k. No software prefetch: the hardware prefetcher follows both streams, and dropping
+// kAhead's prefetches (4 a k step) took 0.93-0.95x the time (35 GB/s of weights, a plain two-thread
+// sum of 512 MB: 34-37).
 template <typename W>
 void OneRowTwoPanels(const float* x, const W* a, const W* b, float* ya, float* yb, int64_t K) {
   Vec acc[2][kPanelVecs] = {};
   for (int64_t k = 0; k < K; ++k) {
-    for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) {
-      __builtin_prefetch(a + (k + kAhead) * kPanel + c);
-      __builtin_prefetch(b + (k + kAhead) * kPanel + c);
-    }
     const float xs = x[k];
     for (int v = 0; v < kPanelVecs; ++v) {
       acc[0][v] += xs * LoadWeight(a + k * kPanel + kLanes * v);
