@@ -10,7 +10,7 @@ prefix cache exact. On XLA:CPU the rows of `x @ W` are bit-identical for any row
 for 1..56), so every prefill chunk has at least 64 rows, wherever it starts, and attention blocks
 are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 or
 bfloat16 weights on one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
-prefill may also use 16- and 32-row chunks: a short suffix after a restore costs 16 rows, not 64.
+prefill may also use 8-, 16- and 32-row chunks: a short suffix after a restore costs 8 rows, not 64.
 (Single rows are decode steps, whose attention takes another path: never a prefill chunk.)
 """
 
@@ -38,10 +38,14 @@ from jaxsmol.generation import Generation
 from jaxsmol.structured import all_allowed
 
 PREFILL_BUCKETS = (64, 128, 256, 512)  # chunk lengths T; >= 64 rows keeps XLA's prefill bit-exact (see above)
-ROW_EXACT_BUCKETS = (16, 32) + PREFILL_BUCKETS  # exact with the CPU kernels (see above)
-# The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 16 or 32 rows: less
+ROW_EXACT_BUCKETS = (8, 16, 32) + PREFILL_BUCKETS  # exact with the CPU kernels (see above)
+# The non-bitwise fast path (exact=False) may also prefill a short suffix in 1, 8, 16 or 32 rows: less
 # padding, but those rows differ from a cold prefill's in the last bits.
-FAST_BUCKETS = (1, 16, 32) + PREFILL_BUCKETS
+FAST_BUCKETS = (1, 8, 16, 32) + PREFILL_BUCKETS
+# What one more chunk costs, in rows: a chunk streams every weight once whatever its rows. Measured
+# (the real model, 2 cores, one prompt): 8 / 16 / 32 / 64 rows 25.7 / 36.1 / 53.8 / 96.4 ms, ~1.3 ms
+# a row plus ~15 ms a chunk; 8 is the smallest that keeps every split below ahead of one chunk there.
+CHUNK_COST_ROWS = 8
 MIN_CAPACITY = 2 * ATTN_BLOCK
 # The leading slots a side-by-side chunk's forward stacks (prefill_rows' window): the smallest that
 # holds every prompt's pos + T, else the whole capacity.
@@ -81,15 +85,16 @@ def chunk_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
 
 def tight_plan(n: int, buckets: tuple = PREFILL_BUCKETS) -> list[int]:
     """Chunk lengths (padded) covering n > 0 tokens: the smallest bucket that holds them, or the
-    largest that they fill plus one for the rest where that is fewer rows (one more chunk costs about
-    as much as 5 rows here, a 16-row bucket saves at least 16). 45 tokens: 32 + 16 rows, which took
-    209-211 ms on the AVX2 CPU where one 64-row chunk took 243-249 ms; 20 tokens: one 32-row chunk."""
+    largest that they fill plus one for the rest where that saves more than CHUNK_COST_ROWS rows.
+    45 tokens: 32 + 16 rows, which took 209-211 ms on the AVX2 CPU where one 64-row chunk took
+    243-249 ms; 40 tokens: 32 + 8 (79.5 ms against 96.4); 20 tokens: one 32-row chunk (16 + 8: 61.8
+    ms against 53.8)."""
     whole = chunk_length(n, n, buckets)
     if whole < n:  # longer than the largest bucket
         return [whole] + tight_plan(n - whole, buckets)
     fill = max((b for b in buckets if b <= n), default=whole)
     split = [fill, chunk_length(n - fill, n, buckets)] if fill < n else [whole]
-    return split if sum(split) < whole else [whole]
+    return split if sum(split) + CHUNK_COST_ROWS < whole else [whole]
 
 
 def _next_chunk(ids: list[int], kv: KVCache, T: int) -> tuple[np.ndarray, int, KVCache]:

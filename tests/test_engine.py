@@ -161,7 +161,7 @@ def test_compiled_programs_are_bounded(tiny_engine):
             pass
 
     # every reachable (chunk, capacity) pair, and decode at both capacities, once
-    for n in (10, 20, 50, 100, 200, 400):  # every bucket (16 and 32 with the CPU kernels, see engine.py)
+    for n in (5, 10, 20, 50, 100, 200, 400):  # every bucket (8, 16 and 32 with the CPU kernels, see engine.py)
         run(n, 3)  # capacity 512
         run(n, 600, stop_ids=everything)  # capacity 1024, no decode step
     run(600, 3)  # 512 + 128 chunks, capacity 1024, decode at 1024
@@ -369,9 +369,10 @@ def test_engine_context_must_fit_the_model(tiny_engine):
 
 def test_tight_plan_pads_less_in_at_most_one_more_chunk():
     R = ROW_EXACT_BUCKETS
-    assert tight_plan(45, R) == [32, 16] and tight_plan(48, R) == [32, 16] and tight_plan(65, R) == [64, 16]
+    assert tight_plan(45, R) == [32, 16] and tight_plan(40, R) == [32, 8] and tight_plan(65, R) == [64, 8]
     assert tight_plan(20, R) == [32] and tight_plan(49, R) == [64] and tight_plan(100, R) == [128]  # no saving
-    assert tight_plan(1000, R) == [512, 512] and tight_plan(1030, R) == [512, 512, 16]
+    assert tight_plan(12, R) == [16] and tight_plan(24, R) == [32]  # saves 8 rows: not worth a chunk
+    assert tight_plan(1000, R) == [512, 512] and tight_plan(1030, R) == [512, 512, 8]
     assert tight_plan(45) == [64] and tight_plan(130) == [128, 64]  # XLA's buckets
     for n in range(1, 1100):
         plan = tight_plan(n, R)
@@ -383,7 +384,7 @@ def test_chunk_plan():
     assert chunk_plan(1) == [64] and chunk_plan(64) == [64] and chunk_plan(65) == [128]
     assert chunk_plan(300) == [512] and chunk_plan(512) == [512]
     assert chunk_plan(513) == [512, 64] and chunk_plan(1100) == [512, 512, 128]
-    assert chunk_plan(10, ROW_EXACT_BUCKETS) == [16] and chunk_plan(520, ROW_EXACT_BUCKETS) == [512, 16]
+    assert chunk_plan(10, ROW_EXACT_BUCKETS) == [16] and chunk_plan(520, ROW_EXACT_BUCKETS) == [512, 8]
     assert prefill_buckets(True, cpu_kernels=True) == ROW_EXACT_BUCKETS
     assert prefill_buckets(True, cpu_kernels=False) == PREFILL_BUCKETS and prefill_buckets(False) == FAST_BUCKETS
     for n in range(1, 2200, 7):
@@ -406,8 +407,8 @@ def test_compile_bound_values():
     assert compile_bound(1024, PREFILL_BUCKETS) == 5 * 3
     assert compile_bound(2048, PREFILL_BUCKETS) == 5 * 4
     assert compile_bound(1, PREFILL_BUCKETS) == 5 * 2
-    # by default, the fast path's buckets (a superset of every exact set): 1, 16, 32 and the four
-    assert set(ROW_EXACT_BUCKETS) < set(FAST_BUCKETS) and compile_bound(1024) == 7 * 3
+    # by default, the fast path's buckets (a superset of every exact set): 1, 8, 16, 32 and the four
+    assert set(ROW_EXACT_BUCKETS) < set(FAST_BUCKETS) and compile_bound(1024) == 8 * 3
 
 
 def test_slots_needed_covers_padding_and_decode(tiny_engine):

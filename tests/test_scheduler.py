@@ -320,9 +320,9 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
 
     sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
     if ahead:
-        # decode and insert per width, 3 x 2 relayouts, sampling; 2..8 prompts side by side at 16 and 32
-        # rows, in the 128-slot window and over the whole 512 slots
-        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + 7 * 2 * 2
+        # decode and insert per width, 3 x 2 relayouts, sampling; 2..8 prompts side by side at 8, 16 and
+        # 32 rows, in the 128-slot window and over the whole 512 slots
+        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + 7 * 3 * 2
     sinks = [Collector() for _ in range(4)]
     caplog.clear()
     with jax.log_compiles(), caplog.at_level(logging.WARNING):

@@ -55,9 +55,9 @@ def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engi
 
 
 def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_engine):
-    """--prefill-chunk 48: beside a decoding row a prompt runs at most 48 rows a step (exact 32- and
-    16-row chunks): a long prompt advances 32 a step, a 40-token newcomer finishes in one step as
-    32 + 16 rows, its 32 side by side with the long prompt's; both answers are bitwise their runs
+    """--prefill-chunk 48: beside a decoding row a prompt runs at most 48 rows a step (exact 32-, 16-
+    and 8-row chunks): a long prompt advances 32 a step, a 40-token newcomer finishes in one step as
+    32 + 8 rows, its 32 side by side with the long prompt's; both answers are bitwise their runs
     alone."""
     streaming, long_, short = prompts(15, [10, 200, 40])
     sp = SamplingParams(max_tokens=3, logprobs=2)
@@ -80,7 +80,7 @@ def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_
         steps.append([])
         sched.step()
     assert steps[0] == [[(200, 32)]]
-    assert steps[1] == [[(40, 32), (200, 32)], [(40, 16)]]  # side by side, then the newcomer's rest
+    assert steps[1] == [[(40, 32), (200, 32)], [(40, 8)]]  # side by side, then the newcomer's rest
     assert all(s == [[(200, 32)]] for s in steps[2:-1]) and sum(len(s) for s in steps) == 8
     sched.run()
     for got, prompt in [(slow, long_), (quick, short)]:
