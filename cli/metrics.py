@@ -107,7 +107,8 @@ class _ScrapeTime:
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
         if pool_bytes is not None:
             yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
-                                    "(at most 2 per capacity), and restore's host staging buffers.", value=pool_bytes)
+                                    "(bounded per capacity: Engine.pool_limit), and restore's host staging buffers.",
+                                    value=pool_bytes)
         for key, help_ in BATCH_GAUGES:
             if key in batch:
                 yield GaugeMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])

@@ -421,11 +421,15 @@ def test_slots_needed_covers_padding_and_decode(tiny_engine):
 
 def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
     """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most POOL_PER_CAPACITY
-    buffers per capacity, each counted; a buffer taken for a new request leaves the count."""
+    small buffers per capacity, each counted; a buffer taken for a new request leaves the count. Large
+    buffers: as many as POOL_BYTES_PER_CAPACITY holds, never fewer than POOL_MIN_PER_CAPACITY."""
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
+    budget = Engine.POOL_BYTES_PER_CAPACITY
+    assert [engine.pool_limit(budget // d) for d in (1, 3, 4, 100)] == [
+        Engine.POOL_MIN_PER_CAPACITY, 3, 4, Engine.POOL_PER_CAPACITY]
     caches = [engine.new_cache(100) for _ in range(Engine.POOL_PER_CAPACITY + 1)]
     assert engine.pool_bytes == 0
     for kv in caches:
