@@ -34,7 +34,11 @@ constexpr int kTileVecs = 2;         // vectors per row of a register tile: the 
 constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
 constexpr int64_t kColTiles = kPanel / kTileCols;
 constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
-constexpr int64_t kBlockRows = 32;   // few rows, in groups: weight rows per k block (4 KB, in L1)
+// Few rows, in groups: weight rows per k block (in L1). AVX2, float32: 16 (2 KB); 32 took 1.03-1.15x
+// the time at 3-8 rows (tools/time_matmuls.py --against), 8 about as 16; bfloat16 weights at 16:
+// 1.03-1.04x. 32 where 16 was slower or not measured (AVX-512).
+template <typename W>
+constexpr int64_t kBlockRows = kColTiles > 1 && sizeof(W) == 4 ? 16 : 32;
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
 constexpr int64_t kManyFrom = 16;    // from this many rows on, the tiled path (16, 24 rows: 0.95, 0.91x the few-row time)
 // Few rows: up to kFewWhole rows run as one tile over the whole panel; more take turns in groups of
@@ -104,11 +108,11 @@ void PanelPass(const float* xt, const W* panel, float* y, int64_t K, int64_t N) 
   if constexpr ((R <= kFewWhole && kColTiles == 1) || (R <= kWholeGroup && R <= kWholeUpTo)) {
     Tile<W, R, R, kWholeAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
   } else if constexpr (R <= kWholeUpTo) {
-    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows)
-      Groups<W, R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows, K));
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows<W>)
+      Groups<W, R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows<W>, K));
   } else {
-    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows) {
-      const int64_t k1 = std::min(k0 + kBlockRows, K);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockRows<W>) {
+      const int64_t k1 = std::min(k0 + kBlockRows<W>, K);
       Groups<W, R, R, true>(xt, panel, y, N, k0, k1);
       for (int64_t c = 1; c < kColTiles; ++c)
         Groups<W, R, R, false>(xt, panel + c * kTileCols, y + c * kTileCols, N, k0, k1);
