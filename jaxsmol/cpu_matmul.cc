@@ -15,7 +15,7 @@
 // keep up with: 1.16x / 1.64x / 1.51x the time at 1 / 8 / 16 rows (tools/time_matmuls.py).
 //
 // Two paths, by row count:
-// - Few rows (decode steps up to 15 rows, M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of
+// - Few rows (decode steps up to 15 rows, 16 with AVX2: M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of
 //   the weight before every product; at 2-16 rows that costs more than the arithmetic. This path
 //   applies each weight row to every row of x while it is in registers (see PanelPass), prefetching
 //   the panel kAhead rows ahead where it is read in k blocks (see kWholeAhead, OneRowTwoPanels).
@@ -40,7 +40,10 @@ constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight ro
 template <typename W>
 constexpr int64_t kBlockRows = kColTiles > 1 && sizeof(W) == 4 ? 16 : 32;
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
-constexpr int64_t kManyFrom = 16;    // from this many rows on, the tiled path (16, 24 rows: 0.95, 0.91x the few-row time)
+// From this many rows on, the tiled path. AVX2: a 16-row decode step's matmuls in one few-row pass
+// took 0.90-0.91x the tiled time (float32 and bfloat16), 20-32 rows 1.07-1.15x. AVX-512: 16, 24 rows
+// tiled 0.95, 0.91x the few-row time.
+constexpr int64_t kManyFrom = kColTiles > 1 ? kRowsPerPass + 1 : 16;
 // Few rows: up to kFewWhole rows run as one tile over the whole panel; more take turns in groups of
 // kFewGroup on each k block (accumulators 2 per row, plus the weight's 2 vectors, in the registers).
 constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8 : 6;
