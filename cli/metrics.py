@@ -107,7 +107,7 @@ class _ScrapeTime:
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
         if pool_bytes is not None:
             yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
-                                    "(bounded per capacity: Engine.pool_limit), and restore's host staging buffers.",
+                                    "(bounded: jaxsmol/buffers.py), and restore's host staging buffers.",
                                     value=pool_bytes)
         for key, help_ in BATCH_GAUGES:
             if key in batch:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsmol.buffers import CachePool, StagingBuffers
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
@@ -186,9 +186,7 @@ class Engine:
         self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
-        self._pool: dict[int, list[KVCache]] = {}  # capacity -> finished caches (see recycle)
-        self._staging: list[np.ndarray] = [np.empty(0, np.uint8)] * 2  # restore's host buffers (k, v)
-        self._staging_lock = threading.Lock()
+        self.pool, self.staging = CachePool(), StagingBuffers()  # kept between requests (buffers.py)
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
@@ -247,37 +245,21 @@ class Engine:
         return check_prompt(self.cfg, self.ctx, ids, max_tokens)
 
     # ---- the forward, chunked -------------------------------------------------------------------
-    # A finished request's cache buffer can serve the next request of the same capacity: its stale
-    # slots are never read (kv.py), and a buffer XLA already owns skips the page faults of a fresh
-    # allocation (~35 ms for 2048 slots here, ~250 ms for 4096). A burst of prompts takes one each (the
-    # scheduler prefills 8 at once): 8 of 40 tokens reached their first tokens in 498-521 ms with 8 kept
-    # against 538-612 with 2. Kept per capacity: what 192 MiB holds, between 2 and 8 (pool_limit).
-    POOL_PER_CAPACITY, POOL_MIN_PER_CAPACITY, POOL_BYTES_PER_CAPACITY = 8, 2, 192 * 2**20
-
-    def pool_limit(self, nbytes: int) -> int:
-        """How many finished caches of nbytes each the pool keeps for their capacity."""
-        return max(self.POOL_MIN_PER_CAPACITY, min(self.POOL_PER_CAPACITY, self.POOL_BYTES_PER_CAPACITY // nbytes))
-
     def recycle(self, kv: KVCache | None) -> None:
-        """Hand back a cache that nothing will read again (the caller must drop its reference)."""
+        """Hand back a one-row cache that nothing will read again (the caller must drop its reference)."""
         if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
             return  # (deleted: donated to a call that failed)
-        free = self._pool.setdefault(kv.capacity, [])
-        if len(free) < self.pool_limit(kv.nbytes):
-            free.append(kv)
+        self.pool.give(kv)
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the finished caches kept for reuse: per capacity on the ladder at most
-        max(POOL_MIN_PER_CAPACITY buffers, POOL_BYTES_PER_CAPACITY) (pool_limit); plus restore's two
-        host staging buffers, each at most the largest restored prefix's k or v."""
-        return (sum(kv.nbytes for free in list(self._pool.values()) for kv in list(free))
-                + sum(raw.nbytes for raw in self._staging))
+        """Bytes of the buffers kept between requests (bounded: see buffers.py)."""
+        return self.pool.nbytes + self.staging.nbytes
 
     def new_cache(self, slots: int) -> KVCache:
         cap = capacity_for(slots)
-        if self._pool.get(cap):
-            return self._pool[cap].pop().replace(pos=jnp.zeros((), jnp.int32))
+        if (kept := self.pool.take(cap)) is not None:
+            return kept.replace(pos=jnp.zeros((), jnp.int32))
         return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
@@ -289,18 +271,11 @@ class Engine:
         kv = self.new_cache(slots)  # a recycled buffer when one is free
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
-        with self._staging_lock:  # one restore at a time uses the staging buffers
-            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, functools.partial(self._staging_buffer, i))
+        with self.staging.lock:  # one restore at a time uses the staging buffers
+            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, functools.partial(self.staging.buffer, i))
                     for i, a in enumerate((snapshot.k, snapshot.v)))
             kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
             return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
-
-    def _staging_buffer(self, i: int, nbytes: int) -> np.ndarray:
-        """Host buffer i (0: keys, 1: values) of at least nbytes, kept for the next restore: fresh
-        memory of this size costs more to fault in than the copy (47 MB: ~60 ms fresh, ~7 ms reused)."""
-        if self._staging[i].nbytes < nbytes:
-            self._staging[i] = np.empty(nbytes, np.uint8)
-        return self._staging[i]
 
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
         """The prefill chunk lengths this engine uses (see prefill_buckets)."""

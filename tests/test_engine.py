@@ -420,23 +420,24 @@ def test_slots_needed_covers_padding_and_decode(tiny_engine):
 
 
 def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
-    """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most POOL_PER_CAPACITY
-    small buffers per capacity, each counted; a buffer taken for a new request leaves the count. Large
-    buffers: as many as POOL_BYTES_PER_CAPACITY holds, never fewer than POOL_MIN_PER_CAPACITY."""
+    """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most PER_CAPACITY small
+    buffers per capacity, each counted; a buffer taken for a new request leaves the count. Large
+    buffers: as many as BYTES_PER_CAPACITY holds, never fewer than MIN_PER_CAPACITY."""
+    from jaxsmol.buffers import CachePool
     from jaxsmol.engine import Engine
     from jaxsmol.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
-    budget = Engine.POOL_BYTES_PER_CAPACITY
-    assert [engine.pool_limit(budget // d) for d in (1, 3, 4, 100)] == [
-        Engine.POOL_MIN_PER_CAPACITY, 3, 4, Engine.POOL_PER_CAPACITY]
-    caches = [engine.new_cache(100) for _ in range(Engine.POOL_PER_CAPACITY + 1)]
+    budget = CachePool.BYTES_PER_CAPACITY
+    assert [engine.pool.limit(budget // d) for d in (1, 3, 4, 100)] == [
+        CachePool.MIN_PER_CAPACITY, 3, 4, CachePool.PER_CAPACITY]
+    caches = [engine.new_cache(100) for _ in range(CachePool.PER_CAPACITY + 1)]
     assert engine.pool_bytes == 0
     for kv in caches:
         engine.recycle(kv)
-    assert engine.pool_bytes == Engine.POOL_PER_CAPACITY * caches[0].nbytes  # the extra one is dropped
+    assert engine.pool_bytes == CachePool.PER_CAPACITY * caches[0].nbytes  # the extra one is dropped
     engine.new_cache(100)
-    assert engine.pool_bytes == (Engine.POOL_PER_CAPACITY - 1) * caches[0].nbytes
+    assert engine.pool_bytes == (CachePool.PER_CAPACITY - 1) * caches[0].nbytes
 
 
 def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
@@ -448,10 +449,10 @@ def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
     _, kv = engine.prefill(_ids(300, 0), engine.new_cache(engine.slots_needed(0, 300, 0)))
     snapshot = jax.device_get(kv)
     first = engine.restore(snapshot, 512, 300)
-    staged = [raw.ctypes.data for raw in engine._staging]
-    assert engine.pool_bytes == sum(raw.nbytes for raw in engine._staging) > 0
+    staged = [raw.ctypes.data for raw in engine.staging.raw]
+    assert engine.pool_bytes == engine.staging.nbytes > 0
     second = engine.restore(snapshot, 512, 60)
-    assert [raw.ctypes.data for raw in engine._staging] == staged  # reused, not allocated again
+    assert [raw.ctypes.data for raw in engine.staging.raw] == staged  # reused, not allocated again
     for got, n in ((first, 300), (second, 60)):
         assert int(got.pos) == n
         for a, b in ((got.k, snapshot.k), (got.v, snapshot.v)):
