@@ -1,5 +1,6 @@
-"""The engine (jaxsmol/engine.py, sampling.py) on the tiny random model: sampling, stopping,
-validation, chunking and the bound on compiled programs (the real model: tests/test_engine_real.py)."""
+"""The engine (jaxsmol/engine.py) on the tiny random model: generation, stopping, validation,
+chunking, the bound on compiled programs and the buffers it keeps (the real model:
+tests/test_engine_real.py; the sampler itself: tests/test_sampling.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from jaxsmol.engine import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXA
                             compile_bound, compiled_programs)
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model import ATTN_BLOCK
-from jaxsmol.sampling import SamplingParams, sample
+from jaxsmol.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 200, 13, 5, 64, 128]
 
@@ -26,124 +27,6 @@ def _ids(n, seed):
 
 def _gen(engine, prompt=PROMPT, **sp):
     return engine.generate(prompt, SamplingParams(**sp))
-
-
-# ---- sample(): the traced sampler itself ---------------------------------------------------------
-
-_sample_many = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)))  # one compile per logits shape
-
-
-def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0):
-    """n samples from one row of logits, with n different keys."""
-    keys = jax.random.split(jax.random.key(0), n)
-    out = _sample_many(jnp.asarray(logits)[None], keys, jnp.float32(temperature), jnp.int32(top_k),
-                       jnp.float32(top_p))
-    return np.asarray(out)[:, 0]
-
-
-def test_greedy_is_argmax():
-    logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
-    for top_k, top_p in [(0, 1.0), (5, 0.5)]:  # filters do not matter at temperature 0
-        got = sample(jnp.asarray(logits), jax.random.key(1), jnp.float32(0), jnp.int32(top_k), jnp.float32(top_p))
-        np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
-
-
-def test_temperature_below_the_minimum_is_greedy(tiny_engine):
-    """logits / 2e-38 overflow to inf: such a temperature is greedy, as vLLM does below 1e-5."""
-    from jaxsmol.sampling import MIN_TEMPERATURE
-
-    logits = (np.random.default_rng(2).standard_normal((4, 256)) * 10).astype(np.float32)
-    for t in (2e-38, 1e-30, 1e-6, MIN_TEMPERATURE / 2):
-        got = _draws(logits[0], 50, temperature=t)
-        assert (got == logits[0].argmax()).all(), t
-    greedy = _gen(tiny_engine, max_tokens=8).output_ids
-    assert _gen(tiny_engine, temperature=2e-38, seed=3, max_tokens=8).output_ids == greedy
-    # just above the minimum it samples, and the scaled logits stay finite: still the clear argmax here
-    assert (_draws(logits[0], 50, temperature=2 * MIN_TEMPERATURE) == logits[0].argmax()).all()
-
-
-def test_sampling_follows_the_distribution():
-    probs = np.array([0.5, 0.3, 0.15, 0.05])
-    logits = np.log(probs).astype(np.float32)
-    freq = np.bincount(_draws(logits, 4000), minlength=4) / 4000
-    np.testing.assert_allclose(freq, probs, atol=0.03)
-    # temperature 0.5 squares and renormalizes the probabilities
-    p2 = probs ** 2 / (probs ** 2).sum()
-    freq = np.bincount(_draws(logits, 4000, temperature=0.5), minlength=4) / 4000
-    np.testing.assert_allclose(freq, p2, atol=0.03)
-
-
-def test_top_k_and_top_p_restrict_the_support():
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
-    assert set(_draws(logits, 500, top_k=2)) == {0, 1}
-    assert set(_draws(logits, 500, top_k=1)) == {0}
-    assert set(_draws(logits, 500, top_p=0.75)) == {0, 1}  # smallest prefix with mass >= 0.75
-    assert set(_draws(logits, 500, top_p=0.85)) == {0, 1, 2}
-    assert set(_draws(logits, 500, top_p=1e-6)) == {0}
-    assert set(_draws(logits, 500, top_k=3, top_p=0.75)) == {0, 1}
-    big = np.random.default_rng(1).standard_normal(256).astype(np.float32) * 3
-    assert set(_draws(big, 500, top_k=5)) <= set(np.argsort(-big)[:5])
-
-
-def _nucleus_reference(logits, top_k, top_p):
-    """The support top-k / top-p leave, by sorting (numpy, float64): the ids to keep."""
-    order = np.argsort(-logits, kind="stable")
-    keep = np.ones(logits.shape, bool)
-    if top_k:
-        keep &= logits >= logits[order[top_k - 1]]
-    if top_p < 1:
-        probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
-        mass_above = np.array([probs[logits > x].sum() for x in logits])
-        keep &= mass_above < top_p
-    return keep
-
-
-def test_top_k_top_p_without_a_sort_match_a_sorted_reference():
-    """The bisection (no sort) keeps exactly the ids a sort keeps, away from float ties at the edge."""
-    from jaxsmol.sampling import _top_k_top_p
-
-    rng = np.random.default_rng(7)
-    for trial in range(30):
-        logits = (rng.standard_normal(512) * rng.choice([0.5, 2, 6])).astype(np.float32)
-        top_k, top_p = int(rng.choice([0, 1, 3, 40, 512])), float(rng.choice([1.0, 0.5, 0.9, 0.99]))
-        weights = np.exp(logits - logits.max())
-        got = np.asarray(_top_k_top_p((jnp.asarray(weights)[None], jnp.asarray(logits)[None],
-                                       jnp.asarray([top_k], jnp.int32), jnp.asarray([top_p], jnp.float32))))[0]
-        want = _nucleus_reference(logits.astype(np.float64), top_k, top_p)
-        np.testing.assert_array_equal(got > 0, want, err_msg=f"trial {trial}: top_k={top_k} top_p={top_p}")
-        np.testing.assert_array_equal(got[want], weights[want])
-
-
-def test_a_rows_draw_does_not_depend_on_its_neighbours():
-    """sample_rows: row i's token depends on its own logits, settings and seed only, at any width."""
-    from jaxsmol.sampling import sample_rows
-
-    rng = np.random.default_rng(3)
-    W, V = 8, 300
-    logits = (rng.standard_normal((W, V)) * 3).astype(np.float32)
-    rows = dict(temperature=np.float32(rng.choice([0.0, 0.7, 1.3], W)), top_k=np.int32(rng.choice([0, 5, 50], W)),
-                top_p=np.float32(rng.choice([1.0, 0.8], W)), seed_lo=np.uint32(rng.integers(0, 2**32, W)),
-                seed_hi=np.uint32(rng.integers(0, 2**31, W)), step=np.int32(rng.integers(0, 99, W)),
-                allowed=np.full((W, (V + 31) // 32), -1, np.int32))
-    draw = jax.jit(sample_rows)
-    together = np.asarray(draw(jnp.asarray(logits), **{k: jnp.asarray(v) for k, v in rows.items()}))
-    for i in range(W):
-        alone = draw(jnp.asarray(logits[i:i + 1]), **{k: jnp.asarray(v[i:i + 1]) for k, v in rows.items()})
-        assert int(alone[0]) == together[i], i
-        if rows["temperature"][i] > 0:  # the single-sequence sampler draws the same token from the same key
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(rows["seed_lo"][i]), rows["seed_hi"][i]),
-                                     rows["step"][i])
-            single = sample(jnp.asarray(logits[i:i + 1]), key, jnp.float32(rows["temperature"][i]),
-                            jnp.int32(rows["top_k"][i]), jnp.float32(rows["top_p"][i]))
-            assert int(single[0]) == together[i], i
-
-
-def test_sampling_params_validation():
-    for bad, word in [(dict(max_tokens=-1), "max_tokens"), (dict(temperature=-0.1), "temperature"),
-                      (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                      (dict(logprobs=21), "logprobs"), (dict(seed=-1), "seed")]:
-        with pytest.raises(JaxsmolError, match=word):
-            SamplingParams(**bad)
 
 
 # ---- compiled programs (first, so later tests reuse what it compiles) ------------------------
