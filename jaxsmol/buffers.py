@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.kv import KVCache
@@ -40,9 +41,9 @@ class CachePool:
             free.append(kv)
 
     def take(self, capacity: int) -> KVCache | None:
-        """A kept cache of this capacity (its stale slots unread, pos as it was), or None."""
+        """A kept cache of this capacity, empty (pos 0; its stale slots are never read), or None."""
         free = self._free.get(capacity)
-        return free.pop() if free else None
+        return free.pop().replace(pos=jnp.zeros((), jnp.int32)) if free else None
 
     @property
     def nbytes(self) -> int:

@@ -259,7 +259,7 @@ class Engine:
     def new_cache(self, slots: int) -> KVCache:
         cap = capacity_for(slots)
         if (kept := self.pool.take(cap)) is not None:
-            return kept.replace(pos=jnp.zeros((), jnp.int32))
+            return kept
         return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
