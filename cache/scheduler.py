@@ -26,7 +26,9 @@ request's tokens are the same alone or among others (a step's row count changes 
 Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
 a request that would break it waits, except that one request alone is always admitted. An idle
 batch is kept (and counted) for the next burst: reused as it is for the same shape, else freed just
-before the new one is made, so its memory goes to it instead of fresh pages.
+before the new one is made, so its memory goes to it instead of fresh pages; a bigger batch that a
+smaller one replaces (a lone request after a burst) is kept as the spare for the next burst, within
+kv_bytes together.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch
 PREFILLS_AT_ONCE = 8
 
 
+def _shape(batch: KVCache) -> tuple[int, int]:
+    return batch.k.shape[1], batch.capacity  # (width, capacity)
+
+
 class Scheduler:
     def __init__(self, cache: PrefixCache, **settings):
         """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows)."""
@@ -72,6 +78,7 @@ class Scheduler:
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
         self.rows: list[Row | None] = []
         self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
+        self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
         self._shrink_votes = 0
         self._all_allowed: dict[int, jax.Array] = {}
@@ -100,7 +107,9 @@ class Scheduler:
 
     @property
     def kv_bytes_held(self) -> int:
-        return 0 if self.batch is None else self.batch.nbytes
+        """The batch's bytes and the spare's (a lone request between bursts decodes at width 1; the
+        next burst then finds its batch instead of faulting fresh pages in: 8 x 512 slots, 65-200 ms)."""
+        return sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
 
     def figures(self) -> dict:
         """What /metrics shows of the batch (see cli/metrics.py)."""
@@ -309,17 +318,26 @@ class Scheduler:
         return max(fits, default=self._width_for(needed))
 
     def _relayout(self, width: int, capacity: int) -> None:
-        """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots."""
+        """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots
+        (with none live: the idle batch or the spare where one has that shape)."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
-        if self.batch is not None and not live and (len(self.rows), self.batch.capacity) == (width, capacity):
-            self.batch = self.batch.replace(pos=jnp.zeros_like(self.batch.pos))  # no row reads past its pos
-        elif self.batch is None or not live:  # the old one freed first: its memory, not fresh pages
-            self.batch = None
+        old, self.batch = self.batch, None
+        fits = [b for b in (old, self.spare) if b is not None and _shape(b) == (width, capacity)]
+        reuse = fits[0] if fits and not live else None
+        if reuse is None or reuse is self.spare:
+            self.spare = None  # one not reused is freed before the new batch is made: its memory, not fresh pages
+        new_bytes = width * capacity * self.engine.kv_bytes_per_token
+        if old is not None and old is not reuse and new_bytes < old.nbytes <= self.kv_bytes - new_bytes:
+            self.spare = old  # a bigger batch kept for the next burst (see kv_bytes_held)
+        if reuse is not None:
+            self.batch = reuse.replace(pos=jnp.zeros_like(reuse.pos))  # no row reads past its pos
+        elif not live:
+            old = None  # freed before the new one is made (unless kept as the spare)
             self.batch = empty_batch(self.engine, width, capacity)
         else:
-            source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
-            self.batch = programs.relayout(self.batch, source, width, capacity)
+            self.batch = programs.relayout(old, jnp.asarray(live + [-1] * (width - len(live)), jnp.int32),
+                                           width, capacity)
         self.rows = rows
         self.stats.relayouts += 1
         self._shrink_votes = 0

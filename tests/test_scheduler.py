@@ -100,7 +100,8 @@ def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
 def test_an_idle_batch_is_kept_for_the_next_burst(tiny_engine):
     """After a burst the batch stays (counted in kv_bytes_held): the next burst of the same shape
     decodes in the same buffer, with tokens equal to a fresh scheduler's; one of another width gets
-    a new batch of its own width."""
+    a new batch of its own width, and the bigger one is kept beside it (the spare, counted too) for
+    the burst after, but only within kv_bytes."""
     def burst(sched, seed, n):
         sinks = [Collector() for _ in range(n)]
         for p, sink in zip(prompts(seed, [20 + 7 * i for i in range(n)]), sinks):
@@ -116,7 +117,15 @@ def test_an_idle_batch_is_kept_for_the_next_burst(tiny_engine):
     assert sched.batch.k.unsafe_buffer_pointer() == buffer  # reused in place, not allocated afresh
     assert again == burst(Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8), 32, 4)
     burst(sched, 33, 2)
-    assert len(sched.rows) == 2
+    assert len(sched.rows) == 2 and sched.spare.k.unsafe_buffer_pointer() == buffer
+    assert sched.kv_bytes_held == sched.batch.nbytes + sched.spare.nbytes
+    again = burst(sched, 34, 4)
+    assert sched.batch.k.unsafe_buffer_pointer() == buffer and sched.spare is None  # the 2-row batch freed
+    assert again == burst(Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8), 34, 4)
+    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, kv_bytes=sched.batch.nbytes + 1)
+    burst(tight, 31, 4)
+    burst(tight, 33, 2)
+    assert tight.spare is None and tight.kv_bytes_held == tight.batch.nbytes  # both would not fit
 
 
 def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
