@@ -139,7 +139,13 @@ class Job:
     async def next_event(self) -> Event:
         """The next event (HTTP side). Each read refills the queue from the backlog and restarts
         the write timeout."""
-        event = await self.events.get()
+        return self._read(await self.events.get())
+
+    def next_event_nowait(self) -> Event | None:
+        """The next event if one is waiting, else None (HTTP side; as next_event)."""
+        return None if self.events.empty() else self._read(self.events.get_nowait())
+
+    def _read(self, event: Event) -> Event:
         while self._backlog and not self.events.full():
             self.events.put_nowait(self._backlog.popleft())
         self._stalled_since = time.monotonic() if self._backlog else None
