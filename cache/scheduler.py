@@ -19,16 +19,15 @@ Rows leave as they finish or as their client goes; their rows are reused by the 
 The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
 doubling ladder; it grows when a newcomer needs more (at once to the width the waiting requests need
 too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used, so that a
-lone stream decodes at width 1. With `batch_invariant`, the width is
-always `max_batch`: a row's logits then do not depend on how many other rows are live, so a
-request's tokens are the same alone or among others (a step's row count changes the last bits).
+lone stream decodes at width 1. With `batch_invariant`, the width is always `max_batch`: a row's
+logits then do not depend on how many other rows are live, so a request's tokens are the same
+alone or among others (a step's row count changes the last bits).
 
 Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
 a request that would break it waits, except that one request alone is always admitted. An idle
 batch is kept (and counted) for the next burst: reused as it is for the same shape, else freed just
-before the new one is made, so its memory goes to it instead of fresh pages; a bigger batch that a
-smaller one replaces (a lone request after a burst) is kept as the spare for the next burst, within
-kv_bytes together.
+before the new one is made (its memory, not fresh pages); a bigger one that a smaller one replaces
+(a lone request after a burst) is kept as the spare for the next burst, within kv_bytes together.
 """
 
 from __future__ import annotations
@@ -60,10 +59,6 @@ SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch
 # Prompts prefilled at once (side by side where their chunks have one length), each holding a
 # one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
 PREFILLS_AT_ONCE = 8
-
-
-def _shape(batch: KVCache) -> tuple[int, int]:
-    return batch.k.shape[1], batch.capacity  # (width, capacity)
 
 
 class Scheduler:
@@ -323,7 +318,7 @@ class Scheduler:
         live = [i for i, r in enumerate(self.rows) if r is not None]
         rows = [self.rows[i] for i in live] + [None] * (width - len(live))
         old, self.batch = self.batch, None
-        fits = [b for b in (old, self.spare) if b is not None and _shape(b) == (width, capacity)]
+        fits = [b for b in (old, self.spare) if b is not None and (b.rows, b.capacity) == (width, capacity)]
         reuse = fits[0] if fits and not live else None
         if reuse is None or reuse is self.spare:
             self.spare = None  # one not reused is freed before the new batch is made: its memory, not fresh pages
@@ -336,8 +331,8 @@ class Scheduler:
             old = None  # freed before the new one is made (unless kept as the spare)
             self.batch = empty_batch(self.engine, width, capacity)
         else:
-            self.batch = programs.relayout(old, jnp.asarray(live + [-1] * (width - len(live)), jnp.int32),
-                                           width, capacity)
+            source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
+            self.batch = programs.relayout(old, source, width, capacity)
         self.rows = rows
         self.stats.relayouts += 1
         self._shrink_votes = 0

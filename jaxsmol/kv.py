@@ -55,6 +55,10 @@ class KVCache:
         return self.k.shape[SEQ_AXIS]
 
     @property
+    def rows(self) -> int:  # a decode batch's width; 1 for one sequence's cache
+        return self.k.shape[1]
+
+    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
