@@ -34,7 +34,7 @@ CACHE_COUNTERS = (
 # (key of Scheduler.figures(), help): the continuous batch
 BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
                 ("pending", "Requests waiting for admission."),
-                ("kv_bytes", "Bytes of the decode batch's KV cache (bounded by --kv-cache-bytes)."))
+                ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare (bounded by --kv-cache-bytes)."))
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
                   ("prefilled_tokens", "Prompt positions computed by the scheduler."))
 
