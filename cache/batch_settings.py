@@ -45,6 +45,10 @@ class BatchSettings:
     def widths(self) -> tuple[int, ...]:
         return (self.max_batch,) if self.batch_invariant else widths_for(self.max_batch)
 
+    def width_for(self, rows: int) -> int:
+        """The narrowest width on the ladder that holds `rows` (the widest if none does)."""
+        return next((w for w in self.widths if w >= rows), self.widths[-1])
+
     def step_rows(self, decoding: bool) -> int:
         """Prompt rows a step may run: chunk_rows while rows decode (their next token waits for
         them); when none do, at least IDLE_STEP_ROWS. Not a whole 512-row chunk: a newcomer arriving

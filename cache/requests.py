@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Protocol
 
+from jaxsmol.engine import capacity_for
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import Step
@@ -52,6 +53,17 @@ class Request:
         if not self.samplings:
             raise JaxsmolError("a request needs at least one choice")
         self.indices = list(range(len(self.samplings))) if self.indices is None else list(self.indices)
+
+    @property
+    def decode_rows(self) -> int:
+        """The decode rows its choices take: a choice of at most one token takes none (its token is
+        sampled from the prompt's logits), so a long prompt scored or answered with one token does
+        not keep a streaming newcomer from a free row while it is prefilled."""
+        return sum(sp.max_tokens > 1 for sp in self.samplings)
+
+    @property
+    def capacity(self) -> int:  # cache slots for the prompt and the longest choice
+        return capacity_for(len(self.prompt_ids) + max(sp.max_tokens for sp in self.samplings))
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,19 +1,15 @@
 """Continuous batching: many requests decode together, one jitted step for all of them.
 
 Each `step()` does, in order:
-  1. admission: while fewer than PREFILLS_AT_ONCE prompts are being prefilled, the oldest waiting
-     request, if decode rows will be free for its choices, is looked up in the prefix cache and its
-     state restored into a one-row staging cache (prefill / insert / generate, as in JetStream);
-  2. prefill chunks of the admitted prompts, from the engine's exact buckets (a prompt state has a
-     cold prefill's bits): each prompt at most `chunk_rows` rows while others decode (as one chunk of
-     half that, 32 rows at least, unless the rest finishes it in its least padded chunks), the
-     chunks of the same length side by side in one forward (with the CPU kernels a row's bits do not
-     depend on the rows beside it), so a burst of prompts is prefilled in a step or two; or else,
-     when no row decodes (or a waiting prompt needs it), one chunk of an answer being re-prefilled
-     for the cache (the next chat turn's prefix); a complete prompt's first tokens are sampled and
-     its state inserted into one decode row per choice (`n` forks share one prefill);
-  3. one decode step of every live row (`programs.decode_step`: forward at each row's position,
-     then sampling with each row's own settings), then the host side of every row (TokenStream).
+  1. admission: the oldest waiting requests, while decode rows will be free for their choices (and
+     fewer than PREFILLS_AT_ONCE prompts are being prefilled), are looked up in the prefix cache and
+     restored into one-row staging caches (prefill / insert / generate, as in JetStream);
+  2. prefill: their prompts' next chunks, exact (a prompt state has a cold prefill's bits), chunks
+     of one length side by side in one forward (see `_prefill_newcomers`); or else one chunk of an
+     answer being stored for the next turn. A complete prompt's first tokens are sampled and its
+     state inserted into a decode row per choice (`n` forks share one prefill);
+  3. decode: one step of every live row (forward at each row's position, then each row's own
+     sampling), then the host side of every row (its TokenStream).
 Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
 
 The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
@@ -23,11 +19,11 @@ lone stream decodes at width 1. With `batch_invariant`, the width is always `max
 logits then do not depend on how many other rows are live, so a request's tokens are the same
 alone or among others (a step's row count changes the last bits).
 
-Device memory for decode rows is bounded by `kv_bytes` (width x capacity x bytes per position);
-a request that would break it waits, except that one request alone is always admitted. An idle
-batch is kept (and counted) for the next burst: reused as it is for the same shape, else freed just
-before the new one is made (its memory, not fresh pages); a bigger one that a smaller one replaces
-(a lone request after a burst) is kept as the spare for the next burst, within kv_bytes together.
+Decode rows' memory is bounded by `kv_bytes` (width x capacity x bytes per position); a request that
+would break it waits, except that one request alone is always admitted. An idle batch is kept for
+the next burst: reused as it is for the same shape, else freed just before the new one is made (its
+memory, not fresh pages); a bigger one that a smaller one replaces (a lone request after a burst)
+is kept as the spare for the next burst, within kv_bytes together.
 """
 
 from __future__ import annotations
@@ -45,15 +41,14 @@ from cache.compile_ahead import compile_batched, empty_batch
 from cache.prefix_cache import PrefixCache
 from cache.requests import Request
 from cache.side_by_side import group_chunks
-from cache.scheduler_state import Prefill, Row, SchedulerStats
+from cache.scheduler_state import Prefill, Row, SchedulerStats, free_mask, step_inputs
 from jaxsmol import programs
-from jaxsmol.engine import MIN_CAPACITY, capacity_for, tight_plan
+from jaxsmol.engine import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
-from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import TokenStream
-from jaxsmol.structured import all_allowed, constraint_for
+from jaxsmol.structured import constraint_for
 
 SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
 # Prompts prefilled at once (side by side where their chunks have one length), each holding a
@@ -76,7 +71,6 @@ class Scheduler:
         self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
         self._shrink_votes = 0
-        self._all_allowed: dict[int, jax.Array] = {}
 
     # ---- the public surface ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -94,7 +88,7 @@ class Scheduler:
     @property
     def free_rows(self) -> int:
         """Decode rows neither live nor held by a prompt being prefilled."""
-        return self.max_batch - self.live_rows - sum(self._rows_for(p.request) for p in self.prefills)
+        return self.max_batch - self.live_rows - sum(p.request.decode_rows for p in self.prefills)
 
     @property
     def has_work(self) -> bool:
@@ -102,8 +96,7 @@ class Scheduler:
 
     @property
     def kv_bytes_held(self) -> int:
-        """The batch's bytes and the spare's (a lone request between bursts decodes at width 1; the
-        next burst then finds its batch instead of faulting fresh pages in: 8 x 512 slots, 65-200 ms)."""
+        """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms)."""
         return sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
 
     def figures(self) -> dict:
@@ -122,8 +115,7 @@ class Scheduler:
         self._drop_cancelled()
         if not self._prefill_newcomers() and self.saves.may_run(rows_decoding=self.live_rows > 0):
             self.saves.step(self.settings.step_rows(self.live_rows > 0))
-        if self.live_rows:
-            self._decode()
+        self._decode()
         self._maybe_shrink()
 
     def _prefill_newcomers(self) -> bool:
@@ -173,33 +165,20 @@ class Scheduler:
             except JaxsmolError as e:
                 req.sink.error(e)
 
-    def _need(self, req: Request) -> int:
-        return capacity_for(len(req.prompt_ids) + max(sp.max_tokens for sp in req.samplings))
-
-    @staticmethod
-    def _rows_for(req: Request) -> int:
-        """The decode rows req's choices take: a choice of at most one token takes none (its token is
-        sampled from the prompt's logits), so a long prompt scored or answered with one token does
-        not keep a streaming newcomer from a free row while it is prefilled."""
-        return sum(sp.max_tokens > 1 for sp in req.samplings)
-
     def _room_for(self, req: Request) -> bool:
         """Whether decode rows (and memory for them) will be free for req's choices, counting the
         requests already being prefilled as holding theirs."""
-        need = self._rows_for(req)
-        held = [p.request for p in self.prefills if self._rows_for(p.request)]
-        rows = self.live_rows + sum(self._rows_for(r) for r in held) + need
+        need = req.decode_rows
+        held = [p.request for p in self.prefills if p.request.decode_rows]
+        rows = self.live_rows + sum(r.decode_rows for r in held) + need
         if rows > self.max_batch:
             return False
         if not need:
             return True
-        width = self._width_for(rows)
-        capacity = max([self._need(r) for r in held + [req]]
+        width = self.settings.width_for(rows)
+        capacity = max([r.capacity for r in held + [req]]
                        + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
         return self.live_rows + len(held) == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
-
-    def _width_for(self, rows: int) -> int:
-        return next((w for w in self.widths if w >= rows), self.widths[-1])
 
     def _begin(self, req: Request) -> None:
         cfg = self.engine.cfg
@@ -208,7 +187,7 @@ class Scheduler:
         lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
                                salt=req.salt, bypass=req.bypass)
         self.stats.admitted += 1
-        slots = max(self._need(req), self.batch.capacity if self.batch is not None else 0)
+        slots = max(req.capacity, self.batch.capacity if self.batch is not None else 0)
         n, reused = len(lk.prompt), lk.report.reused
         try:
             if reused and (reused < n or any(sp.max_tokens > 1 for sp in req.samplings)):
@@ -263,7 +242,7 @@ class Scheduler:
         m = len(req.samplings)
         out = jax.device_get(programs.sample_first(
             jnp.broadcast_to(logits, (m, logits.shape[-1])),
-            self._sampling_arrays(req.samplings, [0] * m, p.constraints), logprobs=want > 0))
+            row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
         rows = []
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
             rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
@@ -292,7 +271,7 @@ class Scheduler:
     def _insert(self, rows: list[Row], kv: KVCache) -> None:
         """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
         needed, held = self.live_rows + len(rows), len(self.rows) if self.live_rows else 0  # idle: any shape
-        width = self._width_for(needed)
+        width = self.settings.width_for(needed)
         capacity = max(kv.capacity, self.batch.capacity if held else 0)
         if not held or width > held or capacity > self.batch.capacity:
             self._relayout(max(self._grown_width(needed, capacity, rows[0].request), held), capacity)
@@ -307,10 +286,10 @@ class Scheduler:
         rather than at every rung of the ladder (each move copies every live row; growing 8 -> 16
         rows at 512 slots: ~0.15 s)."""
         coming = list(self.pending) + [p.request for p in self.prefills if p.request is not inserting]
-        waiting = sum(self._rows_for(r) for r in coming)
-        fits = [w for w in self.widths if self._width_for(needed) <= w <= self._width_for(needed + waiting)
+        waiting = sum(r.decode_rows for r in coming)
+        fits = [w for w in self.widths if self.settings.width_for(needed) <= w <= self.settings.width_for(needed + waiting)
                 and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
-        return max(fits, default=self._width_for(needed))
+        return max(fits, default=self.settings.width_for(needed))
 
     def _relayout(self, width: int, capacity: int) -> None:
         """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots
@@ -343,32 +322,29 @@ class Scheduler:
         live = self.live_rows
         if live == 0:  # idle: the batch is kept for the next burst (see _relayout)
             return
-        target = self._width_for(max(live, 1))
+        target = self.settings.width_for(max(live, 1))
         self._shrink_votes = self._shrink_votes + 1 if target <= len(self.rows) // 2 else 0
         if self._shrink_votes >= SHRINK_AFTER:
             self._relayout(target, self.batch.capacity)
 
     def _decode(self) -> None:
-        W = len(self.rows)
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        tokens = np.zeros(W, np.int32)
-        active = np.zeros(W, bool)
-        for i, r in live:
-            tokens[i], active[i] = r.stream.output_ids[-1], True
-        samplings = [r.stream.sp if r is not None else SamplingParams() for r in self.rows]
-        steps = [len(r.stream.output_ids) if r is not None else 0 for r in self.rows]
-        constraints = [r.constraint if r is not None else None for r in self.rows]
-        want = any(r.stream.sp.logprobs for _, r in live)
+        """One decode step of every live row, then each row's host side (its token's stream, stop
+        strings, events). (Dispatching the next step before reading this one, as vLLM's async
+        scheduling does, measured no steadier gain on two cores: README, "what was tried".)"""
+        if not self.live_rows:
+            return
+        tokens, active, settings = step_inputs(self.rows, self._free(len(self.rows)))
+        want = any(r.stream.sp.logprobs for r in self.rows if r is not None)
         try:
             out, self.batch = programs.decode_step(self.engine.params, jnp.asarray(tokens), self.batch,
-                                                   jnp.asarray(active), self._sampling_arrays(samplings, steps, constraints),
-                                                   self.engine.cfg, logprobs=want)
+                                                   jnp.asarray(active), settings, self.engine.cfg, logprobs=want)
             out = jax.device_get(out)
         except Exception as e:  # the batch is lost: fail its requests, keep serving
-            for _, r in live:
+            for r in [r for r in self.rows if r is not None]:
                 r.request.sink.error(e)
             self.batch, self.rows = None, []
             return
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
         self.stats.steps += 1
         self.stats.decoded_tokens += len(live)
         for i, r in live:
@@ -385,16 +361,12 @@ class Scheduler:
             if save is not None:
                 self.saves.add(save)
 
+    def _free(self, width: int) -> jax.Array:
+        return free_mask(self.engine.cfg.vocab_size, width)
+
     def _drop_cancelled(self) -> None:
         for i, r in enumerate(self.rows):
             if r is not None and r.request.sink.cancelled():
                 self.rows[i] = None
         for p in [p for p in self.prefills if p.request.sink.cancelled()]:
             self._abort_prefill(p, None)
-
-    def _sampling_arrays(self, samplings: list[SamplingParams], steps: list[int], constraints: list) -> dict:
-        """The per-row arrays `sample_rows` takes; the all-allowed mask of a width is kept on the device."""
-        width = len(samplings)
-        if width not in self._all_allowed:
-            self._all_allowed[width] = jnp.asarray(all_allowed(width, self.engine.cfg.vocab_size))
-        return row_settings(samplings, steps, constraints, self._all_allowed[width])

@@ -1,15 +1,22 @@
-"""What the scheduler (cache/scheduler.py) holds per request: a prompt being prefilled, a decode
-row per choice (which feeds its tokens to its stream and sink), and its counters."""
+"""What the scheduler (cache/scheduler.py) holds: per request a prompt being prefilled and a decode
+row per choice (which feeds its tokens to its stream and sink); a decode step's inputs; its counters."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from cache.records import Lookup
 from cache.requests import Finished, Request
+from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache
+from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import TokenStream
-from jaxsmol.structured import Constraint
+from jaxsmol.structured import Constraint, all_allowed
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity (in self.prefills)
@@ -50,6 +57,23 @@ class Row:
         return Finished(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
                         output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
                         logprobs=list(s.logprobs), ttft_s=self.ttft_s)
+
+
+@functools.cache
+def free_mask(vocab_size: int, width: int) -> jax.Array:
+    """The all-allowed token mask [width, ceil(V / 32)] of rows that sample freely, kept on the device."""
+    return jnp.asarray(all_allowed(width, vocab_size))
+
+
+def step_inputs(rows: list, free: jax.Array) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A decode step's host inputs for the batch's rows (Row or None): each live row's last token
+    [W], the active mask [W], and the per-row sampling arrays (jaxsmol/batch.row_settings; `free`
+    the all-allowed mask of the width)."""
+    tokens = np.array([r.stream.output_ids[-1] if r is not None else 0 for r in rows], np.int32)
+    steps = [len(r.stream.output_ids) if r is not None else 0 for r in rows]
+    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows], steps,
+                            [r.constraint if r is not None else None for r in rows], free)
+    return tokens, np.array([r is not None for r in rows]), settings
 
 
 @dataclasses.dataclass
