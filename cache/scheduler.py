@@ -115,7 +115,8 @@ class Scheduler:
         self._drop_cancelled()
         if not self._prefill_newcomers() and self.saves.may_run(rows_decoding=self.live_rows > 0):
             self.saves.step(self.settings.step_rows(self.live_rows > 0))
-        self._decode()
+        if self.live_rows:
+            self._decode()
         self._maybe_shrink()
 
     def _prefill_newcomers(self) -> bool:
@@ -190,7 +191,7 @@ class Scheduler:
         slots = max(req.capacity, self.batch.capacity if self.batch is not None else 0)
         n, reused = len(lk.prompt), lk.report.reused
         try:
-            if reused and (reused < n or any(sp.max_tokens > 1 for sp in req.samplings)):
+            if reused and (reused < n or req.decode_rows):
                 kv = self.engine.restore(lk.prefix, slots, reused)
             else:
                 kv = self.engine.new_cache(slots) if reused < n else None
@@ -287,9 +288,10 @@ class Scheduler:
         rows at 512 slots: ~0.15 s)."""
         coming = list(self.pending) + [p.request for p in self.prefills if p.request is not inserting]
         waiting = sum(r.decode_rows for r in coming)
-        fits = [w for w in self.widths if self.settings.width_for(needed) <= w <= self.settings.width_for(needed + waiting)
-                and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
-        return max(fits, default=self.settings.width_for(needed))
+        least, most = self.settings.width_for(needed), self.settings.width_for(needed + waiting)
+        fits = [w for w in self.widths
+                if least <= w <= most and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
+        return max(fits, default=least)
 
     def _relayout(self, width: int, capacity: int) -> None:
         """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots
@@ -331,20 +333,18 @@ class Scheduler:
         """One decode step of every live row, then each row's host side (its token's stream, stop
         strings, events). (Dispatching the next step before reading this one, as vLLM's async
         scheduling does, measured no steadier gain on two cores: README, "what was tried".)"""
-        if not self.live_rows:
-            return
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
         tokens, active, settings = step_inputs(self.rows, self._free(len(self.rows)))
-        want = any(r.stream.sp.logprobs for r in self.rows if r is not None)
+        want = any(r.stream.sp.logprobs for _, r in live)
         try:
             out, self.batch = programs.decode_step(self.engine.params, jnp.asarray(tokens), self.batch,
                                                    jnp.asarray(active), settings, self.engine.cfg, logprobs=want)
             out = jax.device_get(out)
         except Exception as e:  # the batch is lost: fail its requests, keep serving
-            for r in [r for r in self.rows if r is not None]:
+            for _, r in live:
                 r.request.sink.error(e)
             self.batch, self.rows = None, []
             return
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
         self.stats.steps += 1
         self.stats.decoded_tokens += len(live)
         for i, r in live:
