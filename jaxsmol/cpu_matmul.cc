@@ -20,10 +20,10 @@
 //   applies each weight row to every row of x while it is in registers (see PanelPass), prefetching
 //   the panel kAhead rows ahead where it is read in k blocks (see kWholeAhead, OneRowTwoPanels).
 // - Many rows (prefill chunks, wider decode steps). BLIS's blocking: x packed once into groups of 14
-//   rows, k-major; per thread, its panels taken kBlockK rows at a time (24 KB, in L1); a 14 x 32
-//   register tile (28 accumulators; 6 x 16, twice per panel, with AVX2's 16 registers) over that
-//   block, loaded from y and stored back between blocks, so each element is still one chain in k
-//   order. Measured in the model: as fast as XLA's GEMM at 512 rows. A bfloat16 block is widened
+//   rows, k-major within each k block; per thread, its panels taken kBlockK rows at a time (24 KB,
+//   in L1); a 14 x 32 register tile (28 accumulators; 6 x 16, twice per panel, with AVX2's 16
+//   registers) over that block, kept between blocks in a contiguous scratch and stored to y after
+//   the last, so each element is still one chain in k order. Measured in the model: as fast as XLA's GEMM at 512 rows. A bfloat16 block is widened
 //   once, for all row groups.
 #include "cpu_kernels.h"
 
@@ -51,14 +51,16 @@ constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8
 // The one register tile every path runs: y[0:R, 0:V kLanes] (V = kTileVecs unless told; row stride
 // N) over rows k0..k1 of a panel (its rows kPanel apart; `panel` may point into it by a column
 // offset), x given k-major as xt[k LD + r]. `first` starts the chains at 0, otherwise they continue
-// from y, so each element stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches
+// from y_in (row stride in_stride: y itself, or the many-row path's scratch between k blocks), so
+// each element stays one FMA chain in k order whatever the blocking. Ahead > 0 prefetches
 // the panel's row (all its 32 columns: with two column tiles, the first one's prefetch serves both),
 // and x with PrefetchX, that many rows on.
 template <typename W, int R, int LD, int64_t Ahead, bool PrefetchX, int V = kTileVecs>
-inline void Tile(const float* xt, const W* panel, float* y, int64_t N, int64_t k0, int64_t k1, bool first) {
+inline void Tile(const float* xt, const W* panel, const float* y_in, int64_t in_stride, float* y, int64_t N,
+                 int64_t k0, int64_t k1, bool first) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? Vec{} : Load(y + r * N + kLanes * v);
+    for (int v = 0; v < V; ++v) acc[r][v] = first ? Vec{} : Load(y_in + r * in_stride + kLanes * v);
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (Ahead > 0)
       for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
@@ -82,7 +84,7 @@ inline void Tile(const float* xt, const W* panel, float* y, int64_t N, int64_t k
 template <typename W, int R, int LD, bool Lead, int V = kTileVecs, int GS = kFewGroup>
 inline void Groups(const float* xt, const W* panel, float* y, int64_t N, int64_t k0, int64_t k1) {
   constexpr int G = R < GS ? R : GS;
-  Tile<W, G, LD, Lead ? kAhead : 0, false, V>(xt, panel, y, N, k0, k1, k0 == 0);
+  Tile<W, G, LD, Lead ? kAhead : 0, false, V>(xt, panel, y, N, y, N, k0, k1, k0 == 0);
   if constexpr (R > G) Groups<W, R - G, LD, false, V, GS>(xt + G, panel, y + G * N, N, k0, k1);
 }
 
@@ -109,7 +111,7 @@ constexpr int64_t kWholeAhead = kColTiles > 1 ? 0 : kAhead;
 template <typename W, int R>
 void PanelPass(const float* xt, const W* panel, float* y, int64_t K, int64_t N) {
   if constexpr ((R <= kFewWhole && kColTiles == 1) || (R <= kWholeGroup && R <= kWholeUpTo)) {
-    Tile<W, R, R, kWholeAhead, false, kPanelVecs>(xt, panel, y, N, 0, K, true);  // one tile: the whole panel
+    Tile<W, R, R, kWholeAhead, false, kPanelVecs>(xt, panel, y, N, y, N, 0, K, true);  // one tile: the whole panel
   } else if constexpr (R <= kWholeUpTo) {
     for (int64_t k0 = 0; k0 < K; k0 += kBlockRows<W>)
       Groups<W, R, R, true, kPanelVecs, kWholeGroup>(xt, panel, y, N, k0, std::min(k0 + kBlockRows<W>, K));
@@ -188,34 +190,47 @@ constexpr int64_t kBlockK = 192;  // panel rows per block: 24 KB stays in L1; 96
 constexpr int64_t kPrefetch = 8;  // k steps ahead: 1.07x the speed of none in the model (16: the same)
 
 // One block (rows k0..k1) of one panel for one group of R rows of xp (k-major, R apart).
-using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, bool);
+using TileFn = void (*)(const float*, const float*, const float*, int64_t, float*, int64_t, int64_t, int64_t, bool);
 template <int... Rs>
 constexpr TileFn kTiles[] = {nullptr, &Tile<float, Rs, Rs, kPrefetch, true>...};
 constexpr auto& kTileFor = kTiles<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14>;
 constexpr int64_t kWidenPanels = 32;  // bfloat16: panels widened at a time (a 768 KB block of them)
 
-// Rows g0..g0+rows of x [M, K] -> one group of xp, k-major over the whole K: xp[g0 K + k rows + r].
-void PackRows(const float* x, float* xp, int64_t K, int64_t g0, int64_t rows) {
+// Rows g0..g0+rows of x [M, K] -> one group of xp, k-major within each k block: block k0's groups
+// follow one another (xp[k0 M + g0 kc + (k - k0) rows + r]), so a pass over a block's groups reads
+// x as one sequential stream that the prefetches run along into the next group.
+void PackRows(const float* x, float* xp, int64_t M, int64_t K, int64_t g0, int64_t rows) {
   const float* src = x + g0 * K;
-  float* dst = xp + g0 * K;
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * K + k];
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t kc = std::min(kBlockK, K - k0);
+    float* dst = xp + k0 * M + g0 * kc;
+    for (int64_t k = 0; k < kc; ++k)
+      for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * K + k0 + k];
+  }
 }
 
 // y[:, 32 p0 : 32 p1] = x @ those panels of w, x packed by PackRows; float32 panels are read in
 // place, panel by panel and each one's k blocks in order, so a thread's panels are one sequential
 // stream (they are adjacent in the packed layout). With the k blocks outermost (as bfloat16 does
 // below) the stream jumped ~73-196 KB after each 24 KB block; side by side (tools/time_matmuls.py
-// --against): 0.95-0.97x the time at 16-24 rows, 0.98x at 64 and 512.
+// --against): 0.95-0.97x the time at 16-24 rows, 0.98x at 64 and 512. A tile's sums between k blocks
+// go to `part` ([M, 32], contiguous) rather than to y's rows (N apart, 14 pages per tile), and only
+// the last block stores to y; with x block-major (PackRows) that took 0.96x / 0.89x / 0.90x the time
+// at 512 / 64 / 24 rows (bits unchanged). Tried and not kept: blocking the rows so that x stays in L2
+// for the 1536-deep product (no change).
 void ManyPanels(const float* xp, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  float* const part = ThreadScratch<4>(M * kPanel);  // [M, 32]: the panel's sums between k blocks
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
       const int64_t kc = std::min(kBlockK, K - k0);
+      const bool last = k0 + kc == K;
       const float* block = w + (p * K + k0) * kPanel;
       for (int64_t g = 0; g < M; g += kGroup) {
         const int64_t rows = std::min<int64_t>(kGroup, M - g);
+        float* const out = last ? y + g * N + p * kPanel : part + g * kPanel;
         for (int64_t c = 0; c < kPanel; c += kTileCols)
-          kTileFor[rows](xp + g * K + k0 * rows, block + c, y + g * N + p * kPanel + c, N, 0, kc, k0 == 0);
+          kTileFor[rows](xp + k0 * M + g * kc, block + c, part + g * kPanel + c, kPanel, out + c, last ? N : kPanel,
+                         0, kc, k0 == 0);
       }
     }
 }
@@ -238,8 +253,8 @@ void ManyPanels(const float* xp, const uint16_t* w, float* y, int64_t M, int64_t
         const int64_t rows = std::min<int64_t>(kGroup, M - g);
         for (int64_t p = q0; p < q1; ++p)
           for (int64_t c = 0; c < kPanel; c += kTileCols)
-            kTileFor[rows](xp + g * K + k0 * rows, wide + (p - q0) * kc * kPanel + c, y + g * N + p * kPanel + c, N,
-                           0, kc, k0 == 0);
+            kTileFor[rows](xp + k0 * M + g * kc, wide + (p - q0) * kc * kPanel + c, y + g * N + p * kPanel + c, N,
+                           y + g * N + p * kPanel + c, N, 0, kc, k0 == 0);
       }
     }
   }
@@ -250,7 +265,7 @@ template <typename W>
 void ManyRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   float* const xp = ThreadScratch<2>(M * K);
   ParallelFor(pool, (M + kGroup - 1) / kGroup,
-              [=](int64_t g) { PackRows(x, xp, K, g * kGroup, std::min<int64_t>(kGroup, M - g * kGroup)); });
+              [=](int64_t g) { PackRows(x, xp, M, K, g * kGroup, std::min<int64_t>(kGroup, M - g * kGroup)); });
   const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t part = (panels + threads - 1) / threads;
   ParallelFor(pool, (panels + part - 1) / part,
