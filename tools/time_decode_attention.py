@@ -1,10 +1,12 @@
-"""Time the attention kernel alone on decode steps: one query per row over 30 layers of a
-SmolLM2-135M-shaped cache (3 kv heads, 3 query heads each, head dim 64), at several widths and
-positions.
+"""Time the attention kernel alone on decode steps (one query per row) and prompt chunks, over 30
+layers of a SmolLM2-135M-shaped cache (3 kv heads, 3 query heads each, head dim 64), at several
+widths and positions.
 
-    PYTHONPATH=$PWD python tools/time_decode_attention.py [--cases 1x2000 8x2000 1x100] [--runs 9] [--against REV]
+    PYTHONPATH=$PWD python tools/time_decode_attention.py [--cases 1x2000 8x2000 512@512] [--runs 9] [--against REV]
 
-Prints the median time per case and the cache bytes read per second. `--against REV` also builds git
+A case WIDTHxPOSITION is a decode step; ROWS@POSITION a prompt chunk of that many rows (one sequence)
+whose first query is at that position. Prints the median time per case and the cache bytes read per
+second (decode) or the arithmetic rate of the q.k and P V products (chunks). `--against REV` also builds git
 revision REV's cpu_attention.cc beside the current one (tools/kernel_revision.py) and alternates the
 two in this process, printing the ratio and whether their outputs are bitwise equal.
 """
@@ -36,7 +38,8 @@ def stack(attention):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["1x2000", "8x2000", "1x700", "4x700", "1x100"],
-                   help="WIDTHxPOSITION: rows decoding at about that position (each its own, up to 50 less)")
+                   help="WIDTHxPOSITION: rows decoding at about that position (each its own, up to 50 less); "
+                        "ROWS@POSITION: a prompt chunk")
     p.add_argument("--runs", type=int, default=9)
     p.add_argument("--against", metavar="REV", help="alternate with git revision REV's kernel in this process")
     args = p.parse_args()
@@ -48,6 +51,16 @@ def main() -> None:
         programs[args.against] = stack(functools.partial(cpu_kernels.attention, target=target))
     rng = np.random.default_rng(0)
     for case in args.cases:
+        if "@" in case:
+            T, P = map(int, case.split("@"))
+            S = -(-(P + T) // BLOCK) * BLOCK
+            q = jnp.asarray(rng.standard_normal((1, T, K, G, H), dtype=np.float32) * H ** -0.5)
+            k_all, v_all = (jnp.asarray(rng.standard_normal((LAYERS, 1, K, S, H), dtype=np.float32)) for _ in range(2))
+            pos = jnp.asarray([P], dtype=jnp.int32)
+            t, versus = kernel_revision.side_by_side(programs, (q, k_all, v_all, pos), args.runs, args.against)
+            flops = 2 * 2 * LAYERS * K * G * H * sum(P + i + 1 for i in range(T))  # q.k and P V, each row to its own position
+            print(f"chunk {T:4d} rows at {P:5d}  {1e3 * t:7.2f} ms  {flops / t / 1e9:5.1f} GFLOP/s" + versus, flush=True)
+            continue
         B, P = map(int, case.split("x"))
         S = -(-(P + 1) // BLOCK) * BLOCK
         q = jnp.asarray(rng.standard_normal((B, 1, K, G, H), dtype=np.float32) * H ** -0.5)
