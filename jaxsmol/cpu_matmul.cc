@@ -34,6 +34,13 @@ constexpr int kTileVecs = 2;         // vectors per row of a register tile: the 
 constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
 constexpr int64_t kColTiles = kPanel / kTileCols;
 constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
+// Few rows, streaming the panel from memory: a second prefetch, into L2, this many rows ahead (32 KB
+// of a float32 panel; past its end it reaches the thread's next panel). A prefetch into L1 can only
+// keep as many lines in flight as L1 has fill buffers; L2 takes more, and the stream's rate follows
+// (tools/time_matmuls.py --against, AVX-512: 4 / 8 / 12 rows 0.90-0.94x the time at 256, 128 and 512
+// alike; 2 rows 0.98-1.0x; bfloat16 2-8 rows 0.86-0.93x). The one-row path (OneRowTwoPanels) took
+// 1.02-1.06x with it.
+constexpr int64_t kFar = 256;
 // Few rows, in groups: weight rows per k block (in L1). AVX2, float32: 16 (2 KB); 32 took 1.03-1.15x
 // the time at 3-8 rows (tools/time_matmuls.py --against), 8 about as 16; bfloat16 weights at 16:
 // 1.03-1.04x. 32 where 16 was slower or not measured (AVX-512).
@@ -41,9 +48,9 @@ template <typename W>
 constexpr int64_t kBlockRows = kColTiles > 1 && sizeof(W) == 4 ? 16 : 32;
 constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more: another pass)
 // From this many rows on, the tiled path. AVX2: a 16-row decode step's matmuls in one few-row pass
-// took 0.90-0.91x the tiled time (float32 and bfloat16), 20-32 rows 1.07-1.15x. AVX-512: 16, 24 rows
-// tiled 0.95, 0.91x the few-row time.
-constexpr int64_t kManyFrom = kColTiles > 1 ? kRowsPerPass + 1 : 16;
+// took 0.90-0.91x the tiled time (float32 and bfloat16), 20-32 rows 1.07-1.15x. AVX-512: 16 rows in
+// one few-row pass (with kFar) 0.94x the tiled time (bfloat16 0.66x).
+constexpr int64_t kManyFrom = kRowsPerPass + 1;
 // Few rows: up to kFewWhole rows run as one tile over the whole panel; more take turns in groups of
 // kFewGroup on each k block (accumulators 2 per row, plus the weight's 2 vectors, in the registers).
 constexpr int kFewWhole = kVecRegs == 32 ? 9 : 6, kFewGroup = kVecRegs == 32 ? 8 : 6;
@@ -64,6 +71,8 @@ inline void Tile(const float* xt, const W* panel, const float* y_in, int64_t in_
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (Ahead > 0)
       for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
+    if constexpr (Ahead > 0 && !PrefetchX)  // few rows: into L2 too, from further on (see kFar)
+      for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + kFar) * kPanel + c, 0, 2);
     if constexpr (PrefetchX) __builtin_prefetch(xt + (k + Ahead) * LD);
     Vec wk[V];
     for (int v = 0; v < V; ++v) wk[v] = LoadWeight(panel + k * kPanel + kLanes * v);
