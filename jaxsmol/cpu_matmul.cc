@@ -34,12 +34,13 @@ constexpr int kTileVecs = 2;         // vectors per row of a register tile: the 
 constexpr int64_t kTileCols = kTileVecs * kLanes;  // ... half of it at 8 (AVX2: 16 registers)
 constexpr int64_t kColTiles = kPanel / kTileCols;
 constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight rows (8 KB; 16: 1.02-1.10x slower)
-// Few rows, streaming the panel from memory: a second prefetch, into L2, this many rows ahead (32 KB
-// of a float32 panel; past its end it reaches the thread's next panel). A prefetch into L1 can only
+// A tile streaming its panel from memory (few rows; the first row group of a block in the tiled
+// path): a second prefetch, into L2, this many rows ahead (32 KB of a float32 panel; past its end it
+// reaches the thread's next panel or block). A prefetch into L1 can only
 // keep as many lines in flight as L1 has fill buffers; L2 takes more, and the stream's rate follows
 // (tools/time_matmuls.py --against, AVX-512: 4 / 8 / 12 rows 0.90-0.94x the time at 256, 128 and 512
-// alike; 2 rows 0.98-1.0x; bfloat16 2-8 rows 0.86-0.93x). The one-row path (OneRowTwoPanels) took
-// 1.02-1.06x with it.
+// alike; 2 rows 0.98-1.0x; bfloat16 2-8 rows 0.86-0.93x; tiled: 17-64 rows 0.87-0.97x in all but
+// one of 8 runs, 512 rows 0.99x). The one-row path (OneRowTwoPanels) took 1.02-1.06x with it.
 constexpr int64_t kFar = 256;
 // Few rows, in groups: weight rows per k block (in L1). AVX2, float32: 16 (2 KB); 32 took 1.03-1.15x
 // the time at 3-8 rows (tools/time_matmuls.py --against), 8 about as 16; bfloat16 weights at 16:
@@ -71,7 +72,7 @@ inline void Tile(const float* xt, const W* panel, const float* y_in, int64_t in_
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (Ahead > 0)
       for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + Ahead) * kPanel + c);  // 64-byte lines
-    if constexpr (Ahead > 0 && !PrefetchX)  // few rows: into L2 too, from further on (see kFar)
+    if constexpr (Ahead > 0)  // into L2 too, from further on (see kFar)
       for (int64_t c = 0; c < kPanel; c += 64 / sizeof(W)) __builtin_prefetch(panel + (k + kFar) * kPanel + c, 0, 2);
     if constexpr (PrefetchX) __builtin_prefetch(xt + (k + Ahead) * LD);
     Vec wk[V];
