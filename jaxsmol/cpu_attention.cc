@@ -184,7 +184,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
 // rows in the vectors). Side by side with those (tools/time_decode_attention.py --against, 30
 // layers, bits equal): 512-row chunks at 0 / 512 / 1536 0.82 / 0.80 / 0.82x the time, 64 rows at
 // 1008 0.81-0.87x, 16 rows 0.90-0.97x. Blocking P V's positions so that values stay in L1 across
-// row groups: no change. AVX2: 16 rows, 6 keys.
+// row groups: no change. AVX2: 16 rows, 6 keys, and P V by rows (TileValuesByRows).
 constexpr int kRowVecs = 2;
 template <int RV>
 constexpr int KeysFor = kVecRegs == 32 ? (RV == 2 ? 12 : 8) : (RV == 2 ? 6 : 12);
@@ -241,6 +241,32 @@ void TileValues(const float* sg, const float* values, int64_t n, const float* in
   }
 }
 
+// P V with the rows in the vectors (one row per lane), kByRowsChunk head dims a pass over the keys: for
+// AVX2's 16 registers, where the form above (2 rows x 4 vectors) took 1.09-1.15x the time (the kernel
+// built for AVX2 and timed on an AVX-512 machine, tools/time_decode_attention.py --against).
+constexpr int kByRowsChunk = 4;
+template <int HV, int RV>
+void TileValuesByRows(const float* sg, const float* values, int64_t n, const float* inv, float* out, int64_t q_stride,
+                      int64_t R) {
+  constexpr int64_t H = HV * kLanes, RT = RV * kLanes;
+  for (int64_t h0 = 0; h0 < H; h0 += kByRowsChunk) {
+    Vec acc[kByRowsChunk][RV] = {};
+    for (int64_t p = 0; p < n; ++p) {
+      Vec e[RV];
+      for (int i = 0; i < RV; ++i) e[i] = Load(sg + p * RT + i * kLanes);
+      for (int j = 0; j < kByRowsChunk; ++j) {
+        const float v = values[p * H + h0 + j];
+        for (int i = 0; i < RV; ++i) acc[j][i] += e[i] * v;
+      }
+    }
+    for (int j = 0; j < kByRowsChunk; ++j)
+      for (int i = 0; i < RV; ++i) {
+        const Vec o = acc[j][i] * Load(inv + i * kLanes);
+        for (int r = 0; r < kLanes && i * kLanes + r < R; ++r) out[(i * kLanes + r) * q_stride + h0 + j] = o[r];
+      }
+  }
+}
+
 // Rows at once in P V: accumulators R x J, beside J value vectors and a broadcast.
 template <int HV>
 constexpr int kRowsAtOnce = std::min(8, (kVecRegs - 3 - std::min(HV, kValueVecs)) / std::min(HV, kValueVecs));
@@ -279,8 +305,12 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
     float inv[RT];
     for (int i = 0; i < RV; ++i) Store(inv + i * kLanes, 1.0f / l[i]);
     constexpr int64_t RA = kRowsAtOnce<HV>;
-    for (int64_t r0 = 0; r0 < R; r0 += RA)
-      kValueTileFor<HV, RT>[std::min(RA, R - r0)](sg + r0, values, n, inv + r0, out + r0 * q_stride + g * H, q_stride);
+    if constexpr (kVecRegs == 16) {
+      TileValuesByRows<HV, RV>(sg, values, n, inv, out + g * H, q_stride, R);
+    } else {
+      for (int64_t r0 = 0; r0 < R; r0 += RA)
+        kValueTileFor<HV, RT>[std::min(RA, R - r0)](sg + r0, values, n, inv + r0, out + r0 * q_stride + g * H, q_stride);
+    }
   }
 }
 
@@ -306,7 +336,7 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const fl
     const int64_t slots = ((layer * B + b) * K + kh) * S * H;
     const int64_t offset = (b * T + t0) * row_stride + (kh * G + g) * H;
     const int64_t rows = std::min<int64_t>(kTileRows, T - t0);
-    (rows <= kLanes ? &AttendRows<HV, 1> : &AttendRows<HV, kRowVecs>)(
+    (rows <= kLanes && kVecRegs == 32 ? &AttendRows<HV, 1> : &AttendRows<HV, kRowVecs>)(  // AVX2: 16-row tiles, as measured
         qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task, rows, std::max<int64_t>(ps[b], 0) + t0, S);
   });
 }
