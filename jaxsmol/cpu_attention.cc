@@ -187,7 +187,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
 // row groups: no change. AVX2: 16 rows, 6 keys, and P V by rows (TileValuesByRows).
 constexpr int kRowVecs = 2;
 template <int RV>
-constexpr int KeysFor = kVecRegs == 32 ? (RV == 2 ? 12 : 8) : (RV == 2 ? 6 : 12);
+constexpr int KeysFor = kVecRegs == 32 ? (RV == 2 ? 12 : 8) : 6;  // AVX2 always runs RV = 2 (AttendAll)
 constexpr int kTileRows = kRowVecs * kLanes;
 
 // Scores of one query head's tile rows (qg: [H, RT] transposed, RT = RV kLanes) against keys 0..n-1,
@@ -304,10 +304,10 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
       }
     float inv[RT];
     for (int i = 0; i < RV; ++i) Store(inv + i * kLanes, 1.0f / l[i]);
-    constexpr int64_t RA = kRowsAtOnce<HV>;
     if constexpr (kVecRegs == 16) {
       TileValuesByRows<HV, RV>(sg, values, n, inv, out + g * H, q_stride, R);
     } else {
+      constexpr int64_t RA = kRowsAtOnce<HV>;
       for (int64_t r0 = 0; r0 < R; r0 += RA)
         kValueTileFor<HV, RT>[std::min(RA, R - r0)](sg + r0, values, n, inv + r0, out + r0 * q_stride + g * H, q_stride);
     }
