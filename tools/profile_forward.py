@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD python tools/profile_forward.py [--model DIR] [--dtype float32] [--runs 3]
 
-Runs four programs (a cold prefill of 512 tokens, the second 512-token chunk of a 1024-token prompt,
-one decode step at position 64 and at 2000), each
+Runs five programs (a cold prefill of 512 tokens, the second 512-token chunk of a 1024-token prompt,
+one decode step at position 64, the warm path's 16-row chunk at 1008, a decode step at 2000), each
 compiled and warmed first, then traced `--runs` times. Every XLA:CPU thunk in the trace is an HLO
 instruction of the compiled program; its *self* time (its span minus the spans nested in it on the
 same thread) is attributed to a category through the source line the instruction came from (the
@@ -162,7 +162,8 @@ def main() -> None:
     source: dict = {}
     results = []
     for name, T, pos, slots in (("prefill 512", 512, 0, 513), ("prefill 512 at 512 (a 1024-token prompt's 2nd chunk)", 512, 512, 1025),
-                                ("decode at 64", 1, 64, 65), ("decode at 2000", 1, 2000, 2001)):
+                                ("decode at 64", 1, 64, 65), ("16 rows at 1008 (the warm path's chunk)", 16, 1008, 1025),
+                                ("decode at 2000", 1, 2000, 2001)):
         kv0 = eng.new_cache(slots).replace(pos=jnp.int32(pos))
         tokens = jnp.asarray(np.arange(100, 100 + T, dtype=np.int32)[None])
         text = programs.forward.lower(eng.params, tokens, jnp.int32(T), kv0, eng.cfg).compile().as_text()
