@@ -305,13 +305,15 @@ class PrefixCache:
             if save is None:
                 return
             kv, logits = None, None
+            self.engine.recycle(gen.kv, gen.held)  # done with it: the restore below may take it as it is
+            gen.kv = None
             try:
                 n = len(lk.prompt)
-                kv = self.engine.restore(save.prefix, self.engine.slots_needed(n, len(save.tokens), 0), n)
+                kv = self.engine.restore(save.prefix, self.engine.slots_needed(n, len(save.tokens), 0), n, save.tokens)
                 logits, kv = self.engine.prefill(save.tokens, kv)
             finally:
                 self.finish_answer(save, kv, logits)
-            self.engine.recycle(kv)
+            self.engine.recycle(kv, save.tokens)
         elif gen.kv is not None:
             tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
             lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)
@@ -327,7 +329,8 @@ class CachedRequest:
         def on_prefill(kv, logits):  # save_prompt does nothing for a bypass or an exact full hit
             cache.save_prompt(lk, kv, logits)
         self.gen = cache.engine.start(lk.prompt, sp, prefix=lk.prefix, prefix_len=lk.report.reused,
-                                      prefix_logits=lk.logits, on_prefill=on_prefill, exact=cache.exact)
+                                      prefix_logits=lk.logits, on_prefill=on_prefill, exact=cache.exact,
+                                      prefix_exact=cache.exact)
 
     def __del__(self):  # a request dropped before it ran still unpins its entries
         self.cache.release(self.lookup)
@@ -341,6 +344,6 @@ class CachedRequest:
             cache.finish(lk, self.gen.timings.prefilled_tokens)
         if self.gen.finish_reason and cache.wants_answer(lk, self.gen.output_ids):
             cache._save_generated(lk, self.gen)
-        cache.engine.recycle(self.gen.kv)  # the request is over: its buffer can serve the next one
+        cache.engine.recycle(self.gen.kv, self.gen.held)  # the request is over: its buffer can serve the next one
         self.gen.kv = None
         cache._sync()

@@ -192,7 +192,7 @@ class Scheduler:
         n, reused = len(lk.prompt), lk.report.reused
         try:
             if reused and (reused < n or req.decode_rows):
-                kv = self.engine.restore(lk.prefix, slots, reused)
+                kv = self.engine.restore(lk.prefix, slots, reused, lk.prompt if self.cache.exact else None)
             else:
                 kv = self.engine.new_cache(slots) if reused < n else None
         except BaseException:
@@ -265,7 +265,7 @@ class Scheduler:
                 going_on.append(row)
         if going_on:
             self._insert(going_on, p.kv)
-        self.engine.recycle(p.kv)
+        self.engine.recycle(p.kv, lk.prompt if self._exact(p) else ())  # exact: the prompt's state, reusable
         self.prefills.remove(p)
 
     # ---- decode rows ---------------------------------------------------------------------------------

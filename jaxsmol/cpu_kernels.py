@@ -1,5 +1,5 @@
-"""Two CPU kernels computing in float32, written in C++ and called from the jitted forward through
-JAX's foreign function interface (`jax.ffi`):
+"""CPU kernels written in C++ and called from jitted programs through JAX's foreign function
+interface (`jax.ffi`): two computing the forward in float32, and a copy.
 
 - `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16
   (widened exactly as they load; activations, sums and the cache stay float32). Each output element
@@ -18,6 +18,8 @@ JAX's foreign function interface (`jax.ffi`):
   reads each (row, kv head)'s keys and values in place, up to that query's own position. Each query
   row is computed on its own in position order, so its bits do not depend on the chunk or batch
   carrying it (a decode step's single row takes a different, split path: T == 1 differs from T >= 2).
+- `load_prefix` (cpu_prefix.cc): Engine.restore's copy of a snapshot's prefix into a cache, split
+  between the threads (XLA's dynamic-update-slice copies on one).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
 CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
@@ -42,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_prefix.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
-           "jaxsmol_attention": "JaxsmolAttention"}
+           "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
@@ -223,3 +225,11 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos:
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, pos, layer=np.int64(layer))
+
+
+def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:
+    """cache [L, B, K, S, H] with prefix [L, B, K, P, H] (same dtype) written at slots 0..P-1, in
+    place where the cache is donated (cpu_prefix.cc: the copy split between the threads)."""
+    call = jax.ffi.ffi_call("jaxsmol_load_prefix", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, prefix)

@@ -29,7 +29,7 @@ from jaxsmol.buffers import CachePool, StagingBuffers
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
-from jaxsmol.kv import KVCache, aligned_host_prefix
+from jaxsmol.kv import KVCache
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams
@@ -245,11 +245,13 @@ class Engine:
         return check_prompt(self.cfg, self.ctx, ids, max_tokens)
 
     # ---- the forward, chunked -------------------------------------------------------------------
-    def recycle(self, kv: KVCache | None) -> None:
-        """Hand back a one-row cache that nothing will read again (the caller must drop its reference)."""
+    def recycle(self, kv: KVCache | None, held=()) -> None:
+        """Hand back a one-row cache that nothing will read again (the caller must drop its reference);
+        `held`: the tokens whose exact state (what an exact prefill computes) its slots 0.. hold, so
+        that a restore of a prefix of them may take it without copying (see `restore`)."""
         if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
             return  # (deleted: donated to a call that failed)
-        self.pool.give(kv)
+        self.pool.give(kv, held)
 
     @property
     def pool_bytes(self) -> int:
@@ -262,19 +264,23 @@ class Engine:
             return kept
         return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
 
-    def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
+    def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
 
         The snapshot is untouched; a host snapshot has no layout, so it is placed for this engine's
-        mesh whatever layout computed it."""
+        mesh whatever layout computed it. `tokens`, when the snapshot is the exact state of them (an
+        exact prefix cache's entry): a recycled cache already holding that state is taken as it is."""
         n = int(snapshot.pos) if length is None else length
+        if tokens is not None and len(tokens) >= n and self.mesh is None:
+            if (kept := self.pool.take_holding(capacity_for(slots), tuple(tokens[:n]))) is not None:
+                return kept
         kv = self.new_cache(slots)  # a recycled buffer when one is free
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
         with self.staging.lock:  # one restore at a time uses the staging buffers
-            k, v = (aligned_host_prefix(a, n, ATTN_BLOCK, functools.partial(self.staging.buffer, i))
-                    for i, a in enumerate((snapshot.k, snapshot.v)))
-            kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n))
+            k, v = self.staging.stage(snapshot.k, snapshot.v, n, ATTN_BLOCK)
+            kernel = self.cfg.cpu_kernels and self.mesh is None  # the copy on both threads (not sharded)
+            kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n), kernel=kernel)
             return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
 
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
@@ -372,12 +378,15 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------
     def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
               prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
-              on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True) -> "Generation":
+              on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True,
+              prefix_exact: bool = False) -> "Generation":
         """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
         with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
-        exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold)."""
+        exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold).
+        prefix_exact: the prefix is the exact state of its tokens (an exact prefix cache's entry), so
+        a recycled cache holding it may stand in for its copy (see `restore`, `Generation.held`)."""
         return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
-                          prefix_logits, on_prefill, exact)
+                          prefix_logits, on_prefill, exact, prefix_exact)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> "Generation":
         gen = self.start(prompt_ids, sp, **kw)

@@ -63,7 +63,7 @@ class Generation:
     """An in-flight request: iterate it for `Step`s; afterwards read output_ids, text, finish_reason, timings."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
-                 prefix_logits, on_prefill, exact: bool = True):
+                 prefix_logits, on_prefill, exact: bool = True, prefix_exact: bool = False):
         n = len(prompt_ids)
         if prefix is not None and not 0 < prefix_len <= min(n, int(prefix.pos)):
             raise JaxsmolError(f"prefix_len {prefix_len} must be in [1, {min(n, int(prefix.pos))}]")
@@ -71,6 +71,10 @@ class Generation:
             raise JaxsmolError("reusing the whole prompt needs the logits stored with it")
         self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
         self._prefix, self._prefix_len, self._prefix_logits = prefix, prefix_len if prefix is not None else 0, prefix_logits
+        # the tokens whose exact state kv's first slots hold (Engine.recycle): the whole prompt when
+        # it was prefilled exactly onto nothing or onto an exact prefix, else none
+        self.held = tuple(prompt_ids) if prefix is None or (exact and prefix_exact) else ()
+        self._restore_tokens = prompt_ids[:self._prefix_len] if prefix_exact else None
         self._on_prefill, self._exact = on_prefill, exact
         self.output_ids: list[int] = []
         self.logprobs: list[dict] = []
@@ -93,7 +97,8 @@ class Generation:
         slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens, exact)
         kv = None  # an exact full hit restores its cache only when a decode step needs it
         if self._prefix_len < n:
-            kv = eng.restore(self._prefix, slots, self._prefix_len) if self._prefix is not None else eng.new_cache(slots)
+            kv = (eng.restore(self._prefix, slots, self._prefix_len, self._restore_tokens) if self._prefix is not None
+                  else eng.new_cache(slots))
             logits, kv = eng.prefill(self.prompt_ids, kv, exact)
         else:  # exact full hit: the stored logits stand in for the forward
             logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
@@ -113,7 +118,7 @@ class Generation:
         for i in range(sp.max_tokens):
             if i > 0:
                 if kv is None:
-                    kv = eng.restore(self._prefix, slots, self._prefix_len)
+                    kv = eng.restore(self._prefix, slots, self._prefix_len, self._restore_tokens)
                 logits, kv = eng.decode(self.output_ids[-1], kv)
             token_arr = programs.sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
                                         jnp.int32(sp.top_k), jnp.float32(sp.top_p), self._allowed())

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsmol import cpu_kernels
 from jaxsmol.config import Config
 from jaxsmol.sharding import kv_sharding
 
@@ -102,9 +103,11 @@ def aligned_host_prefix(a: np.ndarray, n: int, multiple: int, alloc=None) -> np.
     return out
 
 
-def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array) -> KVCache:
-    """kv with k, v [L, B, K, P, H] written at slot 0 and pos = length (slots past it are stale)."""
-    return KVCache(k=jax.lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, 0, 0)),
-                   v=jax.lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, 0, 0, 0)),
-                   pos=length.astype(jnp.int32))
+def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array, kernel: bool = False) -> KVCache:
+    """kv with k, v [L, B, K, P, H] written at slot 0 and pos = length (slots past it are stale).
+    kernel: by the CPU kernel (cpu_kernels.load_prefix: both threads), else XLA's dynamic-update-slice."""
+    def write(cache, prefix):
+        prefix = prefix.astype(cache.dtype)
+        return cpu_kernels.load_prefix(cache, prefix) if kernel else jax.lax.dynamic_update_slice(cache, prefix, (0,) * 5)
 
+    return KVCache(k=write(kv.k, k), v=write(kv.v, v), pos=length.astype(jnp.int32))

@@ -18,7 +18,7 @@ from jaxsmol import batch, kv, model, sampling
 
 forward = jax.jit(model.forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
 sample = jax.jit(sampling.sample)
-load_prefix = jax.jit(kv.load_prefix, donate_argnames=("kv",))
+load_prefix = jax.jit(kv.load_prefix, static_argnames=("kernel",), donate_argnames=("kv",))
 top_logprobs = jax.jit(sampling.top_logprobs, static_argnames=("k",))
 
 decode_step = jax.jit(batch.decode_step, static_argnames=("cfg", "logprobs"), donate_argnames=("kv",))

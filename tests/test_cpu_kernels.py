@@ -287,3 +287,21 @@ def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, d
         engine.generate(list(range(3, 43)), SamplingParams(max_tokens=4))
     compiled = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(forward")]
     assert compiled == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_load_prefix_kernel_writes_what_dynamic_update_slice_writes(dtype):
+    """Engine.restore's copy into the (donated) cache: the prefix's slots as XLA's
+    dynamic-update-slice writes them, every other slot as it was."""
+    rng = np.random.default_rng(0)
+    shape = (3, 1, 2, 512, 16)
+    cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((3, 1, 2, 256, 16)), dtype) for _ in range(2))
+    def fresh():  # load_prefix donates the cache
+        return KVCache(k=jnp.array(cache, copy=True), v=cache * 2, pos=jnp.int32(0))
+
+    want = programs.load_prefix(fresh(), k, v, jnp.int32(200))
+    got = programs.load_prefix(fresh(), k, v, jnp.int32(200), kernel=True)
+    assert int(got.pos) == 200
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

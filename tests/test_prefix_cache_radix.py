@@ -46,12 +46,18 @@ def test_exact_hit_with_max_tokens_zero(eng):
 def test_save_after_generation_next_turn_reuses_the_answer(eng):
     cache = PrefixCache(eng, mode="radix")
     p = toks(50, 42)
-    gen1, r1 = run(cache, p)
+    taken = eng.pool.taken_holding
+    gen1, r1 = cache.generate(p, SP)  # (compared with a cold run below, after the next turn)
     out = gen1.output_ids
     assert len(out) == 3
+    assert eng.pool.taken_holding == taken + 1  # the answer was stored from the prompt's own cache
     turn2 = p + out + toks(12, 43)
     gen2, r2 = run(cache, turn2)
     assert r2.matched == r2.reused == len(p) + len(out) > len(p)
+    # its restore took the answer's cache as it was stored, no copy (same bits: run), and so did the
+    # store of its own answer
+    assert eng.pool.taken_holding == taken + 3
+    assert_same(gen1, eng.generate(p, SP))
     # regenerating at the end of the answer: an exact hit (the saved answer has its logits)
     gen3, r3 = run(cache, p + out)
     assert r3.exact_hit and r3.reused == len(p) + len(out)
@@ -72,8 +78,10 @@ def test_save_generated_not_exact_reuses_the_decode_state(eng):
     p = toks(50, 46)
     gen1, _ = cache.generate(p, SP)
     turn2 = p + gen1.output_ids + toks(12, 47)
+    taken = eng.pool.taken_holding
     gen2, r2 = cache.generate(turn2, SP)
     assert r2.reused == len(p) + len(gen1.output_ids) - 1
+    assert eng.pool.taken_holding == taken  # its entries are not exact states: always copied in
 
 
 # ---- radix: fork -----------------------------------------------------------------------------------

@@ -183,12 +183,21 @@ def test_cached_prompt_state_is_bitwise_cold_with_batching(tiny_engine):
 
 
 def test_answers_are_stored_for_the_next_turn(tiny_engine):
+    """... from the prompt's own cache, and the next turn starts from the answer's, neither copied
+    in (Engine.restore takes a recycled cache holding them), with the bits of a cold run."""
     cache = PrefixCache(tiny_engine, mode="radix")
     prompt = prompts(8, [80])[0]
+    taken = tiny_engine.pool.taken_holding
     [[first]] = generate_many(cache, [prompt], SamplingParams(max_tokens=20))
     follow_up = prompt + first.output_ids + prompts(9, [10])[0]
     [[second]] = generate_many(cache, [follow_up], SamplingParams(max_tokens=2))
     assert second.cached_tokens == len(prompt) + len(first.output_ids)
+    assert tiny_engine.pool.taken_holding == taken + 3  # both answers' stores and the second turn's restore
+    cold_cache = PrefixCache(tiny_engine, mode="radix")
+    [[cold]] = generate_many(cold_cache, [follow_up], SamplingParams(max_tokens=2))
+    assert cold.cached_tokens == 0 and cold.output_ids == second.output_ids
+    stored = [c.radix.match(c.namespace(), follow_up).payload for c in (cache, cold_cache)]
+    assert stored[0] is not None and np.array_equal(*stored)
 
 
 def test_a_next_turn_sent_at_once_waits_for_the_answer_to_be_stored(tiny_engine):
