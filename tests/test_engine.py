@@ -15,6 +15,7 @@ from jaxsmol.engine import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXA
                             chunk_plan, prefill_buckets, tight_plan,
                             compile_bound, compiled_programs)
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.kv import KVCache
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.sampling import SamplingParams
 
@@ -381,3 +382,15 @@ def test_only_exact_states_are_recycled_as_reusable(tiny_engine):
     assert tiny_engine.generate(prompt, sp, **warm, prefix_exact=True).held == tuple(prompt)
     assert tiny_engine.generate(prompt, sp, **warm, prefix_exact=True, exact=False).held == ()
     assert tiny_engine.generate(prompt, sp, **warm).held == ()
+
+
+def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):
+    """A host snapshot of another layout, or longer than the cache asked for, is refused by name."""
+    c = tiny_engine.cfg
+    good = np.zeros((c.n_layers, 1, c.n_kv_heads, 600, c.head_dim), np.float32)
+    other = np.zeros((c.n_layers, 1, 1, c.n_kv_heads, c.head_dim), np.float32)  # slots before heads
+    with pytest.raises(JaxsmolError, match=r"snapshot k has shape"):
+        tiny_engine.restore(KVCache(k=other, v=other, pos=np.int32(1)), 512)
+    with pytest.raises(JaxsmolError, match=r"600 positions does not fit a cache of 512 slots"):
+        tiny_engine.restore(KVCache(k=good, v=good, pos=np.int32(600)), 512)
+    assert int(tiny_engine.restore(KVCache(k=good, v=good, pos=np.int32(600)), 512, 500).pos) == 500
