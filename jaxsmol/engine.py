@@ -29,7 +29,7 @@ from jaxsmol.buffers import CachePool, StagingBuffers
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
-from jaxsmol.kv import SEQ_AXIS, KVCache
+from jaxsmol.kv import KVCache, check_snapshot
 from jaxsmol.model import ATTN_BLOCK
 from jaxsmol.params import Params, load_params
 from jaxsmol.sampling import SamplingParams
@@ -271,7 +271,9 @@ class Engine:
         mesh whatever layout computed it. `tokens`, when the snapshot is the exact state of them (an
         exact prefix cache's entry): a recycled cache already holding that state is taken as it is."""
         n = int(snapshot.pos) if length is None else length
-        self._check_snapshot(snapshot, slots, n)
+        check_snapshot(snapshot, self.cfg, n)
+        if n > capacity_for(slots):
+            raise JaxsmolError(f"a prefix of {n} positions does not fit a cache of {slots} slots")
         if tokens is not None and len(tokens) >= n and self.mesh is None:
             if (kept := self.pool.take_holding(capacity_for(slots), tuple(tokens[:n]))) is not None:
                 return kept
@@ -283,18 +285,6 @@ class Engine:
             kernel = self.cfg.cpu_kernels and self.mesh is None  # the copy on both threads (not sharded)
             kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n), kernel=kernel)
             return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
-
-    def _check_snapshot(self, snapshot: KVCache, slots: int, n: int) -> None:
-        """Raise JaxsmolError unless n positions of snapshot fit a one-row cache of `slots` slots."""
-        c = self.cfg
-        want = (c.n_layers, 1, c.n_kv_heads, c.head_dim)
-        for name, a in (("k", snapshot.k), ("v", snapshot.v)):
-            got = tuple(a.shape[:SEQ_AXIS]) + tuple(a.shape[SEQ_AXIS + 1:])
-            if len(a.shape) != 5 or got != want or not 0 <= n <= a.shape[SEQ_AXIS]:
-                raise JaxsmolError(f"snapshot {name} has shape {tuple(a.shape)}; this engine restores "
-                                   f"[L, B, K, S, H] = [{want[0]}, 1, {want[2]}, >= {n}, {want[3]}]")
-        if n > capacity_for(slots):
-            raise JaxsmolError(f"a prefix of {n} positions does not fit a cache of {slots} slots")
 
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
         """The prefill chunk lengths this engine uses (see prefill_buckets)."""

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxsmol import cpu_kernels
 from jaxsmol.config import Config
+from jaxsmol.errors import JaxsmolError
 from jaxsmol.sharding import kv_sharding
 
 SEQ_AXIS = 3  # the slot axis of k and v
@@ -85,6 +86,17 @@ class KVCache:
     def from_segment(cls, seg: dict) -> "KVCache":
         """A host snapshot from a segment that starts at position 0."""
         return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
+
+
+def check_snapshot(snapshot: KVCache, cfg: Config, n: int) -> None:
+    """Raise JaxsmolError unless snapshot's k and v are one row of cfg's cache holding >= n slots:
+    [L, 1, K, >= n, H]."""
+    want = (cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim)
+    for name, a in (("k", snapshot.k), ("v", snapshot.v)):
+        got = tuple(a.shape[:SEQ_AXIS]) + tuple(a.shape[SEQ_AXIS + 1:])
+        if len(a.shape) != 5 or got != want or not 0 <= n <= a.shape[SEQ_AXIS]:
+            raise JaxsmolError(f"snapshot {name} has shape {tuple(a.shape)}; this engine restores "
+                               f"[L, B, K, S, H] = [{want[0]}, 1, {want[2]}, >= {n}, {want[3]}]")
 
 
 def aligned_host_prefix(a: np.ndarray, n: int, multiple: int, alloc=None) -> np.ndarray:
