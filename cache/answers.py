@@ -65,19 +65,15 @@ class AnswerQueue:
         tokens, start = s.save.tokens, len(s.save.lookup.prompt)
         try:
             if s.kv is None:
-                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start, self._exact(tokens))
+                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start, self.cache.exact_state(tokens))
             logits, s.kv = self.engine.prefill_chunk(tokens, s.kv, max_rows)
             if int(s.kv.pos) < len(tokens):
                 return
             self._queue.popleft()
             self.cache.finish_answer(s.save, s.kv, logits)
-            self.engine.recycle(s.kv, self._exact(tokens) or ())  # prompt + answer, prefilled exactly
+            self.engine.recycle(s.kv, self.cache.exact_state(tokens) or ())  # prompt + answer, prefilled exactly
         except Exception:  # a failed save costs the next turn its reuse, nothing else
             self._drop(self._queue.popleft())
-
-    def _exact(self, tokens):
-        """tokens, where the cache's entries are their exact state (an exact cache), else None."""
-        return tokens if self.cache.exact else None
 
     def _drop(self, s: _Saving) -> None:
         self.cache.finish_answer(s.save, None, None)

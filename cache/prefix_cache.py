@@ -102,6 +102,11 @@ class PrefixCache:
             return f"prompt exceeds the cache capacity ({self.capacity_tokens} tokens)"
         return None
 
+    def exact_state(self, tokens):
+        """tokens, where this cache's entries are their exact state (exact mode), else None: what
+        Engine.restore and Engine.recycle take so that a kept cache may stand in for a copy."""
+        return tokens if self.exact else None
+
     # ---- a request ------------------------------------------------------------------------------
     def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> "Lookup":
         """Check the prompt and find its longest stored prefix; the entries found stay pinned (never

@@ -192,7 +192,7 @@ class Scheduler:
         n, reused = len(lk.prompt), lk.report.reused
         try:
             if reused and (reused < n or req.decode_rows):
-                kv = self.engine.restore(lk.prefix, slots, reused, lk.prompt if self.cache.exact else None)
+                kv = self.engine.restore(lk.prefix, slots, reused, self.cache.exact_state(lk.prompt))
             else:
                 kv = self.engine.new_cache(slots) if reused < n else None
         except BaseException:
