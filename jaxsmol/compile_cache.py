@@ -19,10 +19,14 @@ def compilation_cache_dir():
     return Path(setting).expanduser() if setting else data_home() / "xla-cache"
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled XLA programs on disk so the next process skips compiles (see compilation_cache_dir)."""
+def enable_compilation_cache(unless_set: bool = False) -> None:
+    """Keep compiled XLA programs on disk so the next process skips compiles (see compilation_cache_dir).
+    unless_set (Engine.load, a library call): leave a cache directory already set for JAX (by the
+    user, JAX_COMPILATION_CACHE_DIR, or the command line) as it is."""
     import jax
 
+    if unless_set and jax.config.jax_compilation_cache_dir is not None:
+        return
     path = compilation_cache_dir()
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)

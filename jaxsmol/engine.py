@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.buffers import CachePool, StagingBuffers
+from jaxsmol.compile_cache import enable_compilation_cache
 from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol import programs, cpu_kernels
@@ -53,11 +54,8 @@ SIDE_BY_SIDE_WINDOWS = (128, MIN_CAPACITY)
 
 
 def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int, ...]:
-    """The chunk lengths a prefill may use: bit-exact ones (which depend on the matmul in use), or
-    the fast path's."""
-    if not exact:
-        return FAST_BUCKETS
-    return ROW_EXACT_BUCKETS if cpu_kernels else PREFILL_BUCKETS
+    """The chunk lengths a prefill may use: bit-exact ones (which depend on the matmul), or the fast path's."""
+    return (ROW_EXACT_BUCKETS if cpu_kernels else PREFILL_BUCKETS) if exact else FAST_BUCKETS
 
 
 def compiled_programs(program: str = "forward") -> int:
@@ -192,8 +190,11 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
              progress: bool = True, mesh=None, on_config: Callable | None = None) -> "Engine":
         """Load a Hugging Face checkpoint directory, or the bundled default model when None.
-        on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling)."""
+        on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
+        Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
         from jaxsmol.tokenizer import Tokenizer
+
+        enable_compilation_cache(unless_set=True)
 
         if model_dir is None:
             from jaxsmol.default_model import default_model_dir
