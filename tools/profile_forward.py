@@ -19,6 +19,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -158,6 +159,9 @@ def main() -> None:
     from jaxsmol import programs
     from jaxsmol.engine import Engine
 
+    # compiled here, not loaded from the disk cache: a cached program's HLO keeps the source lines of
+    # the code that first compiled it (its key ignores them), which would attribute thunks wrongly
+    os.environ["JAXSMOL_COMPILE_CACHE"] = "off"
     eng = Engine.load(args.model, dtype=args.dtype, progress=False)
     source: dict = {}
     results = []
