@@ -2,7 +2,7 @@
 weights packed, each its own buffer so they come from memory), at several row counts.
 
     PYTHONPATH=$PWD python tools/time_matmuls.py [--rows 1 8 16 32] [--runs 15] [--against REV]
-                                                 [--dtype bfloat16]
+                                                 [--dtype bfloat16] [--per-shape]
 
 Prints, per row count, the median time of the whole set, the weight bytes streamed per second and the
 arithmetic rate. `--against REV` also builds git revision REV's cpu_matmul.cc (its symbols renamed)
@@ -42,24 +42,59 @@ def stack(matmul):
     return layers
 
 
+FUSED = {"qkv": (D, D + 2 * KV), "o": (D, D), "gate_up": (D, 2 * F), "down": (F, D)}  # the model's products
+
+
+def one_shape(matmul, K, N):
+    """The timed program for --per-shape: x [M, K] through 30 weights of one fused shape (K, N), each
+    product's output folded back into x so that the calls depend on each other."""
+    @jax.jit
+    def layers(weights, x):
+        for w in weights:
+            y = matmul(x, w)
+            x = x + 0.001 * (y[:, :K] if N >= K else jnp.tile(y, (1, K // N + 1))[:, :K])
+        return x
+    return layers
+
+
+def per_shape(args, rng, dtype, target) -> None:
+    """--per-shape: each of the model's four fused products alone (30 layers of it)."""
+    for name, (K, N) in FUSED.items():
+        weights = [cpu_kernels.pack(jnp.asarray(rng.standard_normal((K, N), dtype=np.float32) * 0.02, dtype))
+                   for _ in range(LAYERS)]
+        programs = {"now": one_shape(cpu_kernels.matmul, K, N)}
+        if target:
+            programs[args.against] = one_shape(functools.partial(cpu_kernels.matmul, target=target), K, N)
+        for M in args.rows:
+            x = jnp.asarray(rng.standard_normal((M, K), dtype=np.float32))
+            t, versus = kernel_revision.side_by_side(programs, (weights, x), args.runs, args.against)
+            print(f"{name:8s} {M:4d} rows  {1e3 * t:7.2f} ms  {2 * M * K * N * LAYERS / t / 1e9:6.1f} GFLOP/s" + versus,
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 64])
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--against", metavar="REV", help="alternate with git revision REV's kernel in this process")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
+    p.add_argument("--per-shape", action="store_true", help="each fused product (q/k/v, o, gate/up, down) alone")
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not available")
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(args.dtype)
+    target = None
+    if args.against:
+        handler = "JaxsmolMatmulBf16" if dtype == jnp.bfloat16 else "JaxsmolMatmul"
+        target = kernel_revision.register(args.against, "cpu_matmul.cc", handler)
+    if args.per_shape:
+        return per_shape(args, rng, dtype, target)
     weights = [[cpu_kernels.pack(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02, dtype)) for s in SHAPES]
                for _ in range(LAYERS)]
     nbytes = sum(k * n for k, n in SHAPES) * LAYERS * dtype.itemsize
     programs = {"now": stack(cpu_kernels.matmul)}
-    if args.against:
-        handler = "JaxsmolMatmulBf16" if dtype == jnp.bfloat16 else "JaxsmolMatmul"
-        target = kernel_revision.register(args.against, "cpu_matmul.cc", handler)
+    if target:
         programs[args.against] = stack(functools.partial(cpu_kernels.matmul, target=target))
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
