@@ -18,7 +18,7 @@
 // - Few rows (decode steps up to 15 rows, 16 with AVX2: M < kManyFrom). XLA:CPU (like OpenBLAS) packs a panel of
 //   the weight before every product; at 2-16 rows that costs more than the arithmetic. This path
 //   applies each weight row to every row of x while it is in registers (see PanelPass), prefetching
-//   the panel kAhead rows ahead where it is read in k blocks (see kWholeAhead, OneRowTwoPanels).
+//   the panel kAhead rows ahead where it is read in k blocks (see kWholeAhead, OneRowPanels).
 // - Many rows (prefill chunks, wider decode steps). BLIS's blocking: x packed once into groups of 14
 //   rows, k-major within each k block; per thread, its panels taken kBlockK rows at a time (24 KB,
 //   in L1); a 14 x 32 register tile (28 accumulators; 6 x 16, twice per panel, with AVX2's 16
@@ -42,7 +42,7 @@ constexpr int64_t kAhead = 64;       // few rows: prefetch distance in weight ro
 // keep as many lines in flight as L1 has fill buffers; L2 takes more, and the stream's rate follows
 // (tools/time_matmuls.py --against, AVX-512: 4 / 8 / 12 rows 0.90-0.94x the time at 256, 128 and 512
 // alike; 2 rows 0.98-1.0x; bfloat16 2-8 rows 0.86-0.93x; tiled: 17-64 rows 0.87-0.97x in all but
-// one of 8 runs, 512 rows 0.99x). The one-row path (OneRowTwoPanels) took 1.02-1.06x with it.
+// one of 8 runs, 512 rows 0.99x). The one-row path (OneRowPanels) took 1.02-1.06x with it.
 constexpr int64_t kFar = 256;
 // Few rows, in groups: weight rows per k block (in L1). AVX2, float32: 16 (2 KB); 32 took 1.03-1.15x
 // the time at 3-8 rows (tools/time_matmuls.py --against), 8 about as 16; bfloat16 weights at 16:
@@ -115,7 +115,7 @@ constexpr int kWholeGroup = (kVecRegs - 1) / kPanelVecs - 1;  // accumulators + 
 constexpr int kWholeUpTo = kColTiles > 1 ? 3 : 0;  // 4 rows: 0.94-1.03x, 5-16: 1.03-1.09x
 // A whole-panel tile over all of K reads its panel as one sequential stream, which the hardware
 // prefetcher follows alone: with AVX2 (1-2 rows) software prefetches only took load slots, 0.95x
-// the time at 2 rows without them (and 0.93x at 1, OneRowTwoPanels). Kept where not measured (AVX-512).
+// the time at 2 rows without them (and 0.93x at 1, OneRowPanels). Kept where not measured (AVX-512).
 constexpr int64_t kWholeAhead = kColTiles > 1 ? 0 : kAhead;
 
 // One pass of R rows (xt [K, R], transposed) over one panel. Up to kFewWhole rows of a whole-panel
@@ -148,28 +148,29 @@ constexpr PassFn<W> kPasses[] = {nullptr, &PanelPass<W, Rs>...};
 template <typename W>
 constexpr auto& kPassFor = kPasses<W, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
 
-// One row (a lone decode step) over two panels at once, a and b: each thread then reads two sequential
-// weight streams, not one, and keeps more reads from memory in flight (a stand-alone two-thread test
-// streaming 425 MB: 24-26 GB/s against 19-22 with one; the model's 30 layers of matmuls at one row,
-// tools/time_matmuls.py --against: 0.88-0.98x the time, mostly 0.90-0.94). Each output is still one
-// FMA chain over k. No software prefetch: the hardware prefetcher follows both streams, and dropping
-// kAhead's prefetches (4 a k step) took 0.93-0.95x the time (35 GB/s of weights, a plain two-thread
-// sum of 512 MB: 34-37).
-template <typename W>
-void OneRowTwoPanels(const float* x, const W* a, const W* b, float* ya, float* yb, int64_t K) {
-  Vec acc[2][kPanelVecs] = {};
+// One row (a lone decode step) over S panels at once (`first`, first + apart, ...): each thread then
+// reads S sequential weight streams, not one, and keeps more reads from memory in flight (a stand-alone
+// two-thread test streaming 425 MB: 24-26 GB/s with two against 19-22 with one; the model's 30 layers
+// of matmuls at one row, tools/time_matmuls.py --against: two 0.88-0.98x the time of one, mostly
+// 0.90-0.94; eight 0.95-0.97x the time of two, AVX-512, and 3 or 4 about as 8; `bench --only decode`,
+// alternating: 44.6 / 40.4 / 47.2 and 39.2 / 40.6 / 39.9 tok/s at 64 / 2000 against 43.5 / 44.2 / 39.7
+// and 38.9 / 37.9 / 37.7). Each output is still one FMA chain over k. No software prefetch: the hardware
+// prefetcher follows the streams, and dropping kAhead's prefetches (4 a k step) took 0.93-0.95x the
+// time (35 GB/s of weights, a plain two-thread sum of 512 MB: 34-37).
+template <typename W, int S>
+void OneRowPanels(const float* x, const W* w, float* y, int64_t K, int64_t first, int64_t apart) {
+  Vec acc[S][kPanelVecs] = {};
+  const W* panel[S];
+  for (int s = 0; s < S; ++s) panel[s] = w + (first + s * apart) * K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     const float xs = x[k];
-    for (int v = 0; v < kPanelVecs; ++v) {
-      acc[0][v] += xs * LoadWeight(a + k * kPanel + kLanes * v);
-      acc[1][v] += xs * LoadWeight(b + k * kPanel + kLanes * v);
-    }
+    for (int v = 0; v < kPanelVecs; ++v)  // the streams' loads interleaved (a's first: 1.02x the time, AVX2)
+      for (int s = 0; s < S; ++s) acc[s][v] += xs * LoadWeight(panel[s] + k * kPanel + kLanes * v);
   }
-  for (int v = 0; v < kPanelVecs; ++v) {
-    Store(ya + kLanes * v, acc[0][v]);
-    Store(yb + kLanes * v, acc[1][v]);
-  }
+  for (int s = 0; s < S; ++s)
+    for (int v = 0; v < kPanelVecs; ++v) Store(y + (first + s * apart) * kPanel + kLanes * v, acc[s][v]);
 }
+constexpr int kStreams = kVecRegs == 32 ? 8 : 2;  // panels side by side (AVX2: 4 vectors a panel, 16 registers)
 
 template <typename W>
 void FewRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
@@ -185,10 +186,12 @@ void FewRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_
   ParallelFor(pool, (panels + part - 1) / part, [xt, w, y, M, K, N, panels, part](int64_t t) {
     int64_t p = t * part;
     const int64_t end = std::min(panels, p + part);
-    if (M == 1) {  // the thread's first half of panels beside its second half
+    if (M == 1) {  // the thread's panels in kStreams parts, read side by side
+      const int64_t part_len = (end - p) / kStreams;
+      for (int64_t i = p; i < p + part_len; ++i) OneRowPanels<W, kStreams>(xt, w, y, K, i, part_len);
+      p += kStreams * part_len;
       const int64_t half = (end - p) / 2;
-      for (int64_t i = p; i < p + half; ++i)
-        OneRowTwoPanels(xt, w + i * K * kPanel, w + (i + half) * K * kPanel, y + i * kPanel, y + (i + half) * kPanel, K);
+      for (int64_t i = p; i < p + half; ++i) OneRowPanels<W, 2>(xt, w, y, K, i, half);
       p += 2 * half;  // an odd one left: below
     }
     for (; p < end; ++p)

@@ -38,7 +38,7 @@ def kernels_built():
 @pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 70, 160), (1, 64, 96), (3, 64, 192), (8, 33, 64),
                                    (16, 1536, 576), (17, 100, 96), (40, 64, 32), (31, 200, 64), (32, 576, 192),
                                    (45, 400, 96), (512, 576, 1536), (17, 576, 64), (19, 1536, 96), (18, 47, 64),
-                                   (29, 40, 32)])
+                                   (29, 40, 32), (1, 64, 608)])
 def test_matmul_matches_a_float64_reference(M, K, N):
     rng = np.random.default_rng(M * K + N)
     x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((K, N), np.float32)
