@@ -350,7 +350,7 @@ class Engine:
 
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
-        return programs.forward(self.params, jnp.full((1, 1), token, jnp.int32), jnp.int32(1), kv, self.cfg)
+        return programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
 
     def warmup(self, slots: int, prompt_len: int | None = None) -> None:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and

@@ -120,8 +120,9 @@ class Generation:
                 if kv is None:
                     kv = eng.restore(self._prefix, slots, self._prefix_len, self._restore_tokens)
                 logits, kv = eng.decode(self.output_ids[-1], kv)
-            token_arr = programs.sample(logits, jax.random.fold_in(key, i), jnp.float32(sp.temperature),
-                                        jnp.int32(sp.top_k), jnp.float32(sp.top_p), self._allowed())
+            # NumPy scalars, not jnp ones: each jnp scalar is a device array made op by op (~50 us)
+            token_arr = programs.sample(logits, programs.step_key(key, np.int32(i)), np.float32(sp.temperature),
+                                        np.int32(sp.top_k), np.float32(sp.top_p), self._allowed())
             token = int(token_arr[0])
             if self.constraint is not None:
                 self.constraint.advance(token)
