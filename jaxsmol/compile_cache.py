@@ -62,7 +62,6 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     allowed = all_allowed(1, cfg.vocab_size) if structured else None
     logits = jnp.zeros((1, cfg.vocab_size))
     programs.sample.lower(logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed).compile()
-    # the small programs a generation runs around them (scalars, its key, indexing, a cache's zeros)
-    # are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
-    jax.block_until_ready((jax.random.fold_in(seed_key(0), 0), logits[0], jnp.zeros((1,), jnp.int32)[0],
-                           jnp.full((1, 1), 0, jnp.int32), KVCache.zeros(cfg, cap, dtype=cache_dtype)))
+    # the small programs a generation runs around them (its seed's key, each step's key, a cache's
+    # zeros) are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here
+    jax.block_until_ready((programs.step_key(seed_key(0), np.int32(0)), KVCache.zeros(cfg, cap, dtype=cache_dtype)))
