@@ -42,7 +42,7 @@ def stack(matmul):
     return layers
 
 
-FUSED = {"qkv": (D, D + 2 * KV), "o": (D, D), "gate_up": (D, 2 * F), "down": (F, D)}  # the model's products
+PRODUCTS = {"qkv": (D, D + 2 * KV), "o": (D, D), "gate_up": (D, 2 * F), "down": (F, D)}  # the model's products
 
 
 def one_shape(matmul, K, N):
@@ -59,7 +59,7 @@ def one_shape(matmul, K, N):
 
 def per_shape(args, rng, dtype, target) -> None:
     """--per-shape: each of the model's four fused products alone (30 layers of it)."""
-    for name, (K, N) in FUSED.items():
+    for name, (K, N) in PRODUCTS.items():
         weights = [cpu_kernels.pack(jnp.asarray(rng.standard_normal((K, N), dtype=np.float32) * 0.02, dtype))
                    for _ in range(LAYERS)]
         programs = {"now": one_shape(cpu_kernels.matmul, K, N)}
