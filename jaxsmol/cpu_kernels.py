@@ -24,8 +24,11 @@ interface (`jax.ffi`): two computing the forward in float32, and a copy.
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
 CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
 Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
-Where it cannot be built (no compiler) or is switched off (`JAXSMOL_CPU_KERNELS=off`), the forward
-uses XLA's dot and attention, with one line on stderr saying why.
+`JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build,
+`on` makes that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path
+every GPU and TPU takes). In `auto`, where they cannot be built (no compiler, a CPU other than x86-64
+with AVX2 and FMA: skipped before compiling), the forward uses XLA's dot and attention, with one line
+on stderr saying why. `state()` records what happened (`jaxsmol info` prints it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsmol.errors import JaxsmolError
+
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_prefix.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
@@ -55,9 +60,59 @@ MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' 
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # packed: one product each
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
+MODES = ("auto", "on", "off")  # JAXSMOL_KERNELS's values
+_MODE_WORDS = {"": "auto", "1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+ENV, OLD_ENV = "JAXSMOL_KERNELS", "JAXSMOL_CPU_KERNELS"  # the switch, and its old name (still read)
+ISAS = {16: "avx512", 8: "avx2"}  # the library's vector width in floats -> the instruction set it was built for
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelState:
+    """What became of the kernels in this process (state(); `jaxsmol info` prints it)."""
+
+    mode: str  # the switch: auto, on or off
+    switch: str | None  # the variable that set it (JAXSMOL_KERNELS, or its old name); None: the default, auto
+    in_use: bool  # built and registered: an engine on one CPU device whose shapes fit uses them
+    source: str | None = None  # "compiled" (by this process) or "cache" (a library built before); None when not in use
+    isa: str | None = None  # the instruction set its vectors use: "avx512" (16 floats) or "avx2" (8)
+    lanes: int = 0  # its vector width in floats
+    library: str | None = None  # the shared library's path
+    reason: str | None = None  # why they are not in use
+
+
 _lock = threading.Lock()
-_status: bool | None = None  # None until the first call of available()
-_lanes = 0  # the loaded library's vector width in floats (16 with AVX-512, else 8)
+_state: KernelState | None = None  # None until the first call of state()
+
+
+def kernel_switch(environ=os.environ) -> tuple[str, str | None]:
+    """(mode, variable): JAXSMOL_KERNELS, else its old name JAXSMOL_CPU_KERNELS, else (auto, None);
+    a JaxsmolError naming the variable for a value other than auto, on, off (or 1/true/yes, 0/false/no)."""
+    for name in (ENV, OLD_ENV):
+        raw = environ.get(name, "").strip()
+        if raw:
+            mode = _MODE_WORDS.get(raw.lower(), raw.lower())
+            if mode not in MODES:
+                raise JaxsmolError(f"{name} must be one of {', '.join(MODES)}, got {raw!r}")
+            return mode, name
+    return "auto", None
+
+
+def unsupported_cpu(machine: str, flags: set[str] | None) -> str | None:
+    """Why a CPU cannot run the kernels, or None: they are written for x86-64 with AVX2 and FMA (a
+    narrower vector is emulated, slower than XLA). flags None: unknown (no /proc/cpuinfo), left to the compiler."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {machine}; they need x86-64 with AVX2 and FMA"
+    missing = [f.upper() for f in ("avx2", "fma") if flags is not None and f not in flags]
+    return f"the CPU lacks {' and '.join(missing)}" if missing else None
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, None where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
 
 
 def _cpu_signature() -> str:
@@ -70,10 +125,14 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(wanted))
 
 
-def _build() -> Path:
-    """Compile the kernel sources into one shared library under the data directory (once per key)."""
+def _build() -> tuple[Path, bool]:
+    """Compile the kernel sources into one shared library under the data directory (once per key)
+    -> (its path, whether this call compiled it)."""
     from jaxsmol.default_model import data_home
 
+    missing = [f.name for f in (*SOURCES, HEADER) if not f.is_file()]
+    if missing:  # a broken install (issue 40: a wheel without cpu_prefix.cc)
+        raise RuntimeError(f"kernel sources missing from {HEADER.parent}: {', '.join(missing)}")
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.blake2b(digest_size=12)
     for part in (*(f.read_bytes() for f in (*SOURCES, HEADER)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
@@ -81,7 +140,7 @@ def _build() -> Path:
         key.update(part)
     out = data_home() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():
-        return out
+        return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
@@ -94,39 +153,60 @@ def _build() -> Path:
         errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
         raise RuntimeError(f"{cxx} failed on the kernel sources: {' | '.join(errors) or done.stderr[-300:]}")
     os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
-    return out
+    return out, True
+
+
+def state() -> KernelState:
+    """The kernels' state, loading them on the first call (once per process; see _load)."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load(*kernel_switch())
+        return _state
 
 
 def available() -> bool:
-    """Build (or find) and register the kernels once per process; False, with one line on stderr,
-    where it is switched off or cannot be built."""
-    global _status
-    with _lock:
-        if _status is None:
-            _status = _load()
-        return _status
+    """Whether the kernels are built and registered (loading them on the first call); in mode `on`
+    a JaxsmolError where they are not."""
+    s = state()
+    if s.mode == "on" and not s.in_use:
+        raise JaxsmolError(f"{s.switch}=on, but the CPU kernels are not available: {s.reason}")
+    return s.in_use
 
 
 def vector_lanes() -> int:
     """The kernels' vector width in floats, 0 where they are off. A decode step's attention sums q.k
     in lanes, so builds of different widths differ in its last bits (part of Engine.fingerprint)."""
-    return _lanes if available() else 0
+    return state().lanes if available() else 0
 
 
-def _load() -> bool:
-    global _lanes
-    if os.environ.get("JAXSMOL_CPU_KERNELS", "").strip().lower() in ("off", "0", "false", "no"):
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        _lanes = int(lib.JaxsmolVectorLanes())
-    except (RuntimeError, OSError, AttributeError) as e:
-        print(f"jaxsmol: the CPU kernels are not available ({e}); the forward uses XLA's dot and attention",
+def _load(mode: str, switch: str | None) -> KernelState:
+    """Build (or find) the library and register its targets with JAX, unless switched off or the CPU
+    cannot run it (checked before compiling). In mode auto a failure is one line on stderr."""
+    if mode == "off":
+        return KernelState(mode, switch, False, reason=f"switched off ({switch}=off): XLA's ops only")
+    why = unsupported_cpu(platform.machine(), _cpu_flags())
+    if why is None:
+        try:
+            path, compiled = _build()
+            lanes = _register(path)
+        except (RuntimeError, OSError, AttributeError) as e:
+            why = str(e)
+        else:
+            return KernelState(mode, switch, True, "compiled" if compiled else "cache",
+                               ISAS.get(lanes, f"{lanes} lanes"), lanes, str(path))
+    if mode == "auto":  # in mode on, available() raises with the reason instead
+        print(f"jaxsmol: the CPU kernels are not available ({why}); the forward uses XLA's dot and attention",
               file=sys.stderr)
-        return False
-    return True
+    return KernelState(mode, switch, False, reason=why)
+
+
+def _register(path: Path) -> int:
+    """Load the library and register its FFI targets for the CPU -> its vector width in floats."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return int(lib.JaxsmolVectorLanes())
 
 
 def fits(cfg) -> bool:

@@ -48,6 +48,16 @@ def _is_complete(model_dir: Path) -> bool:
     return all((model_dir / f).is_file() for f in _MODEL_FILES)
 
 
+def default_model_path() -> Path:
+    """Where the default model is imported (default_model_dir imports it there on first use)."""
+    return data_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_imported() -> bool:
+    """Whether the default model was imported already (`jaxsmol info`; nothing is loaded)."""
+    return _is_complete(default_model_path())
+
+
 def default_model_dir(progress: bool = True) -> Path:
     """The default model as an HF directory, importing the bundled GGUF on first use.
 
@@ -56,7 +66,7 @@ def default_model_dir(progress: bool = True) -> Path:
     """
     from jaxsmol.gguf_import import import_gguf
 
-    model_dir = data_home() / "models" / DEFAULT_MODEL_NAME
+    model_dir = default_model_path()
     if _is_complete(model_dir):
         return model_dir
     gguf_path = bundled_gguf_path()
