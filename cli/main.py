@@ -1,4 +1,4 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, bench, import-gguf."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, bench, import-gguf, info."""
 
 from __future__ import annotations
 
@@ -277,6 +277,19 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=_bench)
 
 
+def _info(args) -> int:
+    from cli.info import run_info
+
+    return run_info(args)
+
+
+def _add_info(sub) -> None:
+    i = sub.add_parser("info", help="versions, backend and devices, the CPU kernels' state, the model and data "
+                       "directories (JAXSMOL_KERNELS=auto|on|off switches the kernels)")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=_info)
+
+
 def _add_import_gguf(sub) -> None:
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
     i.add_argument("file")
@@ -287,7 +300,8 @@ def _add_import_gguf(sub) -> None:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
-    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_score, _add_bench, _add_import_gguf):
+    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_score, _add_bench, _add_import_gguf,
+                _add_info):
         add(sub)
     return parser
 

