@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from cli.serve import ROUTES
-from tests.daemon import Server, assert_healthy, metrics, post
+from daemon import Server, assert_healthy, metrics, post
 
 pytestmark = [pytest.mark.soak, pytest.mark.real]
 
