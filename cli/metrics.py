@@ -35,6 +35,19 @@ CACHE_COUNTERS = (
 BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
                 ("pending", "Requests waiting for admission."),
                 ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare (bounded by --kv-cache-bytes)."))
+# (key of cli/memory.py MemoryAccount.figures(), help): the gauges jaxsmol_<key>
+MEMORY_GAUGES = (
+    ("weights_bytes", "Bytes of the model's weights."),
+    ("programs", "Compiled programs held (every jitted function's, jaxsmol/programs.py)."),
+    ("programs_bytes", "Heap bytes the compiled programs hold (measured as they compile ahead; an estimate "
+                       "for those compiled on first use)."),
+    ("heap_in_use_bytes", "Bytes malloc has handed out (arrays, programs, tokenizer; not Python's small objects)."),
+    ("heap_free_bytes", "Freed bytes malloc keeps for reuse (jaxsmol/host_memory.py)."),
+    ("resident_bytes", "The process's resident set size."),
+    ("resident_at_start_bytes", "The resident set size when the daemon started (weights loaded, nothing compiled ahead)."),
+    ("unaccounted_bytes", "Resident growth since start that no memory gauge explains (near 0 unless "
+                          "something holds memory nobody counts)."),
+)
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
                   ("prefilled_tokens", "Prompt positions computed by the scheduler."))
 
@@ -74,12 +87,13 @@ class Metrics:
             self._ttft.observe(ttft_s)
 
     def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None,
-               pool_bytes: int | None = None) -> str:
+               pool_bytes: int | None = None, memory: dict | None = None) -> str:
         """Every metric in the Prometheus text format, with the cache's stats, the queue depth, the
-        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens)
-        and the bytes of the engine's recycled cache buffers (`pool_bytes`, Engine.pool_bytes)."""
+        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens),
+        the bytes of the engine's recycled cache buffers (`pool_bytes`, Engine.pool_bytes) and the
+        memory account's figures (`memory`, MEMORY_GAUGES)."""
         with self._lock:
-            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes)
+            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes, memory or {})
             try:
                 return generate_latest(self.registry).decode()
             finally:
@@ -103,7 +117,7 @@ class _ScrapeTime:
                                   value=m.rejected_queue_full)
         if self.values is None:
             return
-        stats, queue_depth, batch, pool_bytes = self.values
+        stats, queue_depth, batch, pool_bytes, memory = self.values
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
         if pool_bytes is not None:
             yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
@@ -112,6 +126,9 @@ class _ScrapeTime:
         for key, help_ in BATCH_GAUGES:
             if key in batch:
                 yield GaugeMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
+        for key, help_ in MEMORY_GAUGES:
+            if key in memory:
+                yield GaugeMetricFamily(f"jaxsmol_{key}", help_, value=memory[key])
         for key, help_ in BATCH_COUNTERS:
             if key in batch:
                 yield CounterMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])

@@ -28,6 +28,7 @@ from cache.batch_settings import BatchSettings
 from cli import protocol as P
 from cli.completions import Completions
 from cli.events import DEFAULT_WRITE_TIMEOUT_S
+from cli.memory import MemoryAccount
 from cli.metrics import Metrics
 from cli.tenants import Tenants
 from cli.worker import Worker
@@ -95,6 +96,7 @@ class Daemon:
         self._stop_compiling = threading.Event()
         self._compiling = threading.Thread()  # replaced at start (lifespan)
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
+        self.memory = MemoryAccount(engine.params)
 
     def _auth(self, request: Request, admin: bool = False):
         return self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
@@ -103,6 +105,7 @@ class Daemon:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         cache, worker = self.cache, self.worker
+        self.memory.start(pool=self.engine.pool_bytes)
         if cache.disk is not None:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
@@ -147,8 +150,9 @@ class Daemon:
 
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
-        text = self.metrics.render(self.cache.stats.as_dict(), self.worker.jobs.qsize(),
-                                   self.worker.scheduler.figures(), self.engine.pool_bytes)
+        stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
+        memory = self.memory.figures(stats["bytes_held"], pool, batch.get("kv_bytes", 0))
+        text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def flush(self, request: Request):

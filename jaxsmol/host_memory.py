@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
+import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt parameters (malloc.h)
@@ -46,3 +48,59 @@ def _mallopt(param: int, value: int) -> bool:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+class _Mallinfo2(ctypes.Structure):  # struct mallinfo2 (glibc >= 2.33), every field a size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Heap:
+    """malloc's own figures: `in_use` bytes handed out (every CPU array, compiled programs, the
+    tokenizer...; not Python's small objects, which live in its own arenas), `free` bytes it holds
+    for reuse (kept, not returned, under keep_freed_memory)."""
+    in_use: int
+    free: int
+
+
+def heap() -> Heap | None:
+    """malloc's figures now (glibc's mallinfo2), or None off glibc. Walks the free lists: call it per
+    scrape, not per token."""
+    try:
+        fn = _libc().mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    m = fn()
+    return Heap(in_use=m.uordblks + m.hblkhd, free=m.fordblks)
+
+
+def resident_bytes(kind: str = "VmRSS") -> int:
+    """This process's resident set size (`kind` VmRSS), or its anonymous part (RssAnon: everything
+    but mapped files), from /proc/self/status; 0 where that is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(kind + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def held_bytes() -> int | None:
+    """The memory this process holds, less what malloc keeps free for reuse: its anonymous resident
+    set (malloc's heap, Python's own arenas, other mappings) minus malloc's free bytes. None off glibc."""
+    h = heap()
+    return None if h is None else resident_bytes("RssAnon") - h.free
+
+
+def release_freed() -> bool:
+    """Give the heap's free pages back to the OS (malloc_trim): after a one-time peak, such as the
+    daemon's programs compiled ahead, that keep_freed_memory would otherwise hold for good."""
+    try:
+        return bool(_libc().malloc_trim(ctypes.c_size_t(0)))
+    except (OSError, AttributeError):
+        return False
