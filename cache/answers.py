@@ -17,7 +17,7 @@ import dataclasses
 from cache.prefix_cache import PrefixCache
 from cache.radix import common_prefix_len
 from cache.records import AnswerSave
-from jaxsmol.engine import capacity_for
+from jaxsmol.chunks import capacity_for
 from jaxsmol.kv import KVCache
 
 MAX_PENDING = 64  # answers waiting; beyond them the oldest is dropped (its next turn runs colder)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxsmol.engine import PREFILL_BUCKETS
+from jaxsmol.chunks import PREFILL_BUCKETS
 from jaxsmol.errors import JaxsmolError
 
 

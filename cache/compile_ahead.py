@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from cache.side_by_side import MAX_ROWS
 from jaxsmol import programs
 from jaxsmol.batch import row_settings
-from jaxsmol.engine import capacity_for
+from jaxsmol.chunks import capacity_for
 from jaxsmol.kv import KVCache
 from jaxsmol.sampling import SamplingParams
 from jaxsmol.structured import all_allowed

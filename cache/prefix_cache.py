@@ -25,6 +25,8 @@ the last bits (and rarely in a sampled token).
 
 from __future__ import annotations
 
+import importlib
+import warnings
 
 import numpy as np
 
@@ -158,11 +160,12 @@ class PrefixCache:
         return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
 
     def generate_many(self, prompts, sp: SamplingParams = SamplingParams(), **kw):
-        """Many prompts, and n samples of each, decoded together (cache/scheduler.py): per prompt a
-        list of `Finished` results. Keywords: n, salt, max_batch, batch_invariant."""
-        from cache.many import generate_many  # the scheduler builds on this module
-
-        return generate_many(self, prompts, sp, **kw)
+        """Deprecated since 0.2.0, removed in 0.3.0: `generate_many(cache, prompts, sp, ...)` from
+        cache.many. The prefix cache does not know the scheduler that builds on it (no import
+        circle); until then this method reaches it by name, so code written for 0.1 still runs."""
+        warnings.warn("PrefixCache.generate_many is deprecated: use `from cache.many import generate_many; "
+                      "generate_many(cache, prompts, sp, ...)`", DeprecationWarning, stacklevel=2)
+        return importlib.import_module("cache.many").generate_many(self, prompts, sp, **kw)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
         """Run a request to the end; returns (Generation, CacheReport)."""

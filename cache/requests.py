@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Protocol
 
-from jaxsmol.engine import capacity_for
+from jaxsmol.chunks import capacity_for
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.sampling import SamplingParams
 from jaxsmol.stream import Step

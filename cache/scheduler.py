@@ -43,7 +43,7 @@ from cache.requests import Request
 from cache.side_by_side import group_chunks
 from cache.scheduler_state import Prefill, Row, SchedulerStats, free_mask, step_inputs
 from jaxsmol import programs
-from jaxsmol.engine import MIN_CAPACITY, tight_plan
+from jaxsmol.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.batch import row_settings
 from jaxsmol.kv import KVCache

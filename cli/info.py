@@ -18,7 +18,7 @@ def collect() -> dict:
 
     import jaxsmol
     from jaxsmol.compile_cache import compilation_cache_dir
-    from jaxsmol.default_model import data_home
+    from jaxsmol.data_dirs import data_home
 
     backend = jax.default_backend()
     cache_dir = compilation_cache_dir()

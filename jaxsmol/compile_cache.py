@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from jaxsmol.config import Config
-from jaxsmol.default_model import data_home
+from jaxsmol.data_dirs import xla_cache_dir
 
 
 def compilation_cache_dir():
@@ -16,7 +16,7 @@ def compilation_cache_dir():
     setting = os.environ.get("JAXSMOL_COMPILE_CACHE", "").strip()
     if setting.lower() == "off":
         return None
-    return Path(setting).expanduser() if setting else data_home() / "xla-cache"
+    return Path(setting).expanduser() if setting else xla_cache_dir()
 
 
 def enable_compilation_cache(unless_set: bool = False) -> None:
@@ -44,7 +44,7 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     import numpy as np
 
     from jaxsmol import programs
-    from jaxsmol.engine import capacity_for, chunk_plan, prefill_buckets
+    from jaxsmol.chunks import capacity_for, chunk_plan, prefill_buckets
     from jaxsmol.sampling import seed_key
     from jaxsmol.kv import KVCache
     from jaxsmol.params import abstract_params

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsmol.data_dirs import kernels_dir
 from jaxsmol.errors import JaxsmolError
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_prefix.cc"))
@@ -128,7 +129,6 @@ def _cpu_signature() -> str:
 def _build() -> tuple[Path, bool]:
     """Compile the kernel sources into one shared library under the data directory (once per key)
     -> (its path, whether this call compiled it)."""
-    from jaxsmol.default_model import data_home
 
     missing = [f.name for f in (*SOURCES, HEADER) if not f.is_file()]
     if missing:  # a broken install (issue 40: a wheel without cpu_prefix.cc)
@@ -138,7 +138,7 @@ def _build() -> tuple[Path, bool]:
     for part in (*(f.read_bytes() for f in (*SOURCES, HEADER)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
                  _cpu_signature().encode()):
         key.update(part)
-    out = data_home() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
+    out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():
         return out, False
     out.parent.mkdir(parents=True, exist_ok=True)

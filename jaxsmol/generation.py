@@ -9,21 +9,33 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol import programs
+from jaxsmol.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.sampling import SamplingParams, seed_key
 from jaxsmol.stream import Step, TokenStream
 from jaxsmol.structured import constraint_for
 
-if TYPE_CHECKING:
-    from jaxsmol.engine import Engine
+
+
+class Model(Protocol):
+    """What a generation needs of the engine that starts it (jaxsmol/engine.py's Engine): named here
+    so this module does not import the engine, which imports it (no import circle)."""
+    cfg: Config
+    tokenizer: object
+
+    def new_cache(self, slots: int) -> KVCache: ...
+    def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache: ...
+    def prefill(self, ids: list[int], kv: KVCache, exact: bool = True) -> tuple[jax.Array, KVCache]: ...
+    def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]: ...
+    def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int: ...
 
 
 @dataclasses.dataclass
@@ -62,7 +74,7 @@ class Timings:
 class Generation:
     """An in-flight request: iterate it for `Step`s; afterwards read output_ids, text, finish_reason, timings."""
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
+    def __init__(self, engine: Model, prompt_ids: list[int], sp: SamplingParams, prefix, prefix_len,
                  prefix_logits, on_prefill, exact: bool = True, prefix_exact: bool = False):
         n = len(prompt_ids)
         if prefix is not None and not 0 < prefix_len <= min(n, int(prefix.pos)):

@@ -12,10 +12,15 @@ from jaxsmol.errors import JaxsmolError
 from jaxsmol.gguf_import import import_gguf
 
 def test_data_home(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from jaxsmol import data_dirs
+
     monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "h"))
-    assert default_model.data_home() == tmp_path / "h"
+    assert data_dirs.data_home() == tmp_path / "h"
+    assert default_model.default_model_path().parent == data_dirs.models_dir() == tmp_path / "h" / "models"
     monkeypatch.delenv("JAXSMOL_HOME")
-    assert default_model.data_home() == default_model.Path.home() / ".cache" / "jaxsmol"
+    assert data_dirs.data_home() == Path.home() / ".cache" / "jaxsmol"
 
 
 def test_bundled_gguf_missing(monkeypatch):

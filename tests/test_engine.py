@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.engine import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, Engine, capacity_for,
-                            chunk_plan, prefill_buckets, tight_plan,
-                            compile_bound, compiled_programs)
+from jaxsmol.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for, chunk_plan,
+                            compile_bound, prefill_buckets, tight_plan)
+from jaxsmol.engine import Engine, compiled_programs
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kv import KVCache
 from jaxsmol.model import ATTN_BLOCK

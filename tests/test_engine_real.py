@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxsmol.engine import chunk_plan
+from jaxsmol.chunks import chunk_plan
 from jaxsmol.sampling import SamplingParams
 
 TEXT = ("The history of the city begins with a small fishing village on the banks of a wide river. Over the "

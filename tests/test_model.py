@@ -213,7 +213,7 @@ def test_prefill_then_decode_equals_one_forward(params, tiny_cfg, n):
 
 @pytest.mark.parametrize("n", [600, 1000])
 def test_chunked_prefill_equals_one_shot(tiny_engine, n):
-    from jaxsmol.engine import chunk_plan
+    from jaxsmol.chunks import chunk_plan
 
     assert len(chunk_plan(n)) == 2
     ids = _ids(n, 7).tolist()

@@ -17,7 +17,7 @@ from cache.many import generate_many
 from cache.batch_settings import widths_for
 from cache.scheduler import Scheduler
 from jaxsmol import programs
-from jaxsmol.engine import capacity_for
+from jaxsmol.chunks import capacity_for
 from jaxsmol.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone

@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    from jaxsmol.engine import Engine, capacity_for
+    from jaxsmol.chunks import capacity_for
+    from jaxsmol.engine import Engine
 
     eng = Engine.load(args.model, progress=False)
     cap, pos = capacity_for(args.position + args.steps + 1), args.position

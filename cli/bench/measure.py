@@ -68,7 +68,7 @@ class Warmup:
     def capacity(self, slots: int) -> None:
         import numpy as np
 
-        from jaxsmol.engine import capacity_for
+        from jaxsmol.chunks import capacity_for
         from jaxsmol.kv import KVCache
 
         eng, cap = self.engine, capacity_for(slots)

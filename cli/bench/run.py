@@ -17,7 +17,7 @@ from cli.bench.plans import FULL, QUICK, SECTIONS
 def _meta(args, engine, plan, sections, load0) -> dict:
     import jax
 
-    from jaxsmol.engine import compile_bound
+    from jaxsmol.chunks import compile_bound
 
     return {
         "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),

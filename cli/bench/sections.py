@@ -28,7 +28,8 @@ def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
 def section_compilations(engine, plan, rng) -> dict:
     """A mixed workload through the radix cache; count the forward programs it compiles."""
     from cache.prefix_cache import PrefixCache
-    from jaxsmol.engine import compile_bound, compiled_programs
+    from jaxsmol.chunks import compile_bound
+    from jaxsmol.engine import compiled_programs
     from jaxsmol.sampling import SamplingParams
 
     vocab = engine.cfg.vocab_size

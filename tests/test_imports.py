@@ -1,0 +1,104 @@
+"""The project's import graph, read from the source (ast): no module imports itself through others
+(no circle), and imports flow one way, cli -> cache -> jaxsmol. Imports inside functions count: a
+deferred import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxsmol", "cache", "cli")  # from the top floor down: cli, cache, jaxsmol
+FLOOR = {"jaxsmol": 0, "cache": 1, "cli": 2}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three packages: dotted name -> file."""
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (anywhere in it), each resolved to a module in `known`:
+    `from a.b import c` is a.b.c where that is a module, else a.b."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_is_read():
+    g = graph()
+    assert "cache.prefix_cache" in g["cache.many"]  # a plain `from cache.prefix_cache import PrefixCache`
+    assert "jaxsmol.engine" in g["cache.prefix_cache"]
+
+
+def test_no_import_circles():
+    found = circles(graph())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_imports_flow_from_cli_to_cache_to_jaxsmol():
+    upward = [(a, b) for a, targets in graph().items() for b in targets
+              if FLOOR[b.split(".")[0]] > FLOOR[a.split(".")[0]]]
+    assert not upward, f"imports against the flow cli -> cache -> jaxsmol: {upward}"
+
+
+def test_a_circle_is_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
