@@ -101,19 +101,10 @@ class Generation:
         self.constraint = constraint_for(engine.tokenizer, engine.cfg.eos_ids, engine.cfg.vocab_size, sp.structured)
 
     def __iter__(self) -> Iterator[Step]:
-        eng, sp, cfg = self.engine, self.sp, self.engine.cfg
+        eng, sp = self.engine, self.sp
         t0 = time.perf_counter()
         n = len(self.prompt_ids)
-        # only a suffix after a restored prefix takes the fast path: a cold prefill is always exact
-        exact = self._exact or self._prefix is None
-        slots = eng.slots_needed(self._prefix_len, n, sp.max_tokens, exact)
-        kv = None  # an exact full hit restores its cache only when a decode step needs it
-        if self._prefix_len < n:
-            kv = (eng.restore(self._prefix, slots, self._prefix_len, self._restore_tokens) if self._prefix is not None
-                  else eng.new_cache(slots))
-            logits, kv = eng.prefill(self.prompt_ids, kv, exact)
-        else:  # exact full hit: the stored logits stand in for the forward
-            logits = jnp.asarray(self._prefix_logits, jnp.float32)[None]
+        kv, logits, slots = self._prompt_state()
         self.timings.prefilled_tokens = n - self._prefix_len
         self.prompt_logits = np.asarray(logits)[0]  # indexed on the host: a device slice is an op (~130 us)
         self.timings.prefill_s = time.perf_counter() - t0
@@ -124,7 +115,7 @@ class Generation:
             self.timings.total_s = self.timings.ttft_s = time.perf_counter() - t0
             return
 
-        stream = TokenStream(eng.tokenizer, sp, cfg.eos_ids)
+        stream = TokenStream(eng.tokenizer, sp, eng.cfg.eos_ids)
         key = seed_key(sp.seed)
         t_decode = None
         for i in range(sp.max_tokens):
@@ -141,12 +132,7 @@ class Generation:
             if i == 0:
                 self.timings.ttft_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
-            logprob, top = None, None
-            if sp.logprobs:
-                ids, values = programs.top_logprobs(logits, sp.logprobs)
-                logprob = float(jax.nn.log_softmax(logits[0])[token])
-                top = [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
-            step = stream.push(token, logprob, top)
+            step = stream.push(token, *self._logprobs(logits, token))
             self.output_ids, self.logprobs, self.text = stream.output_ids, stream.logprobs, stream.text
             self.finish_reason = stream.finish_reason
             self.timings.generated_tokens = len(self.output_ids)
@@ -162,6 +148,29 @@ class Generation:
         self.pos = n + len(self.output_ids) - 1
         self.timings.decode_s = time.perf_counter() - t_decode
         self.timings.total_s = time.perf_counter() - t0
+
+    def _prompt_state(self) -> tuple[KVCache | None, jax.Array, int]:
+        """(kv, logits [1, V] after the prompt, the cache's slots): the prompt restored and prefilled,
+        or, on an exact full hit, the stored logits and no cache yet (restored only if a decode step
+        needs it)."""
+        eng, n = self.engine, len(self.prompt_ids)
+        # only a suffix after a restored prefix takes the fast path: a cold prefill is always exact
+        exact = self._exact or self._prefix is None
+        slots = eng.slots_needed(self._prefix_len, n, self.sp.max_tokens, exact)
+        if self._prefix_len >= n:  # exact full hit: the stored logits stand in for the forward
+            return None, jnp.asarray(self._prefix_logits, jnp.float32)[None], slots
+        kv = (eng.restore(self._prefix, slots, self._prefix_len, self._restore_tokens) if self._prefix is not None
+              else eng.new_cache(slots))
+        logits, kv = eng.prefill(self.prompt_ids, kv, exact)
+        return kv, logits, slots
+
+    def _logprobs(self, logits: jax.Array, token: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+        """The sampled token's log-probability and the top sp.logprobs (id, logprob), or (None, None)."""
+        if not self.sp.logprobs:
+            return None, None
+        ids, values = programs.top_logprobs(logits, self.sp.logprobs)
+        logprob = float(jax.nn.log_softmax(logits[0])[token])
+        return logprob, [(int(a), float(b)) for a, b in zip(ids[0], values[0])]
 
     def _allowed(self) -> np.ndarray | None:
         """The structured-output mask for the next token: [1, ceil(V / 32)] int32, or None (free text)."""
