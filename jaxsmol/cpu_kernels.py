@@ -40,6 +40,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -143,17 +144,51 @@ def _build() -> tuple[Path, bool]:
         return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        objects = _compile_each(cxx, Path(work))
+        _run_compiler(cxx, [cxx, *FLAGS, *map(str, objects), "-o", str(tmp)], tmp)
+    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    return out, True
+
+
+def _compile_each(cxx: str, work: Path) -> list[Path]:
+    """Each source to an object file in `work`, all at once (one compiler per source: ~2x faster on
+    two cores than one command compiling them in turn; the same translation units, so the same code)."""
+    flags = [f for f in FLAGS if f != "-shared"]
+    objects = [work / f"{src.stem}.o" for src in SOURCES]
+    try:
+        running = [subprocess.Popen([cxx, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                   for src, obj in zip(SOURCES, objects)]
+    except OSError as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
+    failures = []
+    for proc in running:
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(stderr)
+    if failures:
+        raise RuntimeError(_compiler_failure(cxx, "\n".join(failures)))
+    return objects
+
+
+def _run_compiler(cxx: str, cmd: list[str], tmp: Path) -> None:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
-        raise RuntimeError(f"{cxx} failed on the kernel sources: {' | '.join(errors) or done.stderr[-300:]}")
-    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
-    return out, True
+        raise RuntimeError(_compiler_failure(cxx, done.stderr))
+
+
+def _compiler_failure(cxx: str, stderr: str) -> str:
+    errors = [ln for ln in stderr.splitlines() if "error" in ln][:3]
+    return f"{cxx} failed on the kernel sources: {' | '.join(errors) or stderr[-300:]}"
 
 
 def state() -> KernelState:
