@@ -264,15 +264,25 @@ def _add_score(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations")
+    from cli.bench.plans import EXTRA_SECTIONS, SECTIONS, add_section_flags
+
+    b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations; "
+                       "with --only, also forks, the prompt cache on disk, TTFT and serving against a peer server",
+                       description="Every benchmark a user runs. The default run (no --only) is the sections "
+                       f"{', '.join(SECTIONS)}. The sections {', '.join(EXTRA_SECTIONS)} run only when named in "
+                       "--only (each takes minutes at its full sizes; serve and first-burst start `jaxsmol serve` "
+                       "daemons on free loopback ports and stop them). See cli/bench/__init__.py.")
     b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under 2 minutes)")
     b.add_argument("--json", default="bench.json", metavar="FILE", help="write the results here (default bench.json)")
     b.add_argument("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")
     b.add_argument("--compare", choices=["hf"], help="also measure Hugging Face transformers (pip install -e '.[hf]')")
-    b.add_argument("--only", nargs="+", metavar="SECTION",
-                   choices=["compilations", "prefill", "decode", "ttft", "snapshot", "cli"],
-                   help="run only these sections")
+    b.add_argument("--only", nargs="+", metavar="SECTION", choices=SECTIONS + EXTRA_SECTIONS,
+                   help=f"run only these sections: {', '.join(SECTIONS)} (the default run), or "
+                        f"{', '.join(EXTRA_SECTIONS)} (only when named here)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument("--peer-url", metavar="URL", help="serve and ttft-peer: also measure this OpenAI-compatible "
+                   "server (e.g. llama.cpp's llama-server), alternating with jaxsmol")
+    add_section_flags(b)
     add_model_args(b)
     b.set_defaults(func=_bench)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")
+SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")  # the default run, in this order
+# run only when named in --only (each takes minutes at its full sizes, or starts daemons), after the above
+EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst")
 HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
@@ -15,6 +17,12 @@ FULL = dict(
     workload_requests=100, workload_docs=4, workload_random=0.25, workload_max_prompt=1500, workload_max_tokens=8,
     cli_prompt=1024, cli_repeats=2,
     hf_prefill=(512, 1024, 2048), hf_repeats=3,
+    forks_prompt=500, forks_n=8, forks_tokens=64, forks_rounds=3,
+    pc_prefix=1008, pc_suffix=16, pc_repeats=5,
+    peer_prefix=1008, peer_suffix=16, peer_rounds=5,
+    serve_clients=(1, 2, 4, 8, 16), serve_tokens=64, serve_long=True, serve_max_batch=16, serve_prefill_chunk=48,
+    serve_batch_invariant=False,
+    burst_idle=25.0, burst_clients=8, burst_tokens=32, burst_rounds=2, burst_max_batch=16,
 )
 QUICK = dict(
     FULL,
@@ -25,7 +33,59 @@ QUICK = dict(
     workload_requests=12, workload_docs=1, workload_random=0.0,
     cli_prompt=128, cli_repeats=1,
     hf_prefill=(512, 1024), hf_repeats=1,
+    forks_prompt=128, forks_n=4, forks_tokens=16, forks_rounds=1,
+    pc_repeats=2, peer_rounds=2,
+    serve_clients=(1, 4), serve_tokens=16, serve_max_batch=4,
+    burst_idle=5.0, burst_clients=4, burst_tokens=8, burst_rounds=1,
 )
+
+# the flags of the extra sections (cli/main.py _add_bench) -> the plan entries each one sets
+FLAG_KEYS = {
+    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens"),
+    "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds"),
+    "prefix": ("pc_prefix", "peer_prefix"),
+    "suffix": ("pc_suffix", "peer_suffix"),
+    "prompt_tokens": ("forks_prompt",),
+    "samples": ("forks_n",),
+    "max_batch": ("serve_max_batch", "burst_max_batch"),
+    "prefill_chunk": ("serve_prefill_chunk",),
+    "idle": ("burst_idle",),
+}
+
+
+def add_section_flags(parser) -> None:
+    """The flags of FLAG_KEYS and with_flags, on `jaxsmol bench`'s parser."""
+    e = parser.add_argument_group("sizes of the sections named in --only (default: the full or --quick plan's)")
+    e.add_argument("--clients", type=int, nargs="+", metavar="N", help="serve: concurrent streaming clients, a row "
+                   "each (full plan 1 2 4 8 16); first-burst: the largest")
+    e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst)")
+    e.add_argument("--rounds", type=int, metavar="N", help="rounds, medians over them (forks, prompt-cache, "
+                   "ttft-peer, first-burst)")
+    e.add_argument("--prefix", type=int, metavar="N", help="stored prefix tokens (ttft-peer, prompt-cache; 1008)")
+    e.add_argument("--suffix", type=int, metavar="N", help="new tokens after it (ttft-peer, prompt-cache; 16)")
+    e.add_argument("--prompt-tokens", type=int, metavar="N", help="forks: the question's tokens (500)")
+    e.add_argument("--samples", type=int, metavar="N", help="forks: samples of the question (8)")
+    e.add_argument("--max-batch", type=int, metavar="N", help="serve, first-burst: the daemon's --max-batch (16)")
+    e.add_argument("--prefill-chunk", type=int, metavar="ROWS", help="serve: the daemon's --prefill-chunk (48)")
+    e.add_argument("--batch-invariant", action="store_true", help="serve: the daemon's --batch-invariant")
+    e.add_argument("--no-long", action="store_true", help="serve: skip the rows with long prompts arriving")
+    e.add_argument("--idle", type=float, metavar="S", help="first-burst: seconds between /health and the burst (25)")
+
+
+def with_flags(plan: dict, args) -> dict:
+    """The plan with the values the command line gave (a flag left out keeps the plan's)."""
+    out = dict(plan)
+    for flag, keys in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out.update(dict.fromkeys(keys, value))
+    if getattr(args, "clients", None):
+        out["serve_clients"], out["burst_clients"] = tuple(args.clients), max(args.clients)
+    if getattr(args, "no_long", False):
+        out["serve_long"] = False
+    if getattr(args, "batch_invariant", False):
+        out["serve_batch_invariant"] = True
+    return out
 
 
 def rand_ids(rng, n: int, vocab: int) -> list[int]:

@@ -1,6 +1,16 @@
-"""`--plot`: the benchmark's results drawn into one PNG of six panels (matplotlib)."""
+"""`--plot`: the benchmark's results drawn into one PNG (matplotlib): six panels for the default
+sections (and --compare hf), one more for each extra section that ran."""
 
 from __future__ import annotations
+
+import math
+
+from cli.bench.first_burst import plot_first_burst
+from cli.bench.forks import plot_forks
+from cli.bench.plans import SECTIONS
+from cli.bench.prompt_cache import plot_prompt_cache
+from cli.bench.serve import plot_serve
+from cli.bench.ttft_peer import plot_ttft_peer
 
 
 def _prefill(ax, res: dict) -> None:
@@ -75,14 +85,30 @@ def _hf_or_compilations(ax, res: dict) -> None:
         ax.set(title=f"forward programs over {c['requests']} mixed requests")
 
 
+EXTRA_PANELS = (("forks", plot_forks), ("prompt-cache", plot_prompt_cache), ("ttft-peer", plot_ttft_peer),
+                ("serve", plot_serve), ("first-burst", plot_first_burst))
+
+
+def _panels(res: dict) -> list:
+    """The default six when a default section (or hf) ran, then one per extra section that ran."""
+    base = [_prefill, _decode, _ttft, _snapshot, _cli, _hf_or_compilations]
+    panels = base if any(name in res for name in SECTIONS + ("hf",)) else []
+    return panels + [draw for name, draw in EXTRA_PANELS if name in res]
+
+
 def write_plot(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for ax, draw in zip(axes.flat, (_prefill, _decode, _ttft, _snapshot, _cli, _hf_or_compilations)):
+    panels = _panels(res)
+    cols = min(3, max(1, len(panels)))
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(16 if cols == 3 else 5.5 * cols, 4.5 * rows), squeeze=False)
+    for ax, draw in zip(axes.flat, panels):
         draw(ax, res)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     m = res["meta"]
     fig.suptitle(f"jaxsmol bench: {m['model']} ({m['dtype']}), {m['cpus']} CPUs, load {m['loadavg_start']}")
     fig.tight_layout()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from cli.bench.first_burst import format_first_burst
+from cli.bench.forks import format_forks
 from cli.bench.plans import HEADLINE
+from cli.bench.prompt_cache import format_prompt_cache
+from cli.bench.serve import format_serve
+from cli.bench.ttft_peer import format_ttft_peer
 from cli.tables import format_table
 
 
@@ -85,7 +90,8 @@ def _hf(h: dict) -> list[str]:
 
 
 _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", _decode), ("ttft", _ttft),
-             ("snapshot", _snapshot), ("cli", _cli), ("hf", _hf))
+             ("snapshot", _snapshot), ("cli", _cli), ("forks", format_forks), ("prompt-cache", format_prompt_cache),
+             ("ttft-peer", format_ttft_peer), ("serve", format_serve), ("first-burst", format_first_burst), ("hf", _hf))
 
 
 def format_results(res: dict) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cli.bench.hf import hf_available
 from cli.bench.measure import Warmup, log, loadavg, now, peak_rss_bytes
-from cli.bench.plans import FULL, QUICK, SECTIONS
+from cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
 
 
 def _meta(args, engine, plan, sections, load0) -> dict:
@@ -26,25 +26,41 @@ def _meta(args, engine, plan, sections, load0) -> dict:
         "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx, engine.buckets()),
         "compile_bound_fast": compile_bound(engine.ctx, engine.buckets(exact=False)),
         "sections": sections + (["hf"] if args.compare == "hf" else []),
-        "plan": dict(plan),
+        "peer_url": args.peer_url, "plan": dict(plan),
     }
+
+
+def _calls(args, engine, plan, rng) -> dict:
+    """Each section's function and its arguments."""
+    from cli.bench import sections as s
+    from cli.bench.first_burst import section_first_burst
+    from cli.bench.forks import section_forks
+    from cli.bench.hf import section_hf
+    from cli.bench.prompt_cache import section_prompt_cache
+    from cli.bench.serve import section_serve
+    from cli.bench.ttft_peer import section_ttft_peer
+
+    warm = Warmup(engine)
+    return {"compilations": (s.section_compilations, engine, plan, rng),  # first: counts from a process
+            "prefill": (s.section_prefill, engine, plan, rng, warm),      # that has compiled nothing yet
+            "decode": (s.section_decode, engine, plan, warm),
+            "ttft": (s.section_ttft, engine, plan, rng, warm),
+            "snapshot": (s.section_snapshot, engine, plan, rng, warm),
+            "cli": (s.section_cli, args, engine, plan, rng),
+            "forks": (section_forks, engine, plan),
+            "prompt-cache": (section_prompt_cache, engine, plan),
+            "ttft-peer": (section_ttft_peer, engine, plan, args.peer_url),
+            "serve": (section_serve, args, plan, args.peer_url),
+            "first-burst": (section_first_burst, args, plan),
+            "hf": (section_hf, engine, plan, rng, warm)}
 
 
 def _run_sections(args, engine, plan, rng, sections, res: dict) -> None:
     """Run the chosen sections in their fixed order into res, timing each."""
-    from cli.bench import sections as s
-    from cli.bench.hf import section_hf
-
-    warm = Warmup(engine)
-    calls = {"compilations": (s.section_compilations, engine, plan, rng),  # first: counts from a process
-             "prefill": (s.section_prefill, engine, plan, rng, warm),      # that has compiled nothing yet
-             "decode": (s.section_decode, engine, plan, warm),
-             "ttft": (s.section_ttft, engine, plan, rng, warm),
-             "snapshot": (s.section_snapshot, engine, plan, rng, warm),
-             "cli": (s.section_cli, args, engine, plan, rng),
-             "hf": (section_hf, engine, plan, rng, warm)}
+    calls = _calls(args, engine, plan, rng)
     timings = res["meta"]["section_wall_s"] = {}
-    for name in [n for n in SECTIONS if n in sections] + (["hf"] if args.compare == "hf" else []):
+    order = [n for n in SECTIONS + EXTRA_SECTIONS if n in sections] + (["hf"] if args.compare == "hf" else [])
+    for name in order:
         if name == "compilations":
             log("compilations: mixed workload")
         fn, *a = calls[name]
@@ -61,6 +77,8 @@ def run_bench(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise JaxsmolError("--plot needs matplotlib: pip install matplotlib")
     sections = list(args.only or SECTIONS)
+    if args.peer_url and not {"serve", "ttft-peer"} & set(sections):
+        raise JaxsmolError("--peer-url is measured by the serve and ttft-peer sections: add --only serve and/or ttft-peer")
 
     import numpy as np
 
@@ -68,7 +86,7 @@ def run_bench(args) -> int:
     from cli.common import load_engine
     from jaxsmol.engine import compiled_programs
 
-    plan = QUICK if args.quick else FULL
+    plan = with_flags(QUICK if args.quick else FULL, args)
     rng = np.random.default_rng(args.seed)
     load0 = loadavg()
     t_start = now()

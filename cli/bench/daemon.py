@@ -1,0 +1,78 @@
+"""A `jaxsmol serve` daemon for the serving sections: started (`python -m cli.main serve`) on a free
+loopback port with the benchmark's model flags, ready once /health answers, stopped on exit. Its
+output goes to a log file, whose tail an error quotes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cli
+
+PACKAGE_ROOT = Path(cli.__file__).resolve().parents[1]  # where `python -m cli.main` finds the package
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_flags(args, default_ctx: int | None = 2048) -> list[str]:
+    """The benchmark's --model/--ctx/--dtype/--tp/--dp as daemon flags (ctx 2048 unless given)."""
+    out = ["--model", str(args.model)] if args.model else []
+    ctx = args.ctx or default_ctx
+    out += ["--ctx", str(ctx)] if ctx else []
+    out += ["--dtype", args.dtype]
+    for flag in ("tp", "dp"):
+        if getattr(args, flag, 1) != 1:
+            out += [f"--{flag}", str(getattr(args, flag))]
+    return out
+
+
+class Daemon:
+    """`with Daemon(flags) as d:` a daemon serving at d.url; d.up_s is the seconds until /health answered."""
+
+    def __init__(self, flags: list[str], start_timeout_s: float = 600):
+        self.flags, self.timeout = list(flags), start_timeout_s
+        self.proc = self.url = self.up_s = None
+
+    def __enter__(self) -> "Daemon":
+        import httpx
+
+        port = free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxsmol-bench-serve-", suffix=".log")
+        cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        while self.proc.poll() is None and time.perf_counter() - t0 < self.timeout:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    self.up_s = time.perf_counter() - t0
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        tail = self.tail()
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"`jaxsmol serve {' '.join(self.flags)}` did not start: {tail}")
+
+    def tail(self, chars: int = 1500) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-chars:].strip()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
