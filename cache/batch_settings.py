@@ -13,7 +13,7 @@ MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decod
 # The step budgets a user may pick (--prefill-chunk). 32 and 48 run as exact 32 / 32 + 16 row chunks
 # with the CPU kernels; without them a chunk is padded to 64 rows, so they act as 64. The default 48:
 # on the AVX2 CPU a step beside 8 decoding rows then waits ~210 ms for its prompt rows, not ~240-250
-# (tools/bench_serve.py --clients 8, 48 / 64 alternating: ITL p99 298 / 287 ms against 457 / 382
+# (jaxsmol bench --only serve --clients 8, 48 / 64 alternating: ITL p99 298 / 287 ms against 457 / 382
 # while 1000-token prompts arrive, the rest alike).
 CHUNK_ROWS_CHOICES = (32, 48) + PREFILL_BUCKETS
 IDLE_STEP_ROWS = 128  # the least prompt rows a step runs when no row decodes (see step_rows)

@@ -33,7 +33,7 @@ class QueueFull(Exception):
 # coming: a step begun with a burst's first job alone (a prompt's prefill, ~0.1-0.2 s here) held
 # every other until it ended. The jobs of a burst reach the worker together (8 streaming clients
 # started at once: within 0.3 ms), and every ms of this wait is a lone request's too (20 ms cost its
-# time to first token 7-15 ms in tools/bench_serve.py), so it is short.
+# time to first token 7-15 ms in jaxsmol bench --only serve), so it is short.
 ARRIVAL_GAP_S = 0.005
 
 

@@ -4,7 +4,7 @@ On CPU every device array is host memory from malloc. glibc serves a request abo
 threshold (at most 32 MB) with a fresh mmap and unmaps it when freed, so each new batch, staging
 cache or stacked chunk of the continuous batch (a 16-row x 512-slot batch is 377 MB) is faulted in
 page by page, zeroed by the kernel, before XLA writes it. Measured in a burst of 16 requests
-(tools/bench_serve.py shapes, in process): the batch's first relayout took 332-700 ms with fresh
+(the shapes of jaxsmol bench --only serve, in process): the batch's first relayout took 332-700 ms with fresh
 pages and ~50 ms with reused ones. `keep_freed_memory` makes malloc take every block from its heap
 and never give the heap back, as long-running servers configure tcmalloc or jemalloc. One arena for
 all threads: a thread's own arena grows in heaps of at most 64 MB and serves anything larger with

@@ -1,6 +1,8 @@
-"""A/B of XLA:CPU flags on the real model: each flag set runs in its own process (XLA_FLAGS is read
-once per process), the sets alternate round by round, and each is reported as the median over
-rounds of its ratio to the baseline process of the same round (the machine is shared and loaded).
+"""A/B of XLA:CPU flags on the real model, for maintainers choosing the engine's defaults (not a user benchmark).
+
+Each flag set runs in its own process (XLA_FLAGS is read once per process), the sets alternate
+round by round, and each is reported as the median over rounds of its ratio to the baseline process
+of the same round (the machine is shared and loaded).
 
     PYTHONPATH=$PWD python tools/ab_xla_flags.py [--rounds 2] [-- "--xla_cpu_..." ...]
 

@@ -1,6 +1,9 @@
-"""A git revision's C++ kernel built beside the current one, for side-by-side timing in one process
-(tools/time_matmuls.py and tools/time_decode_attention.py, `--against REV`): the machine's memory
-speed moves between runs, so only figures taken alternately in one process compare two builds."""
+"""A git revision's C++ kernel built beside the current one, for the kernel timers' `--against REV`.
+
+    PYTHONPATH=$PWD python tools/time_matmuls.py --against REV   (or tools/time_decode_attention.py; not run itself)
+
+Side-by-side timing in one process: the machine's memory speed moves between runs, so only figures
+taken alternately in one process compare two builds."""
 
 from __future__ import annotations
 

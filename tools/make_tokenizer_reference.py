@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make `tests/fixtures/tokenizer_reference.json`: reference token ids from Hugging Face transformers.
+r"""Make `tests/fixtures/tokenizer_reference.json`: reference token ids from Hugging Face transformers.
 
 A fixture-making tool, not part of jaxsmol (it needs transformers; run it in the `.refenv` venv
 described in tools/make_hf_reference.py):

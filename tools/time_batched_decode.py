@@ -1,5 +1,7 @@
-"""Time a batched decode step at widths 1/2/4/8/16: the per-row-position path (kv.pos [W], as the
-scheduler runs it) against a same-position batch of the same width (kv.pos scalar), in one process.
+"""Time a batched decode step at widths 1/2/4/8/16: per-row positions against one shared position.
+
+The per-row-position path (kv.pos [W], as the scheduler runs it) against a same-position batch of
+the same width (kv.pos scalar), in one process.
 
     PYTHONPATH=$PWD python tools/time_batched_decode.py [--model DIR] [--position 64] [--rounds 5]
 

@@ -1,6 +1,7 @@
-"""Time the attention kernel alone on decode steps (one query per row) and prompt chunks, over 30
-layers of a SmolLM2-135M-shaped cache (3 kv heads, 3 query heads each, head dim 64), at several
-widths and positions.
+"""Time the attention kernel alone on decode steps and prompt chunks of a SmolLM2-135M-shaped cache.
+
+Decode steps (one query per row) and prompt chunks, over 30 layers of a SmolLM2-135M-shaped cache
+(3 kv heads, 3 query heads each, head dim 64), at several widths and positions.
 
     PYTHONPATH=$PWD python tools/time_decode_attention.py [--cases 1x2000 8x2000 512@512] [--runs 9] [--against REV]
 

@@ -1,5 +1,7 @@
-"""Time the matmul kernel alone on the model's shapes: the 7 matmuls of each of 30 layers (SmolLM2-135M,
-weights packed, each its own buffer so they come from memory), at several row counts.
+"""Time the matmul kernel alone on the model's shapes, at several row counts.
+
+The 7 matmuls of each of 30 layers (SmolLM2-135M, weights packed, each its own buffer so they come
+from memory).
 
     PYTHONPATH=$PWD python tools/time_matmuls.py [--rows 1 8 16 32] [--runs 15] [--against REV]
                                                  [--dtype bfloat16] [--per-shape]
