@@ -93,3 +93,88 @@ def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "pip install -e '.[hf]'" in lines[0]
     assert not (tmp_path / "x.json").exists()
+
+
+# ---- the sections run only when named in --only (moved from tools/bench_*.py) ------------------------
+def _bench(tmp_path, model_dir, *flags: str, plot: bool = True):
+    """`jaxsmol bench --quick` with `flags`: (its stdout, the JSON, whether a plot was drawn)."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "cli.main", "bench", "--quick", "--model", str(model_dir), "--json", str(out), *flags]
+    plot = plot and importlib.util.find_spec("matplotlib") is not None
+    r = subprocess.run(cmd + (["--plot", str(png)] if plot else []), capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not plot or png.stat().st_size > 0
+    return r.stdout, json.loads(out.read_text())
+
+
+def test_bench_in_process_sections(tmp_path, tiny_model_dir):
+    """forks, prompt-cache and ttft-peer (without a peer: jaxsmol's two rows) at their smallest sizes."""
+    stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "forks", "prompt-cache", "ttft-peer", "--samples", "2",
+                         "--tokens", "2", "--prompt-tokens", "24", "--rounds", "1", "--prefix", "40", "--suffix", "4")
+    assert res["meta"]["sections"] == ["forks", "prompt-cache", "ttft-peer"]
+    assert set(res["meta"]["section_wall_s"]) == {"forks", "prompt-cache", "ttft-peer"}
+    assert not {"prefill", "decode", "ttft", "cli"} & set(res)  # the default run's sections did not run
+
+    f = res["forks"]
+    assert (f["samples"], f["tokens"], f["rounds"], f["prompt"]) == (2, 2, 1, 24)
+    assert [r["way"] for r in f["rows"]] == ["sequential", "cached", "batched"]
+    for r in f["rows"]:
+        _positive(r["tok_s"], f"forks {r['way']} tok/s")
+    assert "self-consistency: 2 samples x 2 tokens of one 24-token question" in stdout
+
+    c = res["prompt-cache"]
+    assert (c["prefix"], c["suffix"], c["repeats"]) == (40, 4, 1)
+    _positive(c["file_bytes"], "snapshot file bytes")
+    for k in ("cold_ttft_s", "disk_ttft_s", "load_s"):
+        _positive(c[k], f"prompt-cache {k}")
+    assert c["same_logits"] is True  # the state loaded from disk gives the cold prompt's logits, bit for bit
+    assert "40 loaded from disk + 4 prefilled" in stdout
+
+    t = res["ttft-peer"]
+    assert (t["prefix"], t["suffix"], t["peer_url"]) == (40, 4, None)
+    assert [r["way"] for r in t["rows"]] == ["jaxsmol exact", "jaxsmol fast"]
+    for r in t["rows"]:
+        _positive(r["cold_ttft_s"], f"{r['way']} cold")
+        _positive(r["warm_ttft_s"], f"{r['way']} warm")
+    assert "time to first token, 40 stored + 4 new tokens" in stdout
+
+
+def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypatch):
+    """serve (with long prompts arriving) and ttft-peer with --peer-url pointed at a jaxsmol daemon this
+    test starts (it has no llama.cpp /completion route: asked on /v1/completions), and first-burst."""
+    from cli.bench.daemon import Daemon
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    flags = ["--model", str(tiny_model_dir), "--ctx", "2048", "--max-batch", "2", "--no-compile-ahead"]
+    with Daemon(flags) as peer:
+        stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "serve", "first-burst", "ttft-peer",
+                             "--peer-url", peer.url, "--clients", "1", "2", "--tokens", "2", "--max-batch", "2",
+                             "--idle", "0", "--rounds", "1", "--prefix", "40", "--suffix", "4")
+        assert peer.proc.poll() is None  # the peer is left running
+    assert res["meta"]["peer_url"] == peer.url
+
+    s = res["serve"]
+    assert s["peer_url"] == peer.url and "--max-batch" in s["daemon_flags"]
+    rows = [(r["server"], r["clients"], r["long_prompts"]) for r in s["rows"]]
+    assert rows == [(server, c, long_) for long_ in (False, True) for c in (1, 2) for server in ("jaxsmol", "peer")]
+    for r in s["rows"]:
+        # ignore_eos: every answer has its 2 tokens; the arrivals counted also take in the last chunk
+        # (finish_reason, empty text), as tools/bench_serve.py counted them
+        assert 2 * r["clients"] <= r["tokens"] <= 3 * r["clients"]
+        _positive(r["tok_s"], f"serve {r['server']} {r['clients']} tok/s")
+        _positive(r["ttft_p50_ms"], "ttft p50")
+        if r["long_prompts"]:
+            assert r["long_answered"] >= 1
+    assert "serving: concurrent streaming clients, 2 tokens each" in stdout and f"the peer {peer.url}" in stdout
+
+    assert [r["way"] for r in res["ttft-peer"]["rows"]] == ["jaxsmol exact", "jaxsmol fast", "peer"]
+    _positive(res["ttft-peer"]["rows"][-1]["warm_ttft_s"], "peer warm ttft")
+
+    b = res["first-burst"]
+    assert [(r["setting"], r["burst"]) for r in b["rows"]] == [
+        (setting, burst) for setting in ("compile ahead", "--no-compile-ahead") for burst in ("first burst", "second burst")]
+    for r in b["rows"]:
+        _positive(r["healthy_after_s"], "healthy after")
+        _positive(r["ttft_p50_ms"], f"{r['setting']} {r['burst']} ttft")
+    assert "a fresh daemon's first burst: 2 clients x 2 tokens" in stdout
