@@ -82,5 +82,6 @@ def plot_ttft_peer(ax, res: dict) -> None:
     ax.bar([x - 0.2 for x in xs], [1e3 * r["cold_ttft_s"] for r in rows], 0.4, label="cold")
     ax.bar([x + 0.2 for x in xs], [1e3 * r["warm_ttft_s"] for r in rows], 0.4, label="warm (stored prefix)")
     ax.set_xticks(list(xs), [r["way"] for r in rows])
-    ax.set(title="time to first token vs a peer", ylabel="ms", yscale="log")
+    ax.set(title="time to first token, stored prefix" + (" vs a peer" if res["ttft-peer"]["peer_url"] else ""),
+           ylabel="ms", yscale="log")
     ax.legend(fontsize=8)
