@@ -6,7 +6,7 @@ same length) to one `--prompt-tokens` question, alternated round by round (`--ro
 process (compile time excluded by a warm-up round):
   sequential  n runs of `Engine.generate`, each prefilling the question from zero;
   cached      n runs through a PrefixCache: the first prefills, the others restore the question;
-  batched     `PrefixCache.generate_many(..., n=n)`: one prefill, n forks decoded together.
+  batched     `generate_many(cache, ..., n=n)`: one prefill, n forks decoded together.
 Reports the medians and the speedups over `sequential` and `cached`.
 
 Moved from tools/bench_forks.py."""
@@ -33,9 +33,10 @@ def cached(engine, prompt, sp, n):
 
 
 def batched(engine, prompt, sp, n):
+    from cache.many import generate_many
     from cache.prefix_cache import PrefixCache
 
-    PrefixCache(engine).generate_many([prompt], sp, n=n, max_batch=n)
+    generate_many(PrefixCache(engine), [prompt], sp, n=n, max_batch=n)
 
 
 WAYS = {"sequential": sequential, "cached": cached, "batched": batched}
