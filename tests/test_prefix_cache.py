@@ -237,3 +237,15 @@ def test_statistics_radix(eng, bpt, payload_bytes):
     assert s.tokens_prefilled == 40 + 0 + 20 + 1 == sum(r.prefilled for r in (r1, r2, r3, r4))
     assert s.bytes_held == cache.radix.bytes_held == (40 + 20) * bpt + 2 * payload_bytes
     assert s.saves >= 2
+
+
+def test_generate_many_lives_beside_the_scheduler_and_the_old_method_still_runs(eng):
+    """0.2.0 moved generate_many out of PrefixCache (the cache does not import its scheduler: no import
+    circle); the method stays one release, warning, with the same results."""
+    from cache.many import generate_many
+
+    prompts, sp = [list(range(10, 30)), list(range(10, 25)) + [99]], SamplingParams(max_tokens=3)
+    new = generate_many(PrefixCache(eng), prompts, sp)
+    with pytest.warns(DeprecationWarning, match="cache.many import generate_many"):
+        old = PrefixCache(eng).generate_many(prompts, sp)
+    assert [[r.output_ids for r in rs] for rs in old] == [[r.output_ids for r in rs] for rs in new]
