@@ -122,12 +122,10 @@ def _serve(args) -> int:
         print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
     engine = load_engine(args)
-    engine.warmup(512)  # compile the common programs before the first request arrives
-    print(f"jaxsmol serving {engine.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
-          write_timeout_s=args.write_timeout, compile_ahead=not args.no_compile_ahead,
+          write_timeout_s=args.write_timeout, warmup=args.warmup,
           batch=BatchSettings(max_batch=args.max_batch, kv_bytes=args.kv_cache_bytes,
                               batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk))
     return 0
@@ -245,9 +243,13 @@ def _add_serve(sub) -> None:
                         "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
                         "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
                         "arrive, larger gives a burst of newcomers their first tokens sooner)")
-    s.add_argument("--no-compile-ahead", action="store_true",
-                   help="do not compile the batched decoding programs (every --max-batch width) in the background "
-                        "at start; each then compiles when the batch first reaches its width, holding every stream")
+    s.add_argument("--warmup", choices=["block", "background", "none"], default="background",
+                   help="when the programs requests run are compiled: block = before the port opens; background "
+                        "(default) = the port opens at once, /health and /ready answer 503 'warming' until they are "
+                        "compiled, then 200; none = nothing ahead, ready at once (each program compiles on first "
+                        "use, holding every stream)")
+    s.add_argument("--no-compile-ahead", dest="warmup", action="store_const", const="none",
+                   help="the same as --warmup none")
     add_model_args(s)
     s.set_defaults(func=_serve)
 

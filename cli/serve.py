@@ -6,7 +6,8 @@ into a `Job` (cli/events.py), submits it to the worker thread (cli/worker.py) an
 as one JSON body or as server-sent events (shapes in cli/responses.py). Tokenizing, chat templates,
 prompt checks and logprob JSON run off the event loop (`asyncio.to_thread`).
 With `cache_dir`, the prefix cache has a second tier on disk (cache/disk.py): warmed from it before
-the first request, written to it at shutdown (and on eviction).
+the first request, written to it at shutdown (and on eviction). Readiness: /health and /ready answer
+503 {"status": "warming"} until the programs are compiled (cli/warmup.py, `--warmup`), then 200.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import asyncio
 import contextlib
 import signal
 import sys
-import threading
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,11 +30,12 @@ from cli.events import DEFAULT_WRITE_TIMEOUT_S
 from cli.memory import MemoryAccount
 from cli.metrics import Metrics
 from cli.tenants import Tenants
+from cli.warmup import Warmup
 from cli.worker import Worker
 from jaxsmol.errors import JaxsmolError
 
 MAX_BODY_BYTES = 4 << 20
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
+ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
           "/tokenize", "/detokenize")
 
 
@@ -90,11 +90,10 @@ class Daemon:
     """The daemon's state and its routes (one method each); `create_app` wires them to FastAPI."""
 
     def __init__(self, engine, cache: PrefixCache, worker: Worker, metrics: Metrics, tenants: Tenants,
-                 model_name: str, write_timeout_s: float, compile_ahead: bool = False):
+                 model_name: str, write_timeout_s: float, warmup: str = "none"):
         self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
-        self.tenants, self.model_name, self.compile_ahead = tenants, model_name, compile_ahead
-        self._stop_compiling = threading.Event()
-        self._compiling = threading.Thread()  # replaced at start (lifespan)
+        self.tenants, self.model_name = tenants, model_name
+        self.warmup = Warmup(warmup, engine, lambda stop: self.worker.scheduler.compile_programs(stop=stop))
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
         self.memory = MemoryAccount(engine.params)
 
@@ -110,28 +109,14 @@ class Daemon:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
         worker.start()
-        self._compiling = compiling = threading.Thread(target=self._compile_batched, name="jaxsmol-compile", daemon=True)
-        if self.compile_ahead:
-            compiling.start()
+        self.warmup.start()  # background mode only: block has run, none runs nothing
         yield
         worker.stop()  # queued jobs finish first (SIGTERM drains)
         await asyncio.to_thread(worker.join, 120)
-        self._stop_compiling.set()  # a process that exits while XLA compiles in a thread can crash (SIGSEGV)
-        if compiling.is_alive():
-            await asyncio.to_thread(compiling.join, 120)
+        await asyncio.to_thread(self.warmup.close, 120)
         if cache.disk is not None:
             n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
             print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
-
-    def _compile_batched(self):
-        """The batched decoding programs, compiled beside the first requests (Scheduler.compile_programs)."""
-        t0 = time.perf_counter()
-        try:
-            n = self.worker.scheduler.compile_programs(stop=self._stop_compiling)
-        except Exception as e:  # only a head start is lost: the programs compile on first use
-            print(f"jaxsmol: batched decoding programs not compiled ahead ({e})", file=sys.stderr, flush=True)
-            return
-        print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def _locked(self, fn):
         with self.worker.lock:  # not while a request is using the model or the cache
@@ -139,9 +124,18 @@ class Daemon:
 
     # ---- routes ----------------------------------------------------------------------------------
     async def health(self):
-        # "compiling": the batched programs are still being compiled ahead (requests run meanwhile)
-        return {"status": "ok", "model": self.model_name, "busy": self.worker.busy,
-                "queued": self.worker.jobs.qsize(), "compiling": self._compiling.is_alive()}
+        """Liveness and readiness for load balancers and routers: 200 {"status": "ok"} when ready, 503
+        {"status": "warming"} while the programs compile (a daemon that answers at all is alive)."""
+        ready = self.warmup.ready
+        body = {"status": "ok" if ready else "warming", "model": self.model_name, "busy": self.worker.busy,
+                "queued": self.worker.jobs.qsize(), "compiling": not ready, **self.warmup.state()}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def ready(self):
+        """Readiness alone (a Kubernetes readinessProbe): 200 when ready, 503 while warming."""
+        state = self.warmup.state()
+        return JSONResponse({"status": "ok" if state["ready"] else "warming", **state},
+                            status_code=200 if state["ready"] else 503)
 
     async def models(self, request: Request):
         self._auth(request)
@@ -223,7 +217,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
                write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
-               compile_ahead: bool = False) -> FastAPI:
+               warmup: str = "none") -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.disk import DiskStore, identity
@@ -232,16 +226,17 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         for name, reason in disk.skipped:
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
-    metrics = Metrics()
+    metrics = Metrics(ROUTES)
     worker = Worker(cache, max_queue, metrics, batch)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
-    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, compile_ahead)
+    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, warmup)
 
     app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=d.lifespan)
     app.state.daemon, app.state.cache, app.state.worker, app.state.metrics = d, cache, worker, metrics
     app.add_middleware(_LimitsAndCounts, limit=MAX_BODY_BYTES, metrics=metrics)
     _install_error_handlers(app)
     app.get("/health")(d.health)
+    app.get("/ready")(d.ready)
     app.get("/v1/models")(d.models)
     app.get("/metrics")(d.prometheus)
     app.post("/v1/cache/flush")(d.flush)
@@ -256,6 +251,9 @@ def serve(engine, host: str, port: int, max_connections: int | None = None, **kw
     import uvicorn
 
     app = create_app(engine, **kw)
+    if app.state.daemon.warmup.mode == "block":
+        app.state.daemon.warmup.run()  # the port opens ready
+    print(f"jaxsmol serving {engine.model_dir} on http://{host}:{port}", file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM, then raises the signal again once it has restored the previous handler:
     # with the default handler that kills the drained process (exit status -15). A drained stop is a clean exit.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 2048
 START_TIMEOUT_S = 180  # two servers start at once on a small, shared machine
+WARMUP_TIMEOUT_S = 600  # and one compiles its programs before it is ready (cold, on 2 busy cores: minutes)
 REQUEST_TIMEOUT_S = 120
 
 
@@ -33,9 +34,10 @@ class Server:
     """One `jaxsmol serve` subprocess on a free loopback port; its stdout+stderr go to a temporary file."""
 
     def __init__(self, *extra: str, compile_ahead: bool = False):
-        """compile_ahead: the daemon's default, compiling its batched programs in the background at
-        start; off in the tests' daemons but the "main" one (tests/test_serve.py checks it), since
-        those compiles only compete with each test's own requests for the two cores."""
+        """compile_ahead: the daemon's default (--warmup background), compiling its programs in the
+        background at start, ready once they are; off (--warmup none, ready at once) in the tests'
+        daemons but the "main" one (tests/test_serve.py checks it), since those compiles only compete
+        with each test's own requests for the two cores."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
@@ -44,6 +46,7 @@ class Server:
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.ready = False
+        self.start_timeout = START_TIMEOUT_S + (WARMUP_TIMEOUT_S if compile_ahead else 0)
 
     def output(self, tail: int | None = 6000) -> str:
         self.log.flush()
@@ -51,7 +54,9 @@ class Server:
         text = self.log.read().decode(errors="replace")
         return text if tail is None else text[-tail:]
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
+    def wait_ready(self, timeout: float | None = None) -> "Server":
+        """Until /health answers 200: the daemon listens and has warmed up (503 "warming" until then)."""
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while not self.ready:
             rc = self.proc.poll()
@@ -64,7 +69,7 @@ class Server:
             if not self.ready:
                 if time.monotonic() > deadline:
                     self.stop()
-                    pytest.fail(f"server {self.cmd} not healthy after {timeout} s:\n{self.output()}")
+                    pytest.fail(f"server {self.cmd} not ready after {timeout} s:\n{self.output()}")
                 time.sleep(0.25)
         return self
 
