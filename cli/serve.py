@@ -126,10 +126,10 @@ class Daemon:
     async def health(self):
         """Liveness and readiness for load balancers and routers: 200 {"status": "ok"} when ready, 503
         {"status": "warming"} while the programs compile (a daemon that answers at all is alive)."""
-        ready = self.warmup.ready
-        body = {"status": "ok" if ready else "warming", "model": self.model_name, "busy": self.worker.busy,
-                "queued": self.worker.jobs.qsize(), "compiling": not ready, **self.warmup.state()}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        state = self.warmup.state()
+        body = {"status": "ok" if state["ready"] else "warming", "model": self.model_name, "busy": self.worker.busy,
+                "queued": self.worker.jobs.qsize(), "compiling": not state["ready"], **state}
+        return JSONResponse(body, status_code=200 if state["ready"] else 503)
 
     async def ready(self):
         """Readiness alone (a Kubernetes readinessProbe): 200 when ready, 503 while warming."""

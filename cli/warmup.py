@@ -49,11 +49,12 @@ class Warmup:
 
     def state(self) -> dict:
         """What /health and /ready say of it: ready or not, the mode, seconds spent (so far, or in all)."""
-        if self.ready:
+        ready = self.ready  # read once: the warm-up thread may finish meanwhile
+        if ready:
             spent = self.seconds or 0.0
         else:
             spent = 0.0 if self._began is None else time.perf_counter() - self._began
-        return {"ready": self.ready, "warmup": self.mode, "warmup_s": round(spent, 1)}
+        return {"ready": ready, "warmup": self.mode, "warmup_s": round(spent, 1)}
 
     def run(self) -> None:
         """Compile the single-sequence programs, then the batched ones; ready after, unless stopped."""
