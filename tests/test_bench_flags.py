@@ -22,7 +22,7 @@ def test_only_takes_every_section_and_the_peer_flags():
     args = build_parser().parse_args(["bench", "--only", *SECTIONS, *EXTRA_SECTIONS, "--peer-url", "http://h:1",
                                       "--clients", "1", "8", "--no-long"])
     assert args.only == list(SECTIONS + EXTRA_SECTIONS) and args.peer_url == "http://h:1"
-    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst"}
+    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready"}
     assert not set(EXTRA_SECTIONS) & set(SECTIONS)  # the default run does not grow
 
 
@@ -30,13 +30,14 @@ def test_flags_override_the_plan_and_nothing_else():
     args = build_parser().parse_args(["bench", "--tokens", "3", "--clients", "2", "5", "--rounds", "4",
                                       "--prefix", "64", "--samples", "2", "--batch-invariant"])
     plan = with_flags(QUICK, args)
-    assert plan["serve_tokens"] == plan["forks_tokens"] == plan["burst_tokens"] == 3
+    assert plan["serve_tokens"] == plan["forks_tokens"] == plan["burst_tokens"] == plan["ready_tokens"] == 3
     assert plan["serve_clients"] == (2, 5) and plan["burst_clients"] == 5
     assert plan["forks_rounds"] == plan["pc_repeats"] == plan["peer_rounds"] == plan["burst_rounds"] == 4
     assert plan["pc_prefix"] == plan["peer_prefix"] == 64 and plan["forks_n"] == 2
     assert plan["serve_batch_invariant"] and plan["serve_long"]
     untouched = {k for k in QUICK if plan[k] == QUICK[k]}
-    assert untouched >= set(QUICK) - {"serve_tokens", "forks_tokens", "burst_tokens", "serve_clients", "burst_clients",
+    assert untouched >= set(QUICK) - {"serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "serve_clients",
+                                      "burst_clients",
                                       "forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "pc_prefix",
                                       "peer_prefix", "forks_n", "serve_batch_invariant"}
     assert with_flags(FULL, build_parser().parse_args(["bench"])) == FULL

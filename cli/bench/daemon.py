@@ -4,6 +4,7 @@ output goes to a log file, whose tail an error quotes."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -35,11 +36,13 @@ def model_flags(args, default_ctx: int | None = 2048) -> list[str]:
 
 
 class Daemon:
-    """`with Daemon(flags) as d:` a daemon serving at d.url; d.up_s is the seconds until /health answered."""
+    """`with Daemon(flags) as d:` a daemon serving at d.url, ready: d.up_s is the seconds until /health
+    answered 200 (after its warm-up), d.listening_s until it first answered at all (503 while warming).
+    `env`: variables set for the daemon beside this process's."""
 
-    def __init__(self, flags: list[str], start_timeout_s: float = 600):
-        self.flags, self.timeout = list(flags), start_timeout_s
-        self.proc = self.url = self.up_s = None
+    def __init__(self, flags: list[str], start_timeout_s: float = 600, env: dict[str, str] | None = None):
+        self.flags, self.timeout, self.env = list(flags), start_timeout_s, env
+        self.proc = self.url = self.up_s = self.listening_s = None
 
     def __enter__(self) -> "Daemon":
         import httpx
@@ -49,11 +52,14 @@ class Daemon:
         cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=None if self.env is None else {**os.environ, **self.env})
         self.url = f"http://127.0.0.1:{port}"
         while self.proc.poll() is None and time.perf_counter() - t0 < self.timeout:
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                status = httpx.get(self.url + "/health", timeout=1).status_code
+                if self.listening_s is None:
+                    self.listening_s = time.perf_counter() - t0
+                if status == 200:
                     self.up_s = time.perf_counter() - t0
                     return self
             except httpx.HTTPError:

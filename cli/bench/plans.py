@@ -4,7 +4,7 @@ from __future__ import annotations
 
 SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")  # the default run, in this order
 # run only when named in --only (each takes minutes at its full sizes, or starts daemons), after the above
-EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst")
+EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready")
 HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
@@ -23,6 +23,7 @@ FULL = dict(
     serve_clients=(1, 2, 4, 8, 16), serve_tokens=64, serve_long=True, serve_max_batch=16, serve_prefill_chunk=48,
     serve_batch_invariant=False,
     burst_idle=25.0, burst_clients=8, burst_tokens=32, burst_rounds=2, burst_max_batch=16,
+    ready_tokens=64, ready_settled=5, ready_max_batch=16,
 )
 QUICK = dict(
     FULL,
@@ -37,17 +38,18 @@ QUICK = dict(
     pc_repeats=2, peer_rounds=2,
     serve_clients=(1, 4), serve_tokens=16, serve_max_batch=4,
     burst_idle=5.0, burst_clients=4, burst_tokens=8, burst_rounds=1,
+    ready_tokens=16, ready_settled=2,
 )
 
 # the flags of the extra sections (cli/main.py _add_bench) -> the plan entries each one sets
 FLAG_KEYS = {
-    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens"),
+    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens"),
     "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds"),
     "prefix": ("pc_prefix", "peer_prefix"),
     "suffix": ("pc_suffix", "peer_suffix"),
     "prompt_tokens": ("forks_prompt",),
     "samples": ("forks_n",),
-    "max_batch": ("serve_max_batch", "burst_max_batch"),
+    "max_batch": ("serve_max_batch", "burst_max_batch", "ready_max_batch"),
     "prefill_chunk": ("serve_prefill_chunk",),
     "idle": ("burst_idle",),
 }
@@ -58,14 +60,14 @@ def add_section_flags(parser) -> None:
     e = parser.add_argument_group("sizes of the sections named in --only (default: the full or --quick plan's)")
     e.add_argument("--clients", type=int, nargs="+", metavar="N", help="serve: concurrent streaming clients, a row "
                    "each (full plan 1 2 4 8 16); first-burst: the largest")
-    e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst)")
+    e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst, ready)")
     e.add_argument("--rounds", type=int, metavar="N", help="rounds, medians over them (forks, prompt-cache, "
                    "ttft-peer, first-burst)")
     e.add_argument("--prefix", type=int, metavar="N", help="stored prefix tokens (ttft-peer, prompt-cache; 1008)")
     e.add_argument("--suffix", type=int, metavar="N", help="new tokens after it (ttft-peer, prompt-cache; 16)")
     e.add_argument("--prompt-tokens", type=int, metavar="N", help="forks: the question's tokens (500)")
     e.add_argument("--samples", type=int, metavar="N", help="forks: samples of the question (8)")
-    e.add_argument("--max-batch", type=int, metavar="N", help="serve, first-burst: the daemon's --max-batch (16)")
+    e.add_argument("--max-batch", type=int, metavar="N", help="serve, first-burst, ready: the daemon's --max-batch (16)")
     e.add_argument("--prefill-chunk", type=int, metavar="ROWS", help="serve: the daemon's --prefill-chunk (48)")
     e.add_argument("--batch-invariant", action="store_true", help="serve: the daemon's --batch-invariant")
     e.add_argument("--no-long", action="store_true", help="serve: skip the rows with long prompts arriving")

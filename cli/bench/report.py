@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cli.bench.first_burst import format_first_burst
+from cli.bench.ready import format_ready
 from cli.bench.forks import format_forks
 from cli.bench.plans import HEADLINE
 from cli.bench.prompt_cache import format_prompt_cache
@@ -91,7 +92,8 @@ def _hf(h: dict) -> list[str]:
 
 _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", _decode), ("ttft", _ttft),
              ("snapshot", _snapshot), ("cli", _cli), ("forks", format_forks), ("prompt-cache", format_prompt_cache),
-             ("ttft-peer", format_ttft_peer), ("serve", format_serve), ("first-burst", format_first_burst), ("hf", _hf))
+             ("ttft-peer", format_ttft_peer), ("serve", format_serve), ("first-burst", format_first_burst),
+             ("ready", format_ready), ("hf", _hf))
 
 
 def format_results(res: dict) -> str:

@@ -37,6 +37,7 @@ def _calls(args, engine, plan, rng) -> dict:
     from cli.bench.forks import section_forks
     from cli.bench.hf import section_hf
     from cli.bench.prompt_cache import section_prompt_cache
+    from cli.bench.ready import section_ready
     from cli.bench.serve import section_serve
     from cli.bench.ttft_peer import section_ttft_peer
 
@@ -52,6 +53,7 @@ def _calls(args, engine, plan, rng) -> dict:
             "ttft-peer": (section_ttft_peer, engine, plan, args.peer_url),
             "serve": (section_serve, args, plan, args.peer_url),
             "first-burst": (section_first_burst, args, plan),
+            "ready": (section_ready, args, plan),
             "hf": (section_hf, engine, plan, rng, warm)}
 
 
