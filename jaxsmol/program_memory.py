@@ -29,7 +29,7 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile, or a 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """What the programs made in this process hold: `count` executables, `bytes` of heap."""
+    """What the programs made in this process hold: `count` executables, `bytes` of memory (see watch)."""
     count: int
     bytes: int
 
