@@ -132,7 +132,7 @@ def _build() -> tuple[Path, bool]:
     -> (its path, whether this call compiled it)."""
 
     missing = [f.name for f in (*SOURCES, HEADER) if not f.is_file()]
-    if missing:  # a broken install (issue 40: a wheel without cpu_prefix.cc)
+    if missing:  # a broken install (a wheel without a source)
         raise RuntimeError(f"kernel sources missing from {HEADER.parent}: {', '.join(missing)}")
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.blake2b(digest_size=12)

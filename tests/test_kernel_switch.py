@@ -70,7 +70,7 @@ def test_on_fails_with_one_error_where_they_cannot_be_built(monkeypatch, tmp_pat
 
 
 def test_a_missing_source_is_named(monkeypatch, tmp_path):
-    """A broken install (issue 40: a wheel without cpu_prefix.cc) says which file is missing."""
+    """A broken install says which file is missing."""
     monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, tmp_path / "cpu_missing.cc"))
     with pytest.raises(RuntimeError, match="kernel sources missing from .*: cpu_missing.cc"):
         cpu_kernels._build()

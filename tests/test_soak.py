@@ -186,7 +186,7 @@ def test_soak_memory_stays_within_budget():
         server.stop()
 
 
-# ---- issue 40: the radix-split rounds with the daemon's defaults ------------------------------------
+# ---- the radix-split rounds with the daemon's defaults ------------------------------------------------
 SPLIT_ROUNDS = 12
 SPLIT_CACHE_BYTES = 200 * MB
 FLAT_AFTER_ROUND = 4  # the cache is full (3 x 56 MB) and every program the rounds use is made by then
@@ -195,12 +195,11 @@ UNEXPLAINED_SHARE = 0.10  # of the resident growth since start
 
 
 def test_radix_split_rounds_hold_memory_flat_and_the_gauges_explain_it():
-    """Issue 40's report: `jaxsmol serve --cache-bytes 200000000`, every other flag at its default
+    """`jaxsmol serve --cache-bytes 200000000`, every other flag at its default
     (--kv-cache-bytes, --max-batch, the programs compiled ahead), then rounds of one random
     1200-token prompt and every earlier round's 3-token prompt P[:2] + [7] again, all max_tokens 0.
-    Its RSS grew ~200 MB a round with every gauge flat: the programs compiled ahead in the background
-    (~50 MB each, 73 of them) while the rounds ran, which no gauge counted. Now the rounds start when
-    the daemon says it is ready (/health 200 after its warm-up) and must hold RSS flat from round 4 on, and the memory gauges must explain
+    The programs compiled ahead (~50 MB each) are made before the daemon says it is ready (/health
+    200 after its warm-up); from then on RSS must hold flat from round 4, and the memory gauges must explain
     the resident growth since start (jaxsmol_unaccounted_bytes within 10% of it)."""
     # ready (/health 200) once the programs are compiled ahead: from scratch in a fresh CI home, minutes
     server = Server("--cache-bytes", str(SPLIT_CACHE_BYTES), compile_ahead=True).wait_ready(timeout=1500)

@@ -1,4 +1,4 @@
-"""jaxsmol as pip installs it (issue 40: a wheel without cpu_prefix.cc ran on XLA's ops, slowly): the
+"""jaxsmol as pip installs it: the
 sdist, and the wheel built from it, hold every module and kernel source of the checkout; that wheel,
 installed (not editable) into a fresh virtual environment, compiles the kernels and generates on them.
 

@@ -1,8 +1,7 @@
 """The HTTP side of the serving sections: concurrent streaming /v1/completions clients, and one
 prompt's time to its first token from a server with a prompt cache. Any OpenAI-compatible server
 (`jaxsmol serve`, llama.cpp's llama-server, vLLM) is measured with the same code.
-
-Moved from tools/bench_serve.py and tools/bench_ttft_peer.py."""
+"""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ then with `--no-compile-ahead`; once /health answers, waits `--idle` seconds (a 
 a while before its first clients), then sends a burst of concurrent streaming clients (the largest of
 `--clients`, `--tokens` each) and a second burst of other prompts (everything compiled by then: the
 reference). Reports wall time, time to first token and inter-token latency of both bursts.
-
-Moved from tools/bench_first_burst.py."""
+"""
 
 from __future__ import annotations
 

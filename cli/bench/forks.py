@@ -8,8 +8,7 @@ process (compile time excluded by a warm-up round):
   cached      n runs through a PrefixCache: the first prefills, the others restore the question;
   batched     `generate_many(cache, ..., n=n)`: one prefill, n forks decoded together.
 Reports the medians and the speedups over `sequential` and `cached`.
-
-Moved from tools/bench_forks.py."""
+"""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ Everything is compiled first (engine.warmup), and the file is read once before t
 numbers compare compute and a page-cache read, not compilation or a cold disk. "disk" is the time to
 load and verify the file and put it in a PrefixCache, plus the request's time to first token (the
 answer's state saved after it is not counted; nor is it for cold). `--rounds` repeats (median).
-
-Moved from tools/bench_prompt_cache.py."""
+"""
 
 from __future__ import annotations
 

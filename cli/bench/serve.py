@@ -12,8 +12,7 @@ how many of them were answered while the clients ran and their median time to th
 client count may be repeated: `--clients 8 16 8 16`), the same for jaxsmol and the peer.
 With --peer-url (e.g. llama.cpp's llama-server with as many slots), every row is measured on the
 peer right after jaxsmol, in the same run, with the same client code.
-
-Moved from tools/bench_serve.py."""
+"""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ nothing is shared between rounds:
   cold   the whole prompt (prefix + suffix), nothing stored;
   warm   the prefix was sent before (stored), then prefix + suffix is timed.
 Without --peer-url, jaxsmol's two rows alone.
-
-Moved from tools/bench_ttft_peer.py."""
+"""
 
 from __future__ import annotations
 
