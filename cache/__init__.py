@@ -1,0 +1,42 @@
+"""The prefix cache, in front of jaxsmol's engine: requests that share a prompt prefix reuse its KV state.
+
+    from cache import PrefixCache, generate_many, run_probe
+
+Here: `prefix_cache.py` (PrefixCache: bypass, lookup, restore, continue, save), `records.py` (what it
+reports and pins), `probe.py` (the cold vs warm probe). Two subpackages:
+  store/       where prefixes are kept, model-agnostic: the store interface, the radix tree, the single
+               snapshot of the course exercise, snapshot files and the disk tier (imports jaxsmol only)
+  scheduler/   continuous batching on top of the cache: admission, prefill chunks side by side, forks,
+               answers kept for the next turn, compile-ahead, and generate_many (imports everything here)
+Imports flow cli -> cache -> jaxsmol, never back.
+"""
+
+from jaxsmol.system.moved_modules import keep_old_paths
+
+__all__ = ["PrefixCache", "generate_many", "run_probe"]
+_PUBLIC = {"PrefixCache": "cache.prefix_cache", "generate_many": "cache.scheduler.many", "run_probe": "cache.probe"}
+
+
+def __getattr__(name):
+    """The public names, imported when first asked for (`import cache.store.radix` stays light)."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'cache' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+# the flat layout of 0.1 (cache.radix, cache.many, ...)
+keep_old_paths({
+    "cache.radix": "cache.store.radix",
+    "cache.minimal": "cache.store.minimal",
+    "cache.snapshot": "cache.store.snapshot",
+    "cache.disk": "cache.store.disk",
+    "cache.scheduler_state": "cache.scheduler.state",
+    "cache.requests": "cache.scheduler.requests",
+    "cache.batch_settings": "cache.scheduler.settings",
+    "cache.compile_ahead": "cache.scheduler.compile_ahead",
+    "cache.answers": "cache.scheduler.answers",
+    "cache.many": "cache.scheduler.many",
+    "cache.side_by_side": "cache.scheduler.side_by_side",
+})

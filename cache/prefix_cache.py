@@ -1,21 +1,21 @@
 """The prefix cache in front of the engine: bypass, lookup, restore, continue, save.
 
 Modes:
-  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens (cache/minimal.py)
-  "radix"    many prefixes in a radix tree (cache/radix.py), longest match at token granularity,
+  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens (cache/store/minimal.py)
+  "radix"    many prefixes in a radix tree (cache/store/radix.py), longest match at token granularity,
              the last prompt position's logits kept for an exact full hit (no forward at all),
              generated tokens saved too (the next chat turn repeats them), LRU under a byte budget
   "off"      every request bypasses
 
 Keys are namespaced by the model fingerprint (config, dtype, weights) and an optional salt.
 
-A second tier on disk (`disk=DiskStore(...)`, cache/disk.py), radix mode: evicted entries are written
+A second tier on disk (`disk=DiskStore(...)`, cache/store/disk.py), radix mode: evicted entries are written
 there while its budget allows, a lookup that finds a longer prefix there than in memory brings it back
 first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
 
 Exactness: a warm run gives the bits of a cold run. Prefill chunks come from the engine's exact
-buckets wherever they start (see jaxsmol/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
+buckets wherever they start (see jaxsmol/runtime/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
 the CPU kernels), and the generated tokens' state is saved only after re-prefilling it the same way
 (`exact=True`), because single-token decode rows differ from prefill rows in the last bits. With
 exact=False (the non-bitwise fast path) a short suffix after a restore may take fewer rows than the
@@ -30,14 +30,14 @@ import warnings
 
 import numpy as np
 
-from cache.disk import DiskStore, Snapshot, SnapshotError
-from cache.minimal import SingleSnapshotStore
+from cache.store.disk import DiskStore, Snapshot, SnapshotError
+from cache.store.minimal import SingleSnapshotStore
 from cache.records import AnswerSave, CacheReport, CacheStats, Lookup
-from cache.store import RadixPrefixStore
-from jaxsmol.engine import Engine, Generation
+from cache.store.interface import RadixPrefixStore
+from jaxsmol.runtime.engine import Engine, Generation
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kv import SEQ_AXIS, KVCache
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.model.kv import SEQ_AXIS, KVCache
+from jaxsmol.runtime.sampling import SamplingParams
 
 MODES = ("radix", "minimal", "off")
 
@@ -63,7 +63,7 @@ class PrefixCache:
 
     @property
     def store(self):
-        """The store this mode uses (cache/store.py's interface), None when off."""
+        """The store this mode uses (cache/store/interface.py), None when off."""
         return {"radix": self.radix, "minimal": self.single}.get(self.mode)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -160,12 +160,12 @@ class PrefixCache:
         return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
 
     def generate_many(self, prompts, sp: SamplingParams = SamplingParams(), **kw):
-        """Deprecated since 0.2.0, removed in 0.3.0: `generate_many(cache, prompts, sp, ...)` from
-        cache.many. The prefix cache does not know the scheduler that builds on it (no import
+        """Deprecated since 0.2.0, removed in 0.3.0: `generate_many(cache, prompts, sp, ...)`, from
+        cache (it lives in cache/scheduler/many.py). The prefix cache does not know the scheduler that builds on it (no import
         circle); until then this method reaches it by name, so code written for 0.1 still runs."""
-        warnings.warn("PrefixCache.generate_many is deprecated: use `from cache.many import generate_many; "
+        warnings.warn("PrefixCache.generate_many is deprecated: use `from cache import generate_many; "
                       "generate_many(cache, prompts, sp, ...)`", DeprecationWarning, stacklevel=2)
-        return importlib.import_module("cache.many").generate_many(self, prompts, sp, **kw)
+        return importlib.import_module("cache.scheduler.many").generate_many(self, prompts, sp, **kw)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
         """Run a request to the end; returns (Generation, CacheReport)."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxsmol.engine import Engine, Generation
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.engine import Engine, Generation
+from jaxsmol.runtime.sampling import SamplingParams
 
-from cache.disk import load_prompt_cache, save_prompt_cache
+from cache.store.disk import load_prompt_cache, save_prompt_cache
 from cache.prefix_cache import CacheReport, PrefixCache
 
 

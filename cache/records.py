@@ -1,6 +1,6 @@
 """What the prefix cache records: its statistics, its report on one request, and what a lookup pins.
 
-Plain data shared by cache/prefix_cache.py (which fills them) and cache/scheduler.py (which carries a
+Plain data shared by cache/prefix_cache.py (which fills them) and cache/scheduler/scheduler.py (which carries a
 `Lookup` from admission to the end of a request and an `AnswerSave` until the answer is stored).
 """
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxsmol.kv import KVCache
+from jaxsmol.model.kv import KVCache
 
 
 @dataclasses.dataclass

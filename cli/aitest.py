@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         warn_refused(result)
         print(json.dumps(result) if args.json else format_probe(result))
         return 0
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=args.predict, **sampling_kwargs(args))
     cache_out = None

@@ -45,7 +45,7 @@ def add_structured_args(p: argparse.ArgumentParser) -> None:
 def structured_spec(args) -> str | None:
     """SamplingParams.structured from --json-schema / --json-object / --regex (checked, before the model loads)."""
     from jaxsmol.errors import JaxsmolError
-    from jaxsmol.structured import canonical_spec
+    from jaxsmol.runtime.structured import canonical_spec
 
     if getattr(args, "json_object", False):
         return canonical_spec({"type": "json_object"})
@@ -69,14 +69,14 @@ def sampling_kwargs(args) -> dict:
 
 
 def load_engine(args, on_config=None):
-    from jaxsmol.engine import Engine
+    from jaxsmol.runtime.engine import Engine
 
-    from jaxsmol.compile_cache import enable_compilation_cache
+    from jaxsmol.runtime.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
     mesh = None
     if args.tp * args.dp > 1 or args.tp < 1 or args.dp < 1:
-        from jaxsmol.sharding import make_mesh
+        from jaxsmol.model.sharding import make_mesh
         mesh = make_mesh(tp=args.tp, dp=args.dp)
     return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, progress=sys.stderr.isatty(), mesh=mesh,
                        on_config=on_config)
@@ -100,7 +100,7 @@ class Precompile:
         import threading
         import types
 
-        from jaxsmol.engine import check_prompt, context_length
+        from jaxsmol.runtime.engine import check_prompt, context_length
         from jaxsmol.errors import JaxsmolError
 
         a = self.args
@@ -117,7 +117,7 @@ class Precompile:
     def _compile(self, cfg, n: int) -> None:
         import time
 
-        from jaxsmol.compile_cache import compile_cold_request
+        from jaxsmol.runtime.compile_cache import compile_cold_request
 
         t0 = time.perf_counter()
         try:
@@ -162,7 +162,7 @@ def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
 def open_prompt_cache(engine, path, prompt, mode: str = "radix"):
     """(PrefixCache seeded from FILE, PromptCacheReport) for --prompt-cache. A file that cannot be used
     is a one-line warning on stderr; the request then runs cold."""
-    from cache.disk import load_prompt_cache
+    from cache.store.disk import load_prompt_cache
     from cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(engine, mode=mode)
@@ -181,7 +181,7 @@ def warn_refused(probe_result: dict) -> None:
 def close_prompt_cache(cache, report, tokens) -> None:
     """Save the state of `tokens` (the prompt, plus the answer where stored) to the prompt cache file;
     a file that is not a snapshot is left as it is (the warning when it was refused said so)."""
-    from cache.disk import save_prompt_cache
+    from cache.store.disk import save_prompt_cache
     from jaxsmol.errors import JaxsmolError
 
     try:

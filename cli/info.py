@@ -17,8 +17,8 @@ def collect() -> dict:
     import jaxlib
 
     import jaxsmol
-    from jaxsmol.compile_cache import compilation_cache_dir
-    from jaxsmol.data_dirs import data_home
+    from jaxsmol.runtime.compile_cache import compilation_cache_dir
+    from jaxsmol.system.data_dirs import data_home
 
     backend = jax.default_backend()
     cache_dir = compilation_cache_dir()
@@ -31,7 +31,7 @@ def collect() -> dict:
 
 def kernel_state(backend: str):
     """cpu_kernels.state() on the CPU backend; elsewhere the forward runs XLA's ops, the kernels unbuilt."""
-    from jaxsmol import cpu_kernels
+    from jaxsmol.kernels import cpu_kernels
 
     if backend != "cpu":
         return cpu_kernels.KernelState(*cpu_kernels.kernel_switch(), False,
@@ -50,7 +50,7 @@ def _version() -> str:
 
 def _model() -> dict:
     """The default model: its directory, whether it was imported there yet, and the bundled GGUF's path."""
-    from jaxsmol.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, is_imported
+    from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, is_imported
     from jaxsmol.errors import JaxsmolError
 
     try:
@@ -85,7 +85,7 @@ def format_info(r: dict) -> str:
 def run_info(args) -> int:
     """Print the report; then, with JAXSMOL_KERNELS=on where the kernels are not in use, fail as every
     command does (available() raises the one-line error)."""
-    from jaxsmol import cpu_kernels
+    from jaxsmol.kernels import cpu_kernels
 
     report = collect()
     print(json.dumps(report) if args.json else format_info(report), flush=True)

@@ -13,7 +13,7 @@ from cli.tables import format_probe
 
 
 def _generate(args) -> int:
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),  # so do bad settings
@@ -65,8 +65,8 @@ def _generate(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from jaxsmol.default_model import default_model_dir
-    from jaxsmol.tokenizer import Tokenizer
+    from jaxsmol.checkpoint.default_model import default_model_dir
+    from jaxsmol.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.load(args.model or default_model_dir(progress=sys.stderr.isatty()))
     text = tok.apply_chat_template([{"role": "user", "content": args.text}]) if args.chat else args.text
@@ -79,7 +79,7 @@ def _tokenize(args) -> int:
 
 
 def _import_gguf(args) -> int:
-    from jaxsmol.gguf_import import import_gguf
+    from jaxsmol.checkpoint.gguf_import import import_gguf
 
     out = import_gguf(args.file, args.outdir, progress=sys.stderr.isatty())
     print(f"imported {args.file} -> {out}")
@@ -102,9 +102,9 @@ def _cacheprobe(args) -> int:
 
 
 def _serve(args) -> int:
-    from cache.batch_settings import CHUNK_ROWS_CHOICES, BatchSettings
-    from cli.serve import serve
-    from cli.tenants import Tenants
+    from cache.scheduler.settings import CHUNK_ROWS_CHOICES, BatchSettings
+    from cli.server.serve import serve
+    from cli.server.tenants import Tenants
     from jaxsmol.errors import JaxsmolError
 
     tenants = Tenants.from_options(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
@@ -132,7 +132,7 @@ def _serve(args) -> int:
 
 
 def _score(args) -> int:
-    from jaxsmol.scoring import score
+    from jaxsmol.runtime.scoring import score
 
     engine = load_engine(args)
     ids = prompt_ids(args, engine)
@@ -320,10 +320,10 @@ def build_parser() -> ArgumentParser:
 
 @user_errors
 def main(argv=None) -> int:
-    from jaxsmol.host_memory import keep_freed_memory
+    from jaxsmol.system.host_memory import keep_freed_memory
 
     args = build_parser().parse_args(argv)
-    keep_freed_memory()  # big buffers reused, not faulted in afresh (see jaxsmol/host_memory.py)
+    keep_freed_memory()  # big buffers reused, not faulted in afresh (see jaxsmol/system/host_memory.py)
     return args.func(args)
 
 

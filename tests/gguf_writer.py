@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxsmol import gguf_import
-from jaxsmol.gguf_import import permute_qk
+from jaxsmol.checkpoint import gguf_import
+from jaxsmol.checkpoint.gguf_import import permute_qk
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

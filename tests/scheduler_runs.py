@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.many import generate_many
+from cache.scheduler.many import generate_many
 from cache.prefix_cache import PrefixCache
 
 

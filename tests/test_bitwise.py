@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from cache.prefix_cache import PrefixCache
-from jaxsmol.config import Config
-from jaxsmol.engine import Engine
-from jaxsmol.params import init_random
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.model.config import Config
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.model.params import init_random
+from jaxsmol.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=3, logprobs=3)
 

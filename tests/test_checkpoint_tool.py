@@ -23,9 +23,9 @@ def test_real_sizes_have_the_published_shapes():
 
 
 def test_written_checkpoint_loads_with_the_expected_shapes(tiny_dir):
-    from jaxsmol.config import Config
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import Checkpoint, expected_shapes
+    from jaxsmol.model.config import Config
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import Checkpoint, expected_shapes
 
     cfg = Config.load(tiny_dir)
     ckpt = Checkpoint(tiny_dir)

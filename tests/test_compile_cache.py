@@ -1,4 +1,4 @@
-"""The persistent compilation cache (jaxsmol/compile_cache.py) as a library user gets it: Engine.load
+"""The persistent compilation cache (jaxsmol/runtime/compile_cache.py) as a library user gets it: Engine.load
 turns it on, so a notebook's or a script's next process loads its programs instead of compiling them
 again (the real model's forward: ~1.5 s a shape), and leaves a cache the user set for JAX alone."""
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOAD = ("import sys, jax; from jaxsmol.engine import Engine; Engine.load(sys.argv[1], progress=False); "
+LOAD = ("import sys, jax; from jaxsmol.runtime.engine import Engine; Engine.load(sys.argv[1], progress=False); "
         "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
 
 

@@ -1,4 +1,4 @@
-"""Config.from_hf (jaxsmol/config.py) on the real SmolLM configurations: the forward's shapes for each
+"""Config.from_hf (jaxsmol/model/config.py) on the real SmolLM configurations: the forward's shapes for each
 (jax.eval_shape, nothing computed), and the refusals that name the field; the forward itself is in
 tests/test_model.py."""
 
@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxsmol.config import Config
+from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kv import KVCache
-from jaxsmol.model import forward
-from jaxsmol.params import abstract_params
+from jaxsmol.model.kv import KVCache
+from jaxsmol.model.forward import forward
+from jaxsmol.model.params import abstract_params
 
 # ---- real configurations: shapes only ------------------------------------------------------------
 

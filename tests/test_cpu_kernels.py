@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (jaxsmol/cpu_kernels.py): the matmul (few-row and packed paths) and causal attention.
+"""The C++ CPU kernels (jaxsmol/kernels/cpu_kernels.py): the matmul (few-row and packed paths) and causal attention.
 
 They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
 whatever else shares its call (batch rows, or the chunk a query row arrives in), read nothing beyond
@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol import cpu_kernels, model, programs
-from jaxsmol.kv import KVCache
+from jaxsmol.kernels import cpu_kernels
+from jaxsmol.model import forward as model
+from jaxsmol.runtime import programs
+from jaxsmol.model.kv import KVCache
 
 
 
@@ -130,7 +132,7 @@ def test_forward_with_the_kernels_agrees_with_xla(tiny_cfg, params):
 def test_a_prompt_rows_bits_do_not_depend_on_its_chunks(tiny_cfg, params, chunks):
     """With the kernels, every row of a prefill chunk of >= 2 rows has the same bits (its logits and
     its keys and values) whatever the chunk's size or start: what lets the exact prefix cache use
-    16- and 32-row chunks (jaxsmol/engine.py). (Without them, XLA's GEMM and row reductions differ
+    16- and 32-row chunks (jaxsmol/runtime/engine.py). (Without them, XLA's GEMM and row reductions differ
     below 64 rows.)"""
     cfg = dataclasses.replace(tiny_cfg, cpu_kernels=True)
     params = cpu_kernels.pack_params(params)
@@ -169,7 +171,7 @@ def test_fused_products_change_no_bit(tiny_cfg, params):
 def test_packed_weights_round_trip_and_are_required(tiny_cfg, params):
     """pack/unpack are inverses; the loader packs under the kernels; a forward with the kernels on
     and unpacked params is an error naming the fix, not a silent fallback."""
-    from jaxsmol.params import abstract_params
+    from jaxsmol.model.params import abstract_params
 
     w = np.arange(6 * 64, dtype=np.float32).reshape(6, 64)
     assert cpu_kernels.pack(w).shape == (2, 6, 32) and cpu_kernels.pack(w)[1, 2, 3] == w[2, 35]
@@ -209,8 +211,8 @@ def test_the_kernels_use_this_cpus_vector_width():
 def test_engine_turns_the_kernels_on_only_where_they_apply(tiny_cfg, tiny_engine):
     """float32 or bfloat16 weights on one device: on (a mesh: off, asserted in tests/test_sharding.py);
     shapes that are not whole weight panels: off."""
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     assert tiny_engine.cfg.cpu_kernels
     assert Engine(tiny_cfg, init_random(tiny_cfg, dtype=jnp.bfloat16), None).cfg.cpu_kernels
@@ -236,9 +238,9 @@ def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tin
     """bfloat16 weights under the kernels: the matrices stay bfloat16 (half the bytes a decode step
     streams, as do the embedding and norms); activations and cache are float32; and the logits and tokens are
     those of a float32 engine whose weights hold the same (bfloat16-rounded) values, bit for bit."""
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
+    from jaxsmol.runtime.sampling import SamplingParams
 
     narrow = init_random(tiny_cfg, seed=3, dtype=jnp.bfloat16)
     e16 = Engine(tiny_cfg, narrow, None, ctx=512)
@@ -257,9 +259,9 @@ def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tin
 def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
     """No C++ compiler: one line on stderr says so, and generation runs on XLA's dot."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXSMOL_HOME=str(tmp_path / "home"))
-    code = ("from jaxsmol.engine import Engine\n"
+    code = ("from jaxsmol.runtime.engine import Engine\n"
             f"e = Engine.load({str(tiny_model_dir)!r}, progress=False)\n"
-            "from jaxsmol.sampling import SamplingParams\n"
+            "from jaxsmol.runtime.sampling import SamplingParams\n"
             "g = e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))\n"
             "print('kernels', e.cfg.cpu_kernels, len(g.output_ids))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -275,10 +277,10 @@ def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, d
     (a bfloat16 engine's cache is float32 under the kernels, as its shapes must say)."""
     import logging
 
-    from jaxsmol.compile_cache import compile_cold_request
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.compile_cache import compile_cold_request
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
+    from jaxsmol.runtime.sampling import SamplingParams
 
     cfg = cpu_kernels.configure(tiny_cfg, getattr(jnp, dtype))
     assert cfg.cpu_kernels

@@ -1,4 +1,4 @@
-"""Where the default model lives (jaxsmol/default_model.py): the data home, the bundled GGUF, and the
+"""Where the default model lives (jaxsmol/checkpoint/default_model.py): the data home, the bundled GGUF, and the
 one-time import of it, also when another process races us; on a tiny synthetic GGUF
 (tests/gguf_writer.py)."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from gguf_writer import MODEL_FILES, leftovers
-from jaxsmol import default_model, gguf_import
+from jaxsmol.checkpoint import default_model, gguf_import
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.gguf_import import import_gguf
+from jaxsmol.checkpoint.gguf_import import import_gguf
 
 def test_data_home(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from jaxsmol import data_dirs
+    from jaxsmol.system import data_dirs
 
     monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "h"))
     assert data_dirs.data_home() == tmp_path / "h"

@@ -1,4 +1,4 @@
-"""Prefix snapshots on disk (cache/snapshot.py, cache/disk.py): the file format, its refusals and
+"""Prefix snapshots on disk (cache/store/snapshot.py, cache/store/disk.py): the file format, its refusals and
 atomic writes; the daemon's second tier and --prompt-cache across processes are in
 tests/test_disk_tier.py.
 
@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache import snapshot
-from cache.disk import DiskStore, load_prompt_cache, save_prompt_cache
-from cache.snapshot import Snapshot, SnapshotError, load_snapshot
+from cache.store import snapshot
+from cache.store.disk import DiskStore, load_prompt_cache, save_prompt_cache
+from cache.store.snapshot import Snapshot, SnapshotError, load_snapshot
 from cache.prefix_cache import PrefixCache
 from cache_runs import toks
 from daemon import ROOT
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.sampling import SamplingParams
 
 SP = SamplingParams(max_tokens=4)
 TINY = {"model": "tiny", "tokenizer": "none"}
@@ -277,7 +277,7 @@ def test_a_file_that_is_not_a_snapshot_is_never_overwritten(tiny_engine, saved, 
 def test_tokenizer_fingerprint(model_dir, tmp_path):
     import shutil
 
-    from jaxsmol.tokenizer import Tokenizer
+    from jaxsmol.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_dir)
     fp = tok.fingerprint
@@ -315,7 +315,7 @@ def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
 
 _WRITER = """
 import sys, numpy as np
-from cache.snapshot import Snapshot, save_snapshot
+from cache.store.snapshot import Snapshot, save_snapshot
 k = np.random.default_rng(0).standard_normal((8, 1, 4, 4096, 64)).astype(np.float32)  # 32 MiB a tensor
 i = 0
 while True:

@@ -1,4 +1,4 @@
-"""Prefix snapshots on disk as the daemon's second tier (cache/disk.py's DiskStore behind the prefix
+"""Prefix snapshots on disk as the daemon's second tier (cache/store/disk.py's DiskStore behind the prefix
 cache: spills, warm restarts, its budget), and --prompt-cache across processes; the file format and
 its refusals are in tests/test_disk_cache.py.
 
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache import snapshot
-from cache.disk import DiskStore
+from cache.store import snapshot
+from cache.store.disk import DiskStore
 from cache.prefix_cache import PrefixCache
-from cache.snapshot import Snapshot
+from cache.store.snapshot import Snapshot
 from cache_runs import toks
 from daemon import ROOT, free_port
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.sampling import SamplingParams
 
 SP = SamplingParams(max_tokens=4)
 

@@ -1,4 +1,4 @@
-"""The engine (jaxsmol/engine.py) on the tiny random model: generation, stopping, validation,
+"""The engine (jaxsmol/runtime/engine.py) on the tiny random model: generation, stopping, validation,
 chunking, the bound on compiled programs and the buffers it keeps (the real model:
 tests/test_engine_real.py; the sampler itself: tests/test_sampling.py)."""
 
@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for, chunk_plan,
+from jaxsmol.runtime.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for, chunk_plan,
                             compile_bound, prefill_buckets, tight_plan)
-from jaxsmol.engine import Engine, compiled_programs
+from jaxsmol.runtime.engine import Engine, compiled_programs
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kv import KVCache
-from jaxsmol.model import ATTN_BLOCK
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.model.kv import KVCache
+from jaxsmol.model.forward import ATTN_BLOCK
+from jaxsmol.runtime.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 200, 13, 5, 64, 128]
 
@@ -307,9 +307,9 @@ def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
     """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most PER_CAPACITY small
     buffers per capacity, each counted; a buffer taken for a new request leaves the count. Large
     buffers: as many as BYTES_PER_CAPACITY holds, never fewer than MIN_PER_CAPACITY."""
-    from jaxsmol.buffers import CachePool
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.runtime.buffers import CachePool
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
     budget = CachePool.BYTES_PER_CAPACITY
@@ -327,7 +327,7 @@ def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
 def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
     """Restores copy a host snapshot through two staging buffers (keys, values) kept between calls,
     counted in pool_bytes; a shorter restore reuses them, and the restored positions are the snapshot's."""
-    from jaxsmol.params import init_random
+    from jaxsmol.model.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
     _, kv = engine.prefill(_ids(300, 0), engine.new_cache(engine.slots_needed(0, 300, 0)))
@@ -347,7 +347,7 @@ def test_a_restore_takes_a_finished_cache_holding_its_prefix_without_copying(tin
     """A cache recycled with the tokens whose exact state it holds serves a restore of a prefix of
     them as it is (same buffer, no staging copy), with the snapshot's values in those slots; a
     restore of other tokens, or one not told its tokens, copies the snapshot in."""
-    from jaxsmol.params import init_random
+    from jaxsmol.model.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
     prompt = _ids(300, 0)

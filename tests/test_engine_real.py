@@ -1,4 +1,4 @@
-"""The engine (jaxsmol/engine.py) on the real default model, SmolLM2-135M-Instruct: a chat answer,
+"""The engine (jaxsmol/runtime/engine.py) on the real default model, SmolLM2-135M-Instruct: a chat answer,
 prefill then decode versus one forward, chunked prefill versus one shot. The same on the tiny random
 model is in tests/test_engine.py and tests/test_model.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxsmol.chunks import chunk_plan
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.chunks import chunk_plan
+from jaxsmol.runtime.sampling import SamplingParams
 
 TEXT = ("The history of the city begins with a small fishing village on the banks of a wide river. Over the "
         "centuries, merchants arrived from distant lands, bringing spices, silk and new ideas. Bridges were "

@@ -120,12 +120,12 @@ def client(model_dir, tmp_path_factory):
     tokenizer and chat template."""
     from fastapi.testclient import TestClient
 
-    from cache.batch_settings import BatchSettings
-    from cli.serve import create_app
-    from jaxsmol.config import Config
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
-    from jaxsmol.tokenizer import Tokenizer
+    from cache.scheduler.settings import BatchSettings
+    from cli.server.serve import create_app
+    from jaxsmol.model.config import Config
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
+    from jaxsmol.checkpoint.tokenizer import Tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -11,11 +11,11 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from gguf_writer import MODEL_FILES, SPECIALS, TINY, leftovers, write_tiny_gguf
-from jaxsmol import default_model, gguf_import
-from jaxsmol.config import Config
+from jaxsmol.checkpoint import default_model, gguf_import
+from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.gguf_import import import_gguf, permute_qk, unpermute_qk
-from jaxsmol.tokenizer import Tokenizer
+from jaxsmol.checkpoint.gguf_import import import_gguf, permute_qk, unpermute_qk
+from jaxsmol.checkpoint.tokenizer import Tokenizer
 
 
 # --- Q/K permutation ---------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_crafted_sizes_are_refused_before_allocating(tmp_path, sizes, words):
 
 _KILLED_IMPORT = """
 import sys, time
-from jaxsmol import gguf_import
+from jaxsmol.checkpoint import gguf_import
 real = gguf_import._dequantize
 def stuck(t, cfg):
     print("writing", flush=True)

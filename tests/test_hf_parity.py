@@ -38,7 +38,7 @@ N_NEW = REF["n_new"]
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from jaxsmol.default_model import default_model_dir
+    from jaxsmol.checkpoint.default_model import default_model_dir
     from jaxsmol.errors import JaxsmolError
 
     try:
@@ -49,7 +49,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from jaxsmol.engine import Engine
+    from jaxsmol.runtime.engine import Engine
 
     return Engine.load(model_dir)
 
@@ -64,7 +64,7 @@ def _generate(engine, prompt_ids, logprobs: int = 0):
         if not logprobs:
             return engine.generate_ids(prompt_ids, max_tokens=N_NEW), None
         return engine.generate_ids(prompt_ids, max_tokens=N_NEW, logprobs=logprobs)
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     gen = engine.generate(prompt_ids, SamplingParams(max_tokens=N_NEW, temperature=0.0, logprobs=logprobs))
     tops = [([i for i, _ in e["top"]], [v for _, v in e["top"]]) for e in gen.logprobs] if logprobs else None

@@ -1,4 +1,4 @@
-"""jaxsmol/host_memory.py: big host blocks come from malloc's heap and stay there once freed (glibc).
+"""jaxsmol/system/host_memory.py: big host blocks come from malloc's heap and stay there once freed (glibc).
 
 Run in a fresh interpreter, as the command line calls it: at start, before other threads exist (a
 thread that already has an arena of its own keeps it)."""
@@ -13,7 +13,7 @@ import sys
 PROBE = r"""
 import ctypes, json, sys, threading
 import numpy as np
-from jaxsmol.host_memory import keep_freed_memory
+from jaxsmol.system.host_memory import keep_freed_memory
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -1,4 +1,4 @@
-"""The CPU kernels' switch and state (jaxsmol/cpu_kernels.py `kernel_switch`, `state`) and `jaxsmol info`
+"""The CPU kernels' switch and state (jaxsmol/kernels/cpu_kernels.py `kernel_switch`, `state`) and `jaxsmol info`
 (cli/info.py): JAXSMOL_KERNELS=auto|on|off (JAXSMOL_CPU_KERNELS, its old name, still read), a bad value
 or `on` where the kernels cannot be built is one error line, a CPU they cannot run on is skipped before
 compiling. (The wheel's kernels: tests/test_wheel.py.)"""
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from jaxsmol import cpu_kernels
+from jaxsmol.kernels import cpu_kernels
 from jaxsmol.errors import JaxsmolError
 
 
@@ -77,9 +77,9 @@ def test_a_missing_source_is_named(monkeypatch, tmp_path):
 
 
 def test_off_is_silent_and_the_engine_runs_xla(monkeypatch, capsys, tiny_cfg):
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
+    from jaxsmol.runtime.sampling import SamplingParams
 
     fresh_state(monkeypatch, {"JAXSMOL_CPU_KERNELS": "off"})
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=256)
@@ -103,7 +103,7 @@ def test_generate_with_on_and_no_compiler_is_one_error_line(tmp_path, tiny_model
 
 def test_info_reports_the_kernels_and_the_directories(tmp_path):
     """--json: one object, the kernels built here (the suite needs a compiler); the text: one row each."""
-    from jaxsmol.default_model import DEFAULT_MODEL_NAME
+    from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME
 
     env = {"JAXSMOL_HOME": str(tmp_path), "JAXSMOL_COMPILE_CACHE": str(tmp_path / "programs")}
     home = tmp_path / "kernels"  # a library built before, copied in: the state says it came from the cache

@@ -1,6 +1,6 @@
-"""Where memory goes: the compiled programs measured as they are made (jaxsmol/program_memory.py),
-malloc's figures (jaxsmol/host_memory.py), and the daemon's account that /metrics exports
-(cli/memory.py). The daemon-level check (the gauges explain RSS growth) is in tests/test_soak.py."""
+"""Where memory goes: the compiled programs measured as they are made (jaxsmol/system/program_memory.py),
+malloc's figures (jaxsmol/system/host_memory.py), and the daemon's account that /metrics exports
+(cli/server/memory.py). The daemon-level check (the gauges explain RSS growth) is in tests/test_soak.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.memory import MemoryAccount
-from cli.metrics import MEMORY_GAUGES, Metrics
-from jaxsmol import host_memory, program_memory
-from jaxsmol.kv import KVCache
+from cli.server.memory import MemoryAccount
+from cli.server.metrics import MEMORY_GAUGES, Metrics
+from jaxsmol.system import host_memory, program_memory
+from jaxsmol.model.kv import KVCache
 
 pytestmark = pytest.mark.skipif(host_memory.heap() is None, reason="malloc's figures need glibc (mallinfo2)")
 
@@ -30,7 +30,7 @@ def test_malloc_figures_see_an_allocation_and_its_release():
 def test_each_program_made_is_counted_with_its_memory(tiny_cfg, params):
     """A new shape of the forward makes one executable (traced, lowered, compiled): one more program
     and bytes for it; the same shape again comes from JAX's caches and makes none."""
-    from jaxsmol import programs
+    from jaxsmol.runtime import programs
 
     assert program_memory.watch() and program_memory.watch()  # idempotent
     before = program_memory.held()

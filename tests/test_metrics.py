@@ -1,4 +1,4 @@
-"""cli/metrics.py without a server: route-template labels (a crafted path creates no series), counts,
+"""cli/server/metrics.py without a server: route-template labels (a crafted path creates no series), counts,
 and a render that Prometheus' own parser reads back. Generations come from the tiny engine."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache.prefix_cache import PrefixCache
-from cli.metrics import OTHER, ROUTES, TTFT_BUCKETS, Metrics
-from jaxsmol.sampling import SamplingParams
+from cli.server.metrics import OTHER, ROUTES, TTFT_BUCKETS, Metrics
+from jaxsmol.runtime.sampling import SamplingParams
 
 CRAFTED = [
     "/v1/completions/../x", "/V1/completions", "/v1/completions/", "/metrics?x=1", "/a\"b", "/a}b 1\nfake_metric 7",

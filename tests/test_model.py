@@ -1,4 +1,4 @@
-"""The pure forward pass (jaxsmol/model.py, rope.py, kv.py) on the tiny config; Config.from_hf and the
+"""The pure forward pass (jaxsmol/model/forward.py, rope.py, kv.py) on the tiny config; Config.from_hf and the
 real configurations' shapes are in tests/test_config.py.
 
 The forward is jitted here without donation (`_fwd`), so a cache can be fed to several calls.
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.kv import KVCache
-from jaxsmol.model import ATTN_BLOCK, forward, rms_norm
-from jaxsmol.params import init_random
-from jaxsmol.rope import apply_rope, rope_tables
+from jaxsmol.model.kv import KVCache
+from jaxsmol.model.forward import ATTN_BLOCK, forward, rms_norm
+from jaxsmol.model.params import init_random
+from jaxsmol.model.rope import apply_rope, rope_tables
 
 _fwd = jax.jit(forward, static_argnames=("cfg", "all_logits"))
 CAP = 1024  # cache capacity used throughout (4 attention blocks)
@@ -213,7 +213,7 @@ def test_prefill_then_decode_equals_one_forward(params, tiny_cfg, n):
 
 @pytest.mark.parametrize("n", [600, 1000])
 def test_chunked_prefill_equals_one_shot(tiny_engine, n):
-    from jaxsmol.chunks import chunk_plan
+    from jaxsmol.runtime.chunks import chunk_plan
 
     assert len(chunk_plan(n)) == 2
     ids = _ids(n, 7).tolist()
@@ -269,9 +269,9 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     """On the CPU kernels (only the matrices bfloat16; a float32 cache) and on XLA's ops (as with a
     mesh, or without a C++ compiler: products and cache bfloat16)."""
     from cache.prefix_cache import PrefixCache
-    from jaxsmol import cpu_kernels
-    from jaxsmol.engine import Engine
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.kernels import cpu_kernels
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.runtime.sampling import SamplingParams
 
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
@@ -296,7 +296,7 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     seg = cache.snapshot_of(ids)
     assert seg.k.dtype == cache_dtype and seg.logits[100].dtype == np.float32
     # a snapshot file passes the engine's dtype check and restores exactly
-    from cache.disk import load_prompt_cache, save_prompt_cache
+    from cache.store.disk import load_prompt_cache, save_prompt_cache
 
     save_prompt_cache(cache, tmp_path / "bf16.safetensors", ids)
     loaded = PrefixCache(e16)
@@ -308,8 +308,8 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
 
 @pytest.mark.real
 def test_bfloat16_real_model_parity(model_dir, real_engine):
-    from jaxsmol.engine import Engine
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.runtime.sampling import SamplingParams
 
     e16 = Engine.load(model_dir, ctx=2048, dtype="bfloat16", progress=False)
     tok = real_engine.tokenizer

@@ -1,4 +1,4 @@
-"""Loading HF tensors into Params (jaxsmol/params.py): shapes, names, tying, safetensors files."""
+"""Loading HF tensors into Params (jaxsmol/model/params.py): shapes, names, tying, safetensors files."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxsmol.config import Config
+from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.params import expected_shapes, load_params, params_from_hf, read_hf_tensors
+from jaxsmol.model.params import expected_shapes, load_params, params_from_hf, read_hf_tensors
 
 
 def _tensors(cfg: Config, seed: int = 0) -> dict[str, np.ndarray]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxsmol.kv import KVCache
+from jaxsmol.model.kv import KVCache
 from cache.prefix_cache import PrefixCache
 from cache_runs import SP, distinct, run, toks
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.sampling import SamplingParams
 
 
 # ---- construction -------------------------------------------------------------------------------
@@ -242,10 +242,10 @@ def test_statistics_radix(eng, bpt, payload_bytes):
 def test_generate_many_lives_beside_the_scheduler_and_the_old_method_still_runs(eng):
     """0.2.0 moved generate_many out of PrefixCache (the cache does not import its scheduler: no import
     circle); the method stays one release, warning, with the same results."""
-    from cache.many import generate_many
+    from cache import generate_many
 
     prompts, sp = [list(range(10, 30)), list(range(10, 25)) + [99]], SamplingParams(max_tokens=3)
     new = generate_many(PrefixCache(eng), prompts, sp)
-    with pytest.warns(DeprecationWarning, match="cache.many import generate_many"):
+    with pytest.warns(DeprecationWarning, match="from cache import generate_many"):
         old = PrefixCache(eng).generate_many(prompts, sp)
     assert [[r.output_ids for r in rs] for rs in old] == [[r.output_ids for r in rs] for rs in new]

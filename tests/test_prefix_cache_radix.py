@@ -9,10 +9,10 @@ import pytest
 
 from cache.prefix_cache import PrefixCache
 from cache_runs import SP, assert_same, distinct, run, toks
-from jaxsmol.config import Config
-from jaxsmol.engine import Engine
-from jaxsmol.params import init_random
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.model.config import Config
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.model.params import init_random
+from jaxsmol.runtime.sampling import SamplingParams
 
 
 # ---- radix: exact full hit ------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_fingerprint_covers_weights_config_and_dtype():
 def test_fingerprint_covers_the_code_of_the_forward(monkeypatch):
     """A snapshot stored (on disk) by a version of the forward or kernels whose bits differ must not
     be restored by another: the fingerprint hashes those sources."""
-    from jaxsmol import engine
+    from jaxsmol.runtime import engine
 
     cfg = Config.tiny()
     base = Engine(cfg, init_random(cfg, seed=0), None).fingerprint

@@ -1,5 +1,5 @@
-"""The OpenAI protocol as pure functions (cli/protocol.py, cli/responses.py), API keys (cli/tenants.py) and
-the worker <-> HTTP event contract (cli/events.py): no model, no server."""
+"""The OpenAI protocol as pure functions (cli/api/protocol.py, cli/api/responses.py), API keys (cli/server/tenants.py) and
+the worker <-> HTTP event contract (cli/api/events.py): no model, no server."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from cli import protocol as P
-from cli import responses as R
-from cli.events import ChoiceResult, ChoiceSpec, Job, JobEnd, TokenEvent
-from cli.tenants import OPEN, Tenants, cache_salt, parse_keys_file
-from jaxsmol.stream import Step
+from cli.api import protocol as P
+from cli.api import responses as R
+from cli.api.events import ChoiceResult, ChoiceSpec, Job, JobEnd, TokenEvent
+from cli.server.tenants import OPEN, Tenants, cache_salt, parse_keys_file
+from jaxsmol.runtime.stream import Step
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.runtime.sampling import SamplingParams
 
 
 def _decode(i: int) -> str:

@@ -1,4 +1,4 @@
-"""The sampler (jaxsmol/sampling.py): greedy, temperature, top-k and top-p, each row on its own, and
+"""The sampler (jaxsmol/runtime/sampling.py): greedy, temperature, top-k and top-p, each row on its own, and
 SamplingParams' checks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams, sample
+from jaxsmol.runtime.sampling import SamplingParams, sample
 
 
 # ---- sample(): the traced sampler itself ---------------------------------------------------------
@@ -34,7 +34,7 @@ def test_greedy_is_argmax():
 
 def test_temperature_below_the_minimum_is_greedy(tiny_engine):
     """logits / 2e-38 overflow to inf: such a temperature is greedy, as vLLM does below 1e-5."""
-    from jaxsmol.sampling import MIN_TEMPERATURE
+    from jaxsmol.runtime.sampling import MIN_TEMPERATURE
 
     logits = (np.random.default_rng(2).standard_normal((4, 256)) * 10).astype(np.float32)
     for t in (2e-38, 1e-30, 1e-6, MIN_TEMPERATURE / 2):
@@ -85,7 +85,7 @@ def _nucleus_reference(logits, top_k, top_p):
 
 def test_top_k_top_p_without_a_sort_match_a_sorted_reference():
     """The bisection (no sort) keeps exactly the ids a sort keeps, away from float ties at the edge."""
-    from jaxsmol.sampling import _top_k_top_p
+    from jaxsmol.runtime.sampling import _top_k_top_p
 
     rng = np.random.default_rng(7)
     for trial in range(30):
@@ -101,7 +101,7 @@ def test_top_k_top_p_without_a_sort_match_a_sorted_reference():
 
 def test_a_rows_draw_does_not_depend_on_its_neighbours():
     """sample_rows: row i's token depends on its own logits, settings and seed only, at any width."""
-    from jaxsmol.sampling import sample_rows
+    from jaxsmol.runtime.sampling import sample_rows
 
     rng = np.random.default_rng(3)
     W, V = 8, 300

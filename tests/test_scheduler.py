@@ -1,4 +1,4 @@
-"""Continuous batching (cache/scheduler.py): many requests in one decode batch, on the tiny config.
+"""Continuous batching (cache/scheduler/scheduler.py): many requests in one decode batch, on the tiny config.
 
 The contract: under batch_invariant a request's tokens and logprobs are identical alone or among
 others; requests join and leave while others decode; n samples of one prompt prefill it once; the
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from cache.prefix_cache import PrefixCache
-from cache.requests import Collector, Request
-from cache.many import generate_many
-from cache.batch_settings import widths_for
-from cache.scheduler import Scheduler
-from jaxsmol import programs
-from jaxsmol.chunks import capacity_for
-from jaxsmol.sampling import SamplingParams
+from cache.scheduler.requests import Collector, Request
+from cache.scheduler.many import generate_many
+from cache.scheduler.settings import widths_for
+from cache.scheduler.scheduler import Scheduler
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.chunks import capacity_for
+from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
 
@@ -243,7 +243,7 @@ def test_answers_are_stored_when_no_row_decodes(tiny_engine):
 def test_relayout_moves_each_row_and_zeroes_the_rest(tiny_cfg, width, capacity, rows):
     """programs.relayout against numpy: new row i is old row rows[i] (its slots, then zeros past the
     old capacity); an empty row (-1) is zeros at position 0."""
-    from jaxsmol.kv import KVCache
+    from jaxsmol.model.kv import KVCache
 
     rng = np.random.default_rng(width)
     old = KVCache.zeros(tiny_cfg, 64, batch=4)
@@ -298,7 +298,7 @@ def test_structured_output_rows_beside_free_rows(real_engine):
 
     import jsonschema
 
-    from jaxsmol.structured import canonical_spec
+    from jaxsmol.runtime.structured import canonical_spec
 
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 16},
@@ -333,8 +333,8 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
 
     import jax
 
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
     if ahead:
@@ -357,7 +357,7 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
 
 def _burst_programs() -> set[str]:
     """The batched programs a burst runs: prompts side by side only with the CPU kernels."""
-    from jaxsmol import cpu_kernels
+    from jaxsmol.kernels import cpu_kernels
 
     return set(BATCHED_PROGRAMS) - (set() if cpu_kernels.available() else {"prefill_rows"})
 
@@ -367,7 +367,7 @@ def test_programs_compiled_ahead_are_the_ones_a_burst_runs(caplog):
     shapes alone): a burst of requests then compiles none of them. Without it the same burst compiles
     them as the batch reaches each width. Each burst has a config of its own shapes (layers for the
     cache, vocabulary for the sampling), so no earlier test compiled its programs."""
-    from jaxsmol.config import Config
+    from jaxsmol.model.config import Config
 
     assert _burst_compiles(Config.tiny(n_layers=3, vocab_size=288), False, caplog) == _burst_programs()
     assert _burst_compiles(Config.tiny(n_layers=4, vocab_size=320), True, caplog) == set()

@@ -1,13 +1,13 @@
-"""The scheduler's prompt rows per step (cache/scheduler.py, cache/batch_settings.py), on the tiny
+"""The scheduler's prompt rows per step (cache/scheduler/scheduler.py, cache/scheduler/settings.py), on the tiny
 config: a step's budget (--prefill-chunk) while rows decode, the chunks a prompt gets from it, the
 shortest prompt first; every answer still bitwise its run alone."""
 
 from __future__ import annotations
 
 from cache.prefix_cache import PrefixCache
-from cache.requests import Collector, Request
-from cache.scheduler import Scheduler
-from jaxsmol.sampling import SamplingParams
+from cache.scheduler.requests import Collector, Request
+from cache.scheduler.scheduler import Scheduler
+from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
 
@@ -92,9 +92,9 @@ def test_chunk_rows_48_caps_the_prompt_rows_of_a_step_beside_decoding_rows(tiny_
 def test_a_budget_below_the_smallest_exact_chunk_still_advances_prompts(tiny_cfg, monkeypatch):
     """Without the CPU kernels (a mesh, or no C++ compiler) exact chunks start at 64 rows; a
     --prefill-chunk of 32 then runs 64-row chunks beside a decoding row rather than never prefilling."""
-    from jaxsmol import cpu_kernels
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.kernels import cpu_kernels
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)

@@ -1,4 +1,4 @@
-"""Prompt scoring (jaxsmol/scoring.py, `jaxsmol score`) and the daemon's worker (cli/worker.py) on the tiny
+"""Prompt scoring (jaxsmol/runtime/scoring.py, `jaxsmol score`) and the daemon's worker (cli/server/worker.py) on the tiny
 config: per-choice cache use, plain-data results, prompt log-probabilities equal cold and warm. The real
 model's scores are checked against the Hugging Face reference fixture."""
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams
-from jaxsmol.scoring import log_softmax, score
+from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.runtime.scoring import log_softmax, score
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_reference.json"
@@ -51,8 +51,8 @@ def test_score_refuses_bad_input(tiny_engine, ids, top_k):
 def worker_loop():
     """(loop, start_worker): an event loop on its own thread (the jobs' events live there) and
     start_worker(cache) -> a started Worker; all stopped after the test."""
-    from cli.metrics import Metrics
-    from cli.worker import Worker
+    from cli.server.metrics import Metrics
+    from cli.server.worker import Worker
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -74,7 +74,7 @@ def worker_loop():
 
 
 async def _events_until_end(job) -> list:
-    from cli.events import JobEnd
+    from cli.api.events import JobEnd
 
     events = []
     while not isinstance(events[-1:] and events[-1], JobEnd):
@@ -85,7 +85,7 @@ async def _events_until_end(job) -> list:
 @pytest.fixture
 def run_job(worker_loop):
     """run_job(cache, choices, salt=None) -> the job's events, in order (the worker thread runs it)."""
-    from cli.events import Job
+    from cli.api.events import Job
 
     loop, start_worker = worker_loop
 
@@ -98,7 +98,7 @@ def run_job(worker_loop):
 
 def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, run_job):
     from cache.prefix_cache import PrefixCache
-    from cli.events import ChoiceDone, ChoiceResult, ChoiceSpec, JobEnd, TokenEvent
+    from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, JobEnd, TokenEvent
 
     cache = PrefixCache(tiny_engine)
     prompt = list(range(3, 40))
@@ -132,7 +132,7 @@ def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, ru
 
 def test_worker_reports_bad_input_on_the_job(tiny_engine, run_job):
     from cache.prefix_cache import PrefixCache
-    from cli.events import ChoiceSpec, JobEnd, JobError
+    from cli.api.events import ChoiceSpec, JobEnd, JobError
 
     events = run_job(PrefixCache(tiny_engine), [ChoiceSpec(0, [1, 10**6], SamplingParams(max_tokens=1))])
     assert isinstance(events[0], JobError) and isinstance(events[0].error, JaxsmolError)
@@ -182,8 +182,8 @@ def test_an_idle_worker_admits_a_burst_arriving_ms_apart_together(tiny_engine, w
     four prompts of 20 tokens share one side-by-side forward, where the first alone would have run
     its own before the other three arrived."""
     from cache.prefix_cache import PrefixCache
-    from cli.events import ChoiceSpec, Job
-    from cli.worker import ARRIVAL_GAP_S
+    from cli.api.events import ChoiceSpec, Job
+    from cli.server.worker import ARRIVAL_GAP_S
 
     loop, start_worker = worker_loop
     worker = start_worker(PrefixCache(tiny_engine, mode="off"))

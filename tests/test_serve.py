@@ -1,4 +1,4 @@
-"""End-to-end tests of `jaxsmol serve` (cli/serve.py, cli/completions.py, cli/worker.py, cli/metrics.py, cli/client.py,
+"""End-to-end tests of `jaxsmol serve` (cli/server/serve.py, cli/server/completions.py, cli/server/worker.py, cli/server/metrics.py, cli/client.py,
 cli/aitest.py): the endpoints, the prefix cache over HTTP, concurrency, metrics and the aitest client.
 Bad requests are in tests/test_serve_bad_requests.py, a client that leaves, a full queue and SIGTERM in
 tests/test_serve_admission.py, the OpenAI API in depth and tenants in tests/test_openai_api.py.
@@ -49,8 +49,8 @@ ENDINGS = (" Question: what is fact 3? Answer:", " Question: what is fact 11? An
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from jaxsmol.default_model import default_model_dir
-    from jaxsmol.tokenizer import Tokenizer
+    from jaxsmol.checkpoint.default_model import default_model_dir
+    from jaxsmol.checkpoint.tokenizer import Tokenizer
 
     return Tokenizer.load(default_model_dir(progress=False))
 

@@ -1,4 +1,4 @@
-"""Continuous batching in the daemon (cli/worker.py driving cache/scheduler.py), on real daemons.
+"""Continuous batching in the daemon (cli/server/worker.py driving cache/scheduler/scheduler.py), on real daemons.
 
 * `invariant` — `--batch-invariant --max-batch 4`: a request's tokens and logprobs are the same alone
   or among other requests, and n samples of one prompt prefill it once;

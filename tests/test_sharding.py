@@ -21,11 +21,11 @@ def run_py(code: str, timeout=600) -> dict:
 
 TINY = """
 import json, numpy as np, jax
-from jaxsmol.config import Config
-from jaxsmol.params import init_random
-from jaxsmol.engine import Engine
-from jaxsmol.sharding import make_mesh
-from jaxsmol.sampling import SamplingParams
+from jaxsmol.model.config import Config
+from jaxsmol.model.params import init_random
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.model.sharding import make_mesh
+from jaxsmol.runtime.sampling import SamplingParams
 from cache.prefix_cache import PrefixCache
 cfg = Config.tiny(n_heads=8, n_kv_heads=4)
 params = init_random(cfg)
@@ -83,9 +83,9 @@ def test_real_model_tensor_parallel_over_3_devices():
     # SmolLM2-135M has 9 query and 3 key/value heads: tp=3 splits every head group evenly.
     out = run_py("""
     import json, numpy as np
-    from jaxsmol.engine import Engine
-    from jaxsmol.sharding import make_mesh
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.sharding import make_mesh
+    from jaxsmol.runtime.sampling import SamplingParams
     from cache.prefix_cache import PrefixCache
     single = Engine.load(ctx=2048, progress=False)
     tp = Engine(single.cfg, single.params, single.tokenizer, ctx=2048, mesh=make_mesh(tp=3))
@@ -144,8 +144,8 @@ def test_daemon_serves_with_a_mesh(tmp_path, tiny_model_dir):
         for _ in range(2):
             req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
             answers.append(json.loads(urllib.request.urlopen(req, timeout=300).read()))
-        from jaxsmol.engine import Engine
-        from jaxsmol.sampling import SamplingParams
+        from jaxsmol.runtime.engine import Engine
+        from jaxsmol.runtime.sampling import SamplingParams
 
         single = Engine.load(tiny_model_dir, ctx=1024, progress=False)
         alone = single.generate(single.tokenizer.encode(prompt), SamplingParams(max_tokens=4, ignore_eos=True))

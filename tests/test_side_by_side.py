@@ -1,4 +1,4 @@
-"""Prompts prefilled side by side (jaxsmol/batch.py prefill_rows, Engine.prefill_side_by_side, the
+"""Prompts prefilled side by side (jaxsmol/runtime/batch.py prefill_rows, Engine.prefill_side_by_side, the
 scheduler's grouping): one forward for several prompts' chunks, every row with the bits of its
 prompt's lone chunk, so cached == uncached still holds bit for bit."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from cache.prefix_cache import PrefixCache
-from cache.requests import Collector, Request
-from cache.scheduler import Scheduler
-from cache.side_by_side import MAX_ROWS, group_chunks
-from jaxsmol.sampling import SamplingParams
+from cache.scheduler.requests import Collector, Request
+from cache.scheduler.scheduler import Scheduler
+from cache.scheduler.side_by_side import MAX_ROWS, group_chunks
+from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
 
@@ -105,9 +105,9 @@ def test_a_burst_is_prefilled_side_by_side_and_answers_as_alone(tiny_engine):
 def test_without_the_kernels_prompts_are_prefilled_one_by_one(tiny_cfg, monkeypatch):
     """Without the CPU kernels (XLA's fused attention may change with the batch's shape) no chunks run
     side by side: each prompt gets forwards of its own, and the engine refuses a side-by-side call."""
-    from jaxsmol import cpu_kernels
-    from jaxsmol.engine import Engine
-    from jaxsmol.params import init_random
+    from jaxsmol.kernels import cpu_kernels
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.model.params import init_random
 
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)

@@ -8,10 +8,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from cli.structured_request import structured_from_request
+from cli.api.structured_request import structured_from_request
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.sampling import SamplingParams, sample, unpack_bitmask
-from jaxsmol.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
+from jaxsmol.runtime.sampling import SamplingParams, sample, unpack_bitmask
+from jaxsmol.runtime.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
 
 # ---- the mask inside the sampler (tiny shapes, no model) -------------------------------------------
 

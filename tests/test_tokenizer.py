@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from jaxsmol.default_model import default_model_dir
+from jaxsmol.checkpoint.default_model import default_model_dir
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.tokenizer import IncrementalDecoder, Tokenizer
+from jaxsmol.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 
 pytestmark = pytest.mark.real
 

@@ -21,9 +21,9 @@ CASES = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from jaxsmol.default_model import default_model_dir
+    from jaxsmol.checkpoint.default_model import default_model_dir
     from jaxsmol.errors import JaxsmolError
-    from jaxsmol.tokenizer import Tokenizer
+    from jaxsmol.checkpoint.tokenizer import Tokenizer
 
     try:
         model_dir = default_model_dir(progress=False)

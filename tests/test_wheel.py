@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxsmol import cpu_kernels
+from jaxsmol.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxsmol", "cache", "cli")

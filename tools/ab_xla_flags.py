@@ -30,7 +30,7 @@ DEFAULT_FLAGS = [
 
 CHILD = r"""
 import json, statistics, time, numpy as np, jax.numpy as jnp
-from jaxsmol.engine import Engine
+from jaxsmol.runtime.engine import Engine
 eng = Engine.load(progress=False)
 ids = list(range(1000, 1512))
 def prefill():

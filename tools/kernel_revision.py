@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxsmol import cpu_kernels
+from jaxsmol.kernels import cpu_kernels
 
 
 def register(rev: str, source: str, symbol: str) -> str:

@@ -77,8 +77,8 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str
 def make_checkpoint(size: str | dict, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
                     tokenizer_dir: str | Path | None = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer files into `out`; returns it."""
-    from jaxsmol.config import Config
-    from jaxsmol.params import expected_shapes
+    from jaxsmol.model.config import Config
+    from jaxsmol.model.params import expected_shapes
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def make_checkpoint(size: str | dict, out: str | Path, dtype: str = "bfloat16", 
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
     write_safetensors(out / "model.safetensors", expected_shapes(Config.load(out)), dtype, seed)
     if tokenizer_dir is None:
-        from jaxsmol.default_model import default_model_dir
+        from jaxsmol.checkpoint.default_model import default_model_dir
         tokenizer_dir = default_model_dir(progress=False)
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():

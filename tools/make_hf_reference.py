@@ -7,7 +7,7 @@ project never depends on. Run it in a separate venv (see below); the tests that 
 
     python3 -m venv .refenv
     .refenv/bin/pip install torch==2.13.0 transformers tokenizers safetensors numpy gguf sentencepiece accelerate
-    .venv/bin/python -c "from jaxsmol.default_model import default_model_dir; print(default_model_dir())"
+    .venv/bin/python -c "from jaxsmol.checkpoint.default_model import default_model_dir; print(default_model_dir())"
     .refenv/bin/python tools/make_hf_reference.py --model ~/.cache/jaxsmol/models/SmolLM2-135M-Instruct \
         --out tests/fixtures/hf_reference.json
 

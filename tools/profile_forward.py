@@ -156,8 +156,8 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxsmol import programs
-    from jaxsmol.engine import Engine
+    from jaxsmol.runtime import programs
+    from jaxsmol.runtime.engine import Engine
 
     # compiled here, not loaded from the disk cache: a cached program's HLO keeps the source lines of
     # the code that first compiled it (its key ignores them), which would attribute thunks wrongly

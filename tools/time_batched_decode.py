@@ -31,8 +31,8 @@ def _runners(eng, W: int, cap: int, pos: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxsmol import programs
-    from jaxsmol.kv import KVCache
+    from jaxsmol.runtime import programs
+    from jaxsmol.model.kv import KVCache
 
     cfg = eng.cfg
     tok = jnp.full((W,), 100, jnp.int32)
@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    from jaxsmol.chunks import capacity_for
-    from jaxsmol.engine import Engine
+    from jaxsmol.runtime.chunks import capacity_for
+    from jaxsmol.runtime.engine import Engine
 
     eng = Engine.load(args.model, progress=False)
     cap, pos = capacity_for(args.position + args.steps + 1), args.position

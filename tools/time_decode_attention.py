@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsmol import cpu_kernels
+from jaxsmol.kernels import cpu_kernels
 
 import kernel_revision  # tools/, beside this file
 

@@ -32,7 +32,7 @@ def cached(engine, prompt, sp, n):
 
 
 def batched(engine, prompt, sp, n):
-    from cache.many import generate_many
+    from cache.scheduler.many import generate_many
     from cache.prefix_cache import PrefixCache
 
     generate_many(PrefixCache(engine), [prompt], sp, n=n, max_batch=n)
@@ -42,7 +42,7 @@ WAYS = {"sequential": sequential, "cached": cached, "batched": batched}
 
 
 def section_forks(engine, plan) -> dict:
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     n, tokens, rounds = plan["forks_n"], plan["forks_tokens"], plan["forks_rounds"]
     question = engine.tokenizer.encode("Question: how many apples are left? Think step by step. " * 60)

@@ -59,7 +59,7 @@ class Warmup:
         if not self.requests_warm:
             self.requests_warm = True
             from cache.prefix_cache import PrefixCache
-            from jaxsmol.sampling import SamplingParams
+            from jaxsmol.runtime.sampling import SamplingParams
 
             cache = PrefixCache(eng)
             for _ in range(2):  # cold, then an exact full hit
@@ -68,8 +68,8 @@ class Warmup:
     def capacity(self, slots: int) -> None:
         import numpy as np
 
-        from jaxsmol.chunks import capacity_for
-        from jaxsmol.kv import KVCache
+        from jaxsmol.runtime.chunks import capacity_for
+        from jaxsmol.model.kv import KVCache
 
         eng, cap = self.engine, capacity_for(slots)
         if cap in self.capacities:
@@ -113,7 +113,7 @@ def measure_decode(engine, position: int, steps: int) -> float:
 def timed(cache, prompt) -> dict:
     """One request of one token through the cache (cache.probe.timed_request), as a plain row."""
     from cache.probe import timed_request
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     t = timed_request(cache, prompt, SamplingParams(max_tokens=1))
     return {"ttft_s": t.ttft_s, "wall_s": t.seconds, "engine_ttft_s": t.gen.timings.ttft_s,

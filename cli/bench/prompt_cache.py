@@ -1,5 +1,5 @@
 """`--only prompt-cache`: time to first token of a 1024-token prompt: cold, against its first 1008
-tokens (`--prefix`) loaded from a snapshot file (cache/disk.py) plus a 16-token suffix (`--suffix`)
+tokens (`--prefix`) loaded from a snapshot file (cache/store/disk.py) plus a 16-token suffix (`--suffix`)
 prefilled.
 
 Everything is compiled first (engine.warmup), and the file is read once before timing, so the
@@ -21,9 +21,9 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
     """`repeats` times: a cold request, then the prefix loaded from `path` and the request again."""
     import numpy as np
 
-    from cache.disk import load_prompt_cache
+    from cache.store.disk import load_prompt_cache
     from cache.prefix_cache import PrefixCache
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=1)
     cold_s, warm_s, load_s, outputs = [], [], [], set()
@@ -49,10 +49,10 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
 def section_prompt_cache(engine, plan) -> dict:
     import numpy as np
 
-    from cache.disk import save_prompt_cache
+    from cache.store.disk import save_prompt_cache
     from cache.prefix_cache import PrefixCache
-    from cache.snapshot import identity, load_snapshot
-    from jaxsmol.sampling import SamplingParams
+    from cache.store.snapshot import identity, load_snapshot
+    from jaxsmol.runtime.sampling import SamplingParams
 
     p, s = plan["pc_prefix"], plan["pc_suffix"]
     if p + s + 1 > engine.ctx:

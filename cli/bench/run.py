@@ -17,7 +17,7 @@ from cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
 def _meta(args, engine, plan, sections, load0) -> dict:
     import jax
 
-    from jaxsmol.chunks import compile_bound
+    from jaxsmol.runtime.chunks import compile_bound
 
     return {
         "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
@@ -86,7 +86,7 @@ def run_bench(args) -> int:
 
     from cli.bench.report import format_results
     from cli.common import load_engine
-    from jaxsmol.engine import compiled_programs
+    from jaxsmol.runtime.engine import compiled_programs
 
     plan = with_flags(QUICK if args.quick else FULL, args)
     rng = np.random.default_rng(args.seed)

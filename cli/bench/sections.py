@@ -28,9 +28,9 @@ def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
 def section_compilations(engine, plan, rng) -> dict:
     """A mixed workload through the radix cache; count the forward programs it compiles."""
     from cache.prefix_cache import PrefixCache
-    from jaxsmol.chunks import compile_bound
-    from jaxsmol.engine import compiled_programs
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.chunks import compile_bound
+    from jaxsmol.runtime.engine import compiled_programs
+    from jaxsmol.runtime.sampling import SamplingParams
 
     vocab = engine.cfg.vocab_size
     max_prompt = max(2, min(plan["workload_max_prompt"], engine.ctx - plan["workload_max_tokens"]))
@@ -126,7 +126,7 @@ def section_ttft(engine, plan, rng, warm: Warmup) -> dict:
 
 def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
     from cache.prefix_cache import PrefixCache
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     vocab, trunk_n, branch_n = engine.cfg.vocab_size, plan["trunk"], plan["branch"]
     n_max = max(plan["branches"])

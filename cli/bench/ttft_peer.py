@@ -23,7 +23,7 @@ def ours(engine, prefix, suffix, exact: bool) -> tuple[float, float]:
     which follows the token, is not counted)."""
     from cache.prefix_cache import PrefixCache
     from cache.probe import timed_request
-    from jaxsmol.sampling import SamplingParams
+    from jaxsmol.runtime.sampling import SamplingParams
 
     one = SamplingParams(max_tokens=1)
     cold = timed_request(PrefixCache(engine, mode="off"), prefix + suffix, one).ttft_s

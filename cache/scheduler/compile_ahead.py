@@ -1,0 +1,80 @@
+"""The continuous batch's programs compiled ahead of time, from shapes alone (nothing runs).
+
+The daemon runs `compile_batched` in a background thread as soon as it listens: compiled on first
+use instead, a burst's first step at each new width held every stream while the 30-layer forward
+was traced and compiled. The static arguments are named exactly as the scheduler calls them (a
+program lowered with them positional, or left to their defaults, is another cache key).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cache.scheduler.side_by_side import MAX_ROWS
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.batch import row_settings
+from jaxsmol.runtime.chunks import capacity_for
+from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.runtime.structured import all_allowed
+
+
+def empty_batch(engine, width: int, capacity: int) -> KVCache:
+    """An empty decode batch for `engine`: k, v [L, width, K, capacity, H] zeros, pos [width]."""
+    return KVCache.zeros(engine.cfg, capacity, batch=width, dtype=engine.params.compute_dtype,
+                         mesh=engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
+
+
+def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side_by_side: int = 1) -> int:
+    """Compile the batched programs that requests of up to `slots` positions use: decode_step and
+    insert_row at every width, relayout from each width to each other one, sample_first for one
+    choice, and prefill_rows for up to `side_by_side` prompts side by side. Returns how many.
+    Not with a mesh (the programs' shardings come from the live arrays
+    there). `stop` (an Event): checked before each width's programs, so a shutting-down daemon
+    waits for one width at most."""
+    cfg = engine.cfg
+    if engine.mesh is not None:
+        return 0
+    capacity, n = capacity_for(slots), 0
+    row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.params.compute_dtype))
+
+    def free_settings(width):  # rows that sample freely, as most requests do
+        return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
+                            all_allowed(width, cfg.vocab_size))
+
+    for i, width in enumerate(widths):
+        if stop is not None and stop.is_set():
+            return n
+        batch = jax.eval_shape(lambda: empty_batch(engine, width, capacity))
+        programs.decode_step.lower(engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
+                                   jax.ShapeDtypeStruct((width,), bool), free_settings(width), cfg,
+                                   logprobs=False).compile()
+        programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        for other in widths[:i] + widths[i + 1:]:  # growing and shrinking
+            programs.relayout.lower(batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity).compile()
+        n += 1 + len(widths)
+    logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
+    programs.sample_first.lower(logits, free_settings(1), logprobs=False).compile()
+    return n + 1 + compile_side_by_side(engine, side_by_side, capacity, stop)
+
+
+def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
+    """Compile prefill_rows for 2..`most` prompts side by side at each exact chunk length up to
+    side_by_side.MAX_ROWS, at one capacity, for each window it may use (a burst of short prompts:
+    the 128 leading slots; longer ones the whole capacity). Returns how many."""
+    if not engine.side_by_side:
+        return 0
+    row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.params.compute_dtype))
+    n = 0
+    windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
+    for P in range(2, most + 1):
+        for T in (T for T in engine.buckets(True) if T <= MAX_ROWS):
+            for window in windows:
+                if stop is not None and stop.is_set():
+                    return n
+                programs.prefill_rows.lower(engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
+                                            jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg,
+                                            window=window).compile()
+                n += 1
+    return n

@@ -1,0 +1,373 @@
+"""Continuous batching: many requests decode together, one jitted step for all of them.
+
+Each `step()` does, in order:
+  1. admission: the oldest waiting requests, while decode rows will be free for their choices (and
+     fewer than PREFILLS_AT_ONCE prompts are being prefilled), are looked up in the prefix cache and
+     restored into one-row staging caches (prefill / insert / generate, as in JetStream);
+  2. prefill: their prompts' next chunks, exact (a prompt state has a cold prefill's bits), chunks
+     of one length side by side in one forward (see `_prefill_newcomers`); or else one chunk of an
+     answer being stored for the next turn. A complete prompt's first tokens are sampled and its
+     state inserted into a decode row per choice (`n` forks share one prefill);
+  3. decode: one step of every live row (forward at each row's position, then each row's own
+     sampling), then the host side of every row (its TokenStream).
+Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
+
+The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
+doubling ladder; it grows when a newcomer needs more (at once to the width the waiting requests need
+too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used, so that a
+lone stream decodes at width 1. With `batch_invariant`, the width is always `max_batch`: a row's
+logits then do not depend on how many other rows are live, so a request's tokens are the same
+alone or among others (a step's row count changes the last bits).
+
+Decode rows' memory is bounded by `kv_bytes` (width x capacity x bytes per position); a request that
+would break it waits, except that one request alone is always admitted. An idle batch is kept for
+the next burst: reused as it is for the same shape, else freed just before the new one is made (its
+memory, not fresh pages); a bigger one that a smaller one replaces (a lone request after a burst)
+is kept as the spare for the next burst, within kv_bytes together.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.scheduler.answers import AnswerQueue
+from cache.scheduler.settings import BatchSettings
+from cache.scheduler.compile_ahead import compile_batched, empty_batch
+from cache.prefix_cache import PrefixCache
+from cache.scheduler.requests import Request
+from cache.scheduler.side_by_side import group_chunks
+from cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask, step_inputs
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime.batch import row_settings
+from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime.stream import TokenStream
+from jaxsmol.runtime.structured import constraint_for
+
+SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
+# Prompts prefilled at once (side by side where their chunks have one length), each holding a
+# one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
+PREFILLS_AT_ONCE = 8
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, **settings):
+        """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows)."""
+        self.settings = s = BatchSettings(**settings)
+        self.cache, self.engine = cache, cache.engine
+        self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
+        self.widths = s.widths
+        self.pending: collections.deque[Request] = collections.deque()
+        self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
+        self.saves = AnswerQueue(cache)  # answers being stored for the next turn
+        self.rows: list[Row | None] = []
+        self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
+        self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
+        self.stats = SchedulerStats()
+        self._shrink_votes = 0
+
+    # ---- the public surface ------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request; its events reach its sink from `step()` (a bad one: one error event)."""
+        if len(request.samplings) > self.max_batch:
+            request.sink.error(JaxsmolError(f"at most {self.max_batch} choices per request (max_batch), "
+                                            f"got {len(request.samplings)}"))
+            return
+        self.pending.append(request)
+
+    @property
+    def live_rows(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def free_rows(self) -> int:
+        """Decode rows neither live nor held by a prompt being prefilled."""
+        return self.max_batch - self.live_rows - sum(p.request.decode_rows for p in self.prefills)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.prefills or self.saves or self.live_rows)
+
+    @property
+    def kv_bytes_held(self) -> int:
+        """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms)."""
+        return sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
+
+    def figures(self) -> dict:
+        """What /metrics shows of the batch (see cli/server/metrics.py)."""
+        return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
+                "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
+                "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
+
+    def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
+        """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py); returns how many."""
+        return compile_batched(self.engine, self.widths, slots, stop, side_by_side=PREFILLS_AT_ONCE)
+
+    def step(self) -> None:
+        """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
+        decode step of all rows."""
+        self._drop_cancelled()
+        if not self._prefill_newcomers() and self.saves.may_run(rows_decoding=self.live_rows > 0):
+            self.saves.step(self.settings.step_rows(self.live_rows > 0))
+        if self.live_rows:
+            self._decode()
+        self._maybe_shrink()
+
+    def _prefill_newcomers(self) -> bool:
+        """Admit what fits (at most PREFILLS_AT_ONCE prompts being prefilled), then give each prompt,
+        the fewest rows left first, this step's chunks: at most `step_rows` rows per prompt, as one chunk
+        of at most `chunk_cap` rows while rows decode (a long prompt advances in short steps) unless
+        the rest finishes it, in its least padded plan (45 tokens: 32 + 16 rows, not 64). The
+        prompts' chunks of the same length run side by side in one forward (a burst of short prompts
+        reads the weights once, not once per prompt). Returns whether any prompt work was done."""
+        self._admit()
+        if not self.prefills:
+            return False
+        decoding = self.live_rows > 0  # a budget below the smallest exact chunk acts as it:
+        budget = max(self.settings.step_rows(decoding), self.engine.buckets(True)[0])
+        plans = {p: self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
+                                         budget, decoding) for p in sorted(self.prefills, key=self._rows_left)}
+        most = PREFILLS_AT_ONCE if self.engine.side_by_side else 1  # without the kernels: each alone
+        for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk, padded rows T
+            todo = [(p, self.engine.chunk_rows(self._rows_left(p), rows[j], self._exact(p)))
+                    for p, rows in plans.items() if j < len(rows) and p in self.prefills]
+            for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), most):
+                self._prefill_group(group)
+        return True
+
+    def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p.kv
+        return len(p.lookup.prompt) - int(p.kv.pos)
+
+    def run(self) -> None:
+        while self.has_work:
+            self.step()
+
+    # ---- admission and prefill ---------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Begin the waiting requests in order while decode rows (and memory) will be free for them
+        and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
+        while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
+            req = self.pending[0]
+            if req.sink.cancelled():
+                self.pending.popleft()
+                continue
+            if not self._room_for(req) or (not req.bypass and self.saves.wanted_by(
+                    req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first
+                return
+            self.pending.popleft()
+            try:
+                self._begin(req)
+            except JaxsmolError as e:
+                req.sink.error(e)
+
+    def _room_for(self, req: Request) -> bool:
+        """Whether decode rows (and memory for them) will be free for req's choices, counting the
+        requests already being prefilled as holding theirs."""
+        need = req.decode_rows
+        held = [p.request for p in self.prefills if p.request.decode_rows]
+        rows = self.live_rows + sum(r.decode_rows for r in held) + need
+        if rows > self.max_batch:
+            return False
+        if not need:
+            return True
+        width = self.settings.width_for(rows)
+        capacity = max([r.capacity for r in held + [req]]
+                       + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
+        return self.live_rows + len(held) == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
+
+    def _begin(self, req: Request) -> None:
+        cfg = self.engine.cfg
+        constraints = [constraint_for(self.engine.tokenizer, cfg.eos_ids, cfg.vocab_size, sp.structured)
+                       for sp in req.samplings]  # a bad spec fails here, before any model work
+        lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
+                               salt=req.salt, bypass=req.bypass)
+        self.stats.admitted += 1
+        slots = max(req.capacity, self.batch.capacity if self.batch is not None else 0)
+        n, reused = len(lk.prompt), lk.report.reused
+        try:
+            if reused and (reused < n or req.decode_rows):
+                kv = self.engine.restore(lk.prefix, slots, reused, self.cache.exact_state(lk.prompt))
+            else:
+                kv = self.engine.new_cache(slots) if reused < n else None
+        except BaseException:
+            self.cache.release(lk)
+            raise
+        p = Prefill(req, lk, kv, constraints)
+        self.prefills.append(p)
+        if reused == n:  # an exact full hit: the stored logits stand in for the forward
+            self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
+
+    def _prefill_group(self, group: list[tuple[Prefill, int]]) -> None:
+        """One chunk of T padded rows of each prompt in group (one T), side by side when more than one."""
+        prefills, T = [p for p, _ in group], group[0][1]
+        try:
+            if len(group) == 1:
+                logits, prefills[0].kv = self.engine.prefill_chunk(prefills[0].lookup.prompt, prefills[0].kv, T,
+                                                                   exact=self._exact(prefills[0]))
+            else:
+                logits, kvs = self.engine.prefill_side_by_side([p.lookup.prompt for p in prefills],
+                                                               [p.kv for p in prefills], T)
+                for p, kv in zip(prefills, kvs):
+                    p.kv = kv
+            done = [(p, logits[i:i + 1]) for i, p in enumerate(prefills) if int(p.kv.pos) >= len(p.lookup.prompt)]
+        except Exception as e:  # a failure costs these requests, never the others
+            for p in prefills:
+                self._abort_prefill(p, e)
+            return
+        self.stats.prefill_calls += 1
+        for p, logits in done:
+            self._prompt_done(p, logits)
+
+    def _exact(self, p: Prefill) -> bool:
+        return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
+
+    def _abort_prefill(self, p: Prefill, error: Exception | None) -> None:
+        self.prefills.remove(p)
+        self.cache.release(p.lookup)
+        self.engine.recycle(p.kv)
+        if error is not None:
+            p.request.sink.error(error)
+
+    def _prompt_done(self, p: Prefill, logits: jax.Array) -> None:
+        """p's prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
+        token, and give every choice that goes on a decode row."""
+        req, lk = p.request, p.lookup
+        ttft = time.perf_counter() - req.submitted
+        want = max(sp.logprobs for sp in req.samplings)
+        m = len(req.samplings)
+        out = jax.device_get(programs.sample_first(
+            jnp.broadcast_to(logits, (m, logits.shape[-1])),
+            row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
+        rows = []
+        for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
+            rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
+                             p.constraints[i]))
+            if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
+                rows[-1].push(out, i)
+        # stored once the first tokens are out, not on their time to first token (a fresh host copy
+        # of a 700-token prompt: ~70 ms), and before a finished choice's answer extends it
+        self.cache.save_prompt(lk, p.kv, logits)
+        prefilled = len(lk.prompt) - lk.report.reused
+        self.cache.finish(lk, prefilled)
+        self.cache.release(lk)
+        self.stats.prefilled_tokens += prefilled
+        going_on = []
+        for row, sp in zip(rows, req.samplings):
+            if row.stream.done or sp.max_tokens == 0:
+                self._finish(row)
+            else:
+                going_on.append(row)
+        if going_on:
+            self._insert(going_on, p.kv)
+        self.engine.recycle(p.kv, lk.prompt if self._exact(p) else ())  # exact: the prompt's state, reusable
+        self.prefills.remove(p)
+
+    # ---- decode rows ---------------------------------------------------------------------------------
+    def _insert(self, rows: list[Row], kv: KVCache) -> None:
+        """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
+        needed, held = self.live_rows + len(rows), len(self.rows) if self.live_rows else 0  # idle: any shape
+        width = self.settings.width_for(needed)
+        capacity = max(kv.capacity, self.batch.capacity if held else 0)
+        if not held or width > held or capacity > self.batch.capacity:
+            self._relayout(max(self._grown_width(needed, capacity, rows[0].request), held), capacity)
+        free = [i for i, r in enumerate(self.rows) if r is None]  # admission left room for all
+        for row, i in zip(rows, free):
+            self.rows[i] = row
+            self.batch = programs.insert_row(self.batch, kv, np.int32(i))
+
+    def _grown_width(self, needed: int, capacity: int, inserting: Request) -> int:
+        """The width a batch grows to for `needed` rows: room for the choices already waiting or being
+        prefilled too, as far as kv_bytes allows, so that a burst of requests moves the batch once
+        rather than at every rung of the ladder (each move copies every live row; growing 8 -> 16
+        rows at 512 slots: ~0.15 s)."""
+        coming = list(self.pending) + [p.request for p in self.prefills if p.request is not inserting]
+        waiting = sum(r.decode_rows for r in coming)
+        least, most = self.settings.width_for(needed), self.settings.width_for(needed + waiting)
+        fits = [w for w in self.widths
+                if least <= w <= most and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
+        return max(fits, default=least)
+
+    def _relayout(self, width: int, capacity: int) -> None:
+        """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots
+        (with none live: the idle batch or the spare where one has that shape)."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        rows = [self.rows[i] for i in live] + [None] * (width - len(live))
+        old, self.batch = self.batch, None
+        fits = [b for b in (old, self.spare) if b is not None and (b.rows, b.capacity) == (width, capacity)]
+        reuse = fits[0] if fits and not live else None
+        if reuse is None or reuse is self.spare:
+            self.spare = None  # one not reused is freed before the new batch is made: its memory, not fresh pages
+        new_bytes = width * capacity * self.engine.kv_bytes_per_token
+        if old is not None and old is not reuse and new_bytes < old.nbytes <= self.kv_bytes - new_bytes:
+            self.spare = old  # a bigger batch kept for the next burst (see kv_bytes_held)
+        if reuse is not None:
+            self.batch = reuse.replace(pos=jnp.zeros_like(reuse.pos))  # no row reads past its pos
+        elif not live:
+            old = None  # freed before the new one is made (unless kept as the spare)
+            self.batch = empty_batch(self.engine, width, capacity)
+        else:
+            source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
+            self.batch = programs.relayout(old, source, width, capacity)
+        self.rows = rows
+        self.stats.relayouts += 1
+        self._shrink_votes = 0
+
+    def _maybe_shrink(self) -> None:
+        if self.batch is None or self.batch_invariant or self.prefills:
+            return
+        live = self.live_rows
+        if live == 0:  # idle: the batch is kept for the next burst (see _relayout)
+            return
+        target = self.settings.width_for(max(live, 1))
+        self._shrink_votes = self._shrink_votes + 1 if target <= len(self.rows) // 2 else 0
+        if self._shrink_votes >= SHRINK_AFTER:
+            self._relayout(target, self.batch.capacity)
+
+    def _decode(self) -> None:
+        """One decode step of every live row, then each row's host side (its token's stream, stop
+        strings, events). (Dispatching the next step before reading this one, as vLLM's async
+        scheduling does, measured no steadier gain on two cores: README, "what was tried".)"""
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
+        tokens, active, settings = step_inputs(self.rows, self._free(len(self.rows)))
+        want = any(r.stream.sp.logprobs for _, r in live)
+        try:
+            # NumPy inputs straight into the jitted step: jnp.asarray ran an eager op each (~0.2 ms a step)
+            out, self.batch = programs.decode_step(self.engine.params, tokens, self.batch, active, settings,
+                                                   self.engine.cfg, logprobs=want)
+            out = jax.device_get(out)
+        except Exception as e:  # the batch is lost: fail its requests, keep serving
+            for _, r in live:
+                r.request.sink.error(e)
+            self.batch, self.rows = None, []
+            return
+        self.stats.steps += 1
+        self.stats.decoded_tokens += len(live)
+        for i, r in live:
+            r.push(out, i)
+            if r.stream.done:
+                self.rows[i] = None
+                self._finish(r)
+
+    def _finish(self, row: Row) -> None:
+        s, lk = row.stream, row.lookup
+        row.request.sink.done(row.finished())
+        if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
+            save = self.cache.begin_answer(lk, s.output_ids)
+            if save is not None:
+                self.saves.add(save)
+
+    def _free(self, width: int) -> jax.Array:
+        return free_mask(self.engine.cfg.vocab_size, width)
+
+    def _drop_cancelled(self) -> None:
+        for i, r in enumerate(self.rows):
+            if r is not None and r.request.sink.cancelled():
+                self.rows[i] = None
+        for p in [p for p in self.prefills if p.request.sink.cancelled()]:
+            self._abort_prefill(p, None)

@@ -1,0 +1,70 @@
+"""How a Scheduler batches: its settings (the daemon's --max-batch, --kv-cache-bytes,
+--batch-invariant, --prefill-chunk), the ladder of batch widths, and the prompt rows a step may run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxsmol.runtime.chunks import PREFILL_BUCKETS
+from jaxsmol.errors import JaxsmolError
+
+
+MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decode (see chunk_cap)
+# The step budgets a user may pick (--prefill-chunk). 32 and 48 run as exact 32 / 32 + 16 row chunks
+# with the CPU kernels; without them a chunk is padded to 64 rows, so they act as 64. The default 48:
+# on the AVX2 CPU a step beside 8 decoding rows then waits ~210 ms for its prompt rows, not ~240-250
+# (jaxsmol bench --only serve --clients 8, 48 / 64 alternating: ITL p99 298 / 287 ms against 457 / 382
+# while 1000-token prompts arrive, the rest alike).
+CHUNK_ROWS_CHOICES = (32, 48) + PREFILL_BUCKETS
+IDLE_STEP_ROWS = 128  # the least prompt rows a step runs when no row decodes (see step_rows)
+
+
+def widths_for(max_batch: int) -> tuple[int, ...]:
+    """The batch widths used: powers of two below max_batch, and max_batch."""
+    widths, w = [], 1
+    while w < max_batch:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (max_batch,)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    max_batch: int = 16  # decode rows
+    kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
+    batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler/scheduler.py)
+    chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise JaxsmolError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.chunk_rows not in CHUNK_ROWS_CHOICES:
+            raise JaxsmolError(f"chunk_rows must be one of {CHUNK_ROWS_CHOICES}, got {self.chunk_rows}")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (self.max_batch,) if self.batch_invariant else widths_for(self.max_batch)
+
+    def width_for(self, rows: int) -> int:
+        """The narrowest width on the ladder that holds `rows` (the widest if none does)."""
+        return next((w for w in self.widths if w >= rows), self.widths[-1])
+
+    def step_rows(self, decoding: bool) -> int:
+        """Prompt rows a step may run: chunk_rows while rows decode (their next token waits for
+        them); when none do, at least IDLE_STEP_ROWS. Not a whole 512-row chunk: a newcomer arriving
+        meanwhile waits for the step (~2.2 s for 512 rows on the AVX2 CPU, ~0.5 s for 128), and a
+        prompt alone loses little to the shorter chunks (1024 tokens: 4.4 s in 512s, 4.5 s in 128s)."""
+        return self.chunk_rows if decoding else max(self.chunk_rows, IDLE_STEP_ROWS)
+
+    def chunks(self, plan: list[int], budget: int, decoding: bool) -> list[int]:
+        """The chunks (their most rows) a prompt runs in this step, given its least padded plan and the
+        step's rows left: the whole plan if that fits (the prompt finishes), else one of at most
+        `chunk_cap` rows."""
+        return plan if sum(plan) <= budget else [min(budget, self.chunk_cap(decoding))]
+
+    def chunk_cap(self, decoding: bool) -> int:
+        """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
+        a long prompt advances in short chunks while a burst of short prompts still joins two per step.
+        chunk_rows 48 or 64 gives 32-row chunks: exact with the CPU kernels (without them the engine
+        pads a chunk to 64 rows anyway), and a step that waits ~half as long on a CPU slow at arithmetic."""
+        return max(MIN_DECODING_CHUNK, self.chunk_rows // 2) if decoding else self.step_rows(False)

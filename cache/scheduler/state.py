@@ -1,0 +1,86 @@
+"""What the scheduler (cache/scheduler/scheduler.py) holds: per request a prompt being prefilled and a decode
+row per choice (which feeds its tokens to its stream and sink); a decode step's inputs; its counters."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.records import Lookup
+from cache.scheduler.requests import Finished, Request
+from jaxsmol.runtime.batch import row_settings
+from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.runtime.stream import TokenStream
+from jaxsmol.runtime.structured import Constraint, all_allowed
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity (in self.prefills)
+class Prefill:
+    """An admitted request whose prompt is being prefilled into `kv`, a chunk per step."""
+    request: Request
+    lookup: Lookup
+    kv: KVCache
+    constraints: list  # per choice: its structured-output Constraint, or None
+
+
+@dataclasses.dataclass
+class Row:
+    """A decode row: one choice of a request."""
+    request: Request
+    lookup: Lookup
+    index: int
+    stream: TokenStream
+    ttft_s: float
+    constraint: Constraint | None = None
+
+    def push(self, out: dict, i: int) -> None:
+        """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
+        its stream, its structured-output constraint and its request's sink."""
+        k = self.stream.sp.logprobs
+        logprob, top = None, None
+        if k:
+            logprob = float(out["logprob"][i])
+            top = [(int(a), float(b)) for a, b in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
+        token = int(out["tokens"][i])
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        self.request.sink.token(self.index, self.stream.push(token, logprob, top))
+
+    def finished(self) -> Finished:
+        """This row's result so far (its stream's tokens, text and finish reason)."""
+        s, lk = self.stream, self.lookup
+        return Finished(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
+                        output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
+                        logprobs=list(s.logprobs), ttft_s=self.ttft_s)
+
+
+@functools.cache
+def free_mask(vocab_size: int, width: int) -> jax.Array:
+    """The all-allowed token mask [width, ceil(V / 32)] of rows that sample freely, kept on the device."""
+    return jnp.asarray(all_allowed(width, vocab_size))
+
+
+def step_inputs(rows: list, free: jax.Array) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A decode step's host inputs for the batch's rows (Row or None): each live row's last token
+    [W], the active mask [W], and the per-row sampling arrays (jaxsmol/batch.row_settings; `free`
+    the all-allowed mask of the width)."""
+    tokens = np.array([r.stream.output_ids[-1] if r is not None else 0 for r in rows], np.int32)
+    steps = [len(r.stream.output_ids) if r is not None else 0 for r in rows]
+    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows], steps,
+                            [r.constraint if r is not None else None for r in rows], free)
+    return tokens, np.array([r is not None for r in rows]), settings
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    steps: int = 0  # decode steps
+    decoded_tokens: int = 0  # tokens sampled by decode steps (first tokens excluded)
+    prefilled_tokens: int = 0  # prompt positions computed (padding excluded)
+    prefill_calls: int = 0  # forwards that ran prompt chunks (several prompts side by side count once)
+    admitted: int = 0
+    relayouts: int = 0

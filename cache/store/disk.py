@@ -1,0 +1,211 @@
+"""Prefix snapshots on disk: the single file of `--prompt-cache FILE`, and a directory of files (the
+daemon's second tier). The file format, its checks and atomic writes are in cache/store/snapshot.py.
+
+`load_prompt_cache` / `save_prompt_cache` are the single-file `--prompt-cache FILE` of the command line;
+a file refused as not a snapshot at all (a typo naming the user's own file) is never overwritten.
+`DiskStore` is a directory of snapshot files, one per stored key, least recently used first out under a
+byte budget (`--cache-dir`). Neither knows how the in-memory cache is built: they call
+`cache.add_snapshot(snap)` and `cache.snapshot_of(tokens)` (cache/prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from cache.store.radix import common_prefix_len
+from cache.store.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
+                            save_snapshot)
+from jaxsmol.errors import JaxsmolError
+
+# The snapshot names are re-exported: callers of the prompt cache and the second tier import from here.
+__all__ = ["DiskStore", "PromptCacheReport", "Snapshot", "SnapshotError", "identity", "load_prompt_cache",
+           "load_snapshot", "save_prompt_cache", "save_snapshot"]
+
+SUFFIX = ".safetensors"
+_ENTRY_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))  # DiskStore's files; it touches no other
+
+
+# ---- --prompt-cache FILE: one snapshot a file ---------------------------------------------------------
+@dataclasses.dataclass
+class PromptCacheReport:
+    file: str
+    loaded: int = 0  # tokens of the snapshot put in the cache
+    refused: str | None = None  # why the file was not used
+    foreign: bool = False  # the file is not a snapshot: it is never overwritten
+    saved: int = 0  # tokens written back
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_prompt_cache(cache, path, prompt) -> PromptCacheReport:
+    """Put the snapshot in `path` (if there is one) into `cache`; a refused file is reported, not raised."""
+    report = PromptCacheReport(file=str(path))
+    if not os.path.lexists(path):
+        return report
+    try:
+        snap = load_snapshot(path, identity(cache.engine), prompt)
+    except SnapshotError as e:
+        report.refused = str(e)
+        if not is_snapshot_file(path):
+            report.foreign = True
+            report.refused += "; it is not a jaxsmol snapshot, so it is left as it is (not overwritten)"
+        return report
+    cache.add_snapshot(snap, salt="")
+    report.loaded = snap.length
+    return report
+
+
+def save_prompt_cache(cache, path, tokens, report: PromptCacheReport | None = None) -> int:
+    """Write the cache's state of the longest stored prefix of `tokens` to `path` (one snapshot).
+    Nothing is written over a file that is not a snapshot: 0 if `report` says it was refused as one,
+    SnapshotError if such a file is there now."""
+    if report is not None and report.foreign:
+        return 0
+    if os.path.lexists(path) and not is_snapshot_file(path):
+        raise SnapshotError(f"refusing to overwrite {path}: it is not a jaxsmol prefix snapshot")
+    snap = cache.snapshot_of(tokens, salt="")
+    if snap is None:
+        return 0
+    save_snapshot(path, snap, identity(cache.engine))
+    if report is not None:
+        report.saved = snap.length
+    return snap.length
+
+
+# ---- a directory of snapshots: the daemon's second tier --------------------------------------------
+@dataclasses.dataclass
+class DiskEntry:
+    path: Path
+    salt: str
+    tokens: tuple
+    logits_at: tuple
+    nbytes: int
+    last_used: float
+
+
+class DiskStore:
+    """Snapshot files in one directory, one per stored key, LRU under `budget_bytes`.
+
+    The index (salt, tokens, size of every usable file) is read from the headers when opened. Only
+    files named like its own (`<32 hex digits>.safetensors`) are considered; of those, files of another
+    model, tokenizer or format version are left alone and not counted (another daemon may share the
+    directory), and unreadable ones are deleted. `skipped` lists both, with reasons.
+    """
+
+    def __init__(self, directory, ident: dict, budget_bytes: int = 4 << 30):
+        if budget_bytes < 0:
+            raise JaxsmolError(f"disk cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JaxsmolError(f"cannot use cache directory {self.dir}: {e}") from None
+        self.ident, self.budget_bytes = ident, int(budget_bytes)
+        self.entries: dict[str, DiskEntry] = {}
+        self.skipped: list[tuple[str, str]] = []
+        self.writes = 0
+        now = time.time()
+        for p in sorted(self.dir.iterdir()):
+            if p.name.startswith(".") and p.name.endswith(".tmp") and _ENTRY_NAME.match(p.name[1:]):
+                with contextlib.suppress(OSError):
+                    if now - p.stat().st_mtime > 60:  # a write that never finished (a crash): never loadable
+                        p.unlink()
+            elif _ENTRY_NAME.fullmatch(p.name) and p.is_file():
+                self._index(p)
+
+    def _index(self, p: Path) -> None:
+        try:
+            st = p.stat()
+        except OSError:  # gone meanwhile (another process shares the directory)
+            return
+        if st.st_size > self.ident.get("max_bytes", st.st_size):  # e.g. written with a longer context: kept
+            self.skipped.append((p.name, f"{st.st_size} bytes, over this engine's cap of {self.ident['max_bytes']}"))
+            return
+        try:
+            m = read_manifest(p, self.ident)
+            entry = DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
+                              tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime)
+        except SnapshotError as e:
+            self.skipped.append((p.name, str(e)))
+            if "truncated or corrupted" in str(e) or "not a jaxsmol" in str(e):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            return
+        except (KeyError, TypeError, ValueError) as e:  # a well-formed header with a malformed manifest
+            self.skipped.append((p.name, f"malformed manifest ({type(e).__name__}: {e})"))
+            return
+        self.entries[p.name] = entry
+
+    def name_of(self, salt: str, tokens) -> str:
+        key = json.dumps([self.ident["model"], self.ident["tokenizer"], salt, [int(t) for t in tokens]])
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _touch(self, e: DiskEntry) -> None:
+        e.last_used = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(e.path, (e.last_used, e.last_used))  # the LRU order survives a restart
+
+    def _drop(self, name: str) -> None:
+        e = self.entries.pop(name)
+        with contextlib.suppress(OSError):
+            e.path.unlink()
+
+    def put(self, snap: Snapshot) -> bool:
+        """Store `snap` (evicting the least recently used files to make room); False if it cannot fit."""
+        name = self.name_of(snap.salt, snap.tokens)
+        if name in self.entries:
+            self._touch(self.entries[name])
+            return True
+        if snap.nbytes > self.budget_bytes:
+            return False
+        while self.entries and self.bytes_held + snap.nbytes > self.budget_bytes:
+            self._drop(min(self.entries, key=lambda n: self.entries[n].last_used))
+        path = self.dir / name
+        size = save_snapshot(path, snap, self.ident)
+        self.entries[name] = DiskEntry(path, snap.salt, snap.tokens, tuple(sorted(snap.logits)), size, time.time())
+        self.writes += 1
+        return True
+
+    def find(self, salt: str, prompt) -> tuple[DiskEntry | None, int]:
+        """The entry sharing the longest prefix with `prompt` (ties: one with logits there), and that length."""
+        best, best_key = None, (0, False)
+        for e in self.entries.values():
+            if e.salt != salt:
+                continue
+            n = common_prefix_len(e.tokens, prompt)
+            key = (n, n in e.logits_at)
+            if n and key > best_key:
+                best, best_key = e, key
+        return best, best_key[0]
+
+    def load(self, entry: DiskEntry, prompt=None) -> Snapshot:
+        """Read and verify an entry; a refused one leaves the index (and, if corrupted, the disk)."""
+        try:
+            snap = load_snapshot(entry.path, self.ident, prompt)
+        except SnapshotError:
+            self._drop(entry.path.name)
+            raise
+        self._touch(entry)
+        return snap
+
+    def newest_first(self) -> list[DiskEntry]:
+        return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)
+
+    def clear(self) -> None:
+        for name in list(self.entries):
+            self._drop(name)

@@ -1,0 +1,241 @@
+"""Running /v1/completions and /v1/chat/completions: request -> Job -> events -> response.
+
+`completion_plan` / `chat_plan` (run off the event loop) tokenize, render the chat template, check
+prompts and limits, and return the job's `ChoiceSpec`s with a `View` of how to render the answer.
+`answer` submits the job to the worker and relays its events (cli/api/events.py): collected into one
+JSON body, or as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cli.api import protocol as P
+from cli.api import responses as R
+from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from cli.server.tenants import Tenant, cache_salt
+from cli.server.worker import QueueFull, Worker
+from jaxsmol.errors import JaxsmolError
+
+RETRY_AFTER_S = 1
+# A request's client is checked before an event at most every CLIENT_CHECK_S while its events flow,
+# and every IDLE_CHECK_S while none come.
+CLIENT_CHECK_S, IDLE_CHECK_S = 0.05, 0.25
+
+
+@dataclasses.dataclass
+class EventReader:
+    """A job's events as its HTTP request reads them."""
+    request: Request
+    job: Job
+    checked: float = float("-inf")  # when the client was last found connected
+
+    async def next(self):
+        """The job's next event; cancels the job (and returns None) if the client has gone.
+
+        The client is checked before an event when CLIENT_CHECK_S have passed since the last check,
+        not only while none comes: tokens arriving faster than the wait below must not keep a job
+        alive after its client left. Not before every event: that check (a cancelled receive) and a
+        wait_for (a new task) were ~40% of the event loop's time a streamed token (py-spy, 8
+        clients), and a step's events come together. A job the worker cancelled (its client did
+        not read for the write timeout) ends once its queue is empty."""
+        job = self.job
+        while True:
+            if time.monotonic() - self.checked >= CLIENT_CHECK_S:
+                if await self.request.is_disconnected():
+                    job.cancelled.set()
+                    return None
+                self.checked = time.monotonic()
+            event = job.next_event_nowait()
+            if event is not None:
+                return event
+            try:
+                return await asyncio.wait_for(job.next_event(), timeout=IDLE_CHECK_S)
+            except asyncio.TimeoutError:
+                if job.cancelled.is_set() and job.idle():
+                    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """How a job's results become a response.
+
+    logprobs: completions' top-k (None: not asked), or chat's top_logprobs (None: logprobs false);
+    prompt_logprobs: vLLM's extension (None: not asked); prompt_texts: per prompt, for echo."""
+    chat: bool
+    n: int
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_texts: tuple[str, ...] = ()
+
+
+class Completions:
+    def __init__(self, engine, worker: Worker, metrics, model_name: str, write_timeout_s: float):
+        self.engine, self.worker, self.metrics = engine, worker, metrics
+        self.model_name, self.write_timeout_s = model_name, write_timeout_s
+
+    def decode_one(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    # ---- plans (worker-free, off the event loop) ---------------------------------------------------
+    def tokenize(self, body: P.TokenizeRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if body.messages is not None:
+            text = tok.apply_chat_template(P.template_messages(body.messages),
+                                           add_generation_prompt=body.add_generation_prompt)
+        else:
+            text = P.check_text(body.prompt, "prompt")
+        return tok.encode(text)
+
+    def _checked(self, ids: list[int], max_tokens: int | None, kind: str, where: str) -> tuple[list[int], int]:
+        """(ids, max_tokens) with the default max_tokens, or a ProtocolError naming the prompt."""
+        if max_tokens is None:
+            max_tokens = min(P.DEFAULT_MAX_TOKENS[kind], max(self.engine.ctx - len(ids), 0))
+        try:
+            return self.engine.check_prompt(ids, max_tokens), max_tokens
+        except JaxsmolError as e:
+            raise P.ProtocolError(f"{where}: {e}", param=where.split(".")[0]) from None
+
+    def _specs(self, body, prompts: list[tuple[list[int], int]], logprobs: int, echo: bool,
+               prompt_logprobs: int | None) -> list[ChoiceSpec]:
+        """One ChoiceSpec per prompt x n (index p * n + j, seed + j)."""
+        P.check_work(len(prompts), body.n, max(m for _, m in prompts))
+        stops = P.stop_strings(body.stop)
+        structured = P.structured_spec(body)
+        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
+        return [ChoiceSpec(index=p * body.n + j, prompt_ids=ids, echo=echo, prompt_logprobs=prompt_logprobs,
+                           sampling=P.sampling_for(body, max_tokens, logprobs, seed, j, stops, structured))
+                for p, (ids, max_tokens) in enumerate(prompts) for j in range(body.n)]
+
+    def completion_plan(self, body: P.CompletionRequest) -> tuple[list[ChoiceSpec], View]:
+        raw = P.completion_prompts(body.prompt)
+        tok = self.engine.tokenizer
+        prompts, texts = [], []
+        for i, p in enumerate(raw):
+            where = "prompt" if len(raw) == 1 else f"prompt.{i}"
+            ids = tok.encode(p) if isinstance(p, str) else p
+            prompts.append(self._checked(ids, body.max_tokens, "completion", where))
+            if body.echo:
+                texts.append(p if isinstance(p, str) else tok.decode(ids))
+        scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        # logprobs 0 still reports the chosen token's logprob: the sampler is asked for one
+        sample_k = 0 if body.logprobs is None else max(body.logprobs, 1)
+        specs = self._specs(body, prompts, sample_k, body.echo, max(scored) if scored else None)
+        return specs, View(chat=False, n=body.n, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
+                           prompt_texts=tuple(texts))
+
+    def chat_plan(self, body: P.ChatRequest) -> tuple[list[ChoiceSpec], View]:
+        messages = P.template_messages(body.messages)
+        ids = self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(messages))
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt = self._checked(ids, max_tokens, "chat", "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        specs = self._specs(body, [prompt], 0 if top is None else max(top, 1), False, None)
+        return specs, View(chat=True, n=body.n, logprobs=top)
+
+    # ---- running a job -----------------------------------------------------------------------------
+    async def answer(self, request: Request, body, tenant: Tenant, specs: list[ChoiceSpec], view: View):
+        job = Job(choices=specs, salt=cache_salt(tenant, body.cache_salt), bypass=not body.use_prefix_cache,
+                  loop=asyncio.get_running_loop(), return_token_ids=body.return_token_ids,
+                  write_timeout_s=self.write_timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            self.metrics.rejected_queue_full += 1
+            return JSONResponse(P.error_body(503, "the server is busy: request queue full", "server_error"),
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        meta = {"id": ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": self.model_name}
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(request, job, meta, view, include_usage),
+                                     media_type="text/event-stream")
+        return await self._collect(request, job, meta, view)
+
+    async def _collect(self, request: Request, job: Job, meta: dict, view: View):
+        results: dict[int, ChoiceResult] = {}
+        events = EventReader(request, job)
+        while (event := await events.next()) is not None:
+            if isinstance(event, JobError):
+                return _job_error(event.error)
+            if isinstance(event, ChoiceDone):
+                results[event.result.index] = event.result
+            if isinstance(event, JobEnd) or len(results) == len(job.choices):
+                break
+        if len(results) < len(job.choices):
+            return _error(499, "client closed the request")
+        obj = await asyncio.to_thread(self._response, job, meta, view, [results[i] for i in sorted(results)])
+        return JSONResponse(obj)
+
+    def _response(self, job: Job, meta: dict, view: View, results: list[ChoiceResult]) -> dict:
+        decode, ret = self.decode_one, job.return_token_ids
+        if view.chat:
+            choices = [R.chat_choice(r, decode, top_logprobs=view.logprobs, return_token_ids=ret) for r in results]
+        else:
+            texts = view.prompt_texts
+            choices = [R.completion_choice(r, job.choices[r.index], decode, logprobs=view.logprobs,
+                                           prompt_logprobs=view.prompt_logprobs, return_token_ids=ret,
+                                           prompt_text=texts[r.index // view.n] if texts else "")
+                       for r in results]
+        return R.completion_object(meta, choices, R.usage(results, view.n), view.chat)
+
+    async def _sse(self, request: Request, job: Job, meta: dict, view: View, include_usage: bool):
+        results: list[ChoiceResult] = []
+        offsets: dict[int, int] = {}  # choice -> characters sent (completions' text_offset)
+        events = EventReader(request, job)
+        try:
+            while (event := await events.next()) is not None:
+                if isinstance(event, JobEnd):
+                    break
+                if isinstance(event, JobError):
+                    yield R.sse(_error_body(event.error))
+                    break
+                index = event.index if isinstance(event, TokenEvent) else event.result.index
+                first = index not in offsets
+                if first:
+                    offsets[index] = 0
+                    if job.choices[index].echo:
+                        text = view.prompt_texts[index // view.n]
+                        offsets[index] = len(text)
+                        yield R.sse(R.chunk(meta, False, [{"index": index, "text": text, "logprobs": None,
+                                                           "finish_reason": None}]))
+                if isinstance(event, TokenEvent):
+                    yield R.sse(R.chunk(meta, view.chat, [self._token_choice(event, view, offsets[index], first)]))
+                    offsets[index] += len(event.step.text)
+                else:
+                    results.append(event.result)
+                    yield R.sse(R.chunk(meta, view.chat, [R.final_choice(event.result, view.chat,
+                                                                         job.return_token_ids)]))
+                    if len(results) == len(job.choices):
+                        break
+            if include_usage:
+                yield R.sse(R.chunk(meta, view.chat, [], R.usage(results, view.n)))
+            yield R.SSE_DONE
+        finally:
+            job.cancelled.set()  # a no-op when finished; stops generation when the stream is dropped
+
+    def _token_choice(self, event: TokenEvent, view: View, offset: int, first: bool) -> dict:
+        if view.chat:
+            return R.chat_token_choice(event.index, event.step, self.decode_one, view.logprobs, first)
+        return R.completion_token_choice(event.index, event.step, self.decode_one, view.logprobs, offset)
+
+
+def _error_body(exc: Exception) -> dict:
+    if isinstance(exc, JaxsmolError):
+        return P.error_body(400, str(exc))
+    return P.error_body(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(P.error_body(status, message), status_code=status)
+
+
+def _job_error(exc: Exception) -> JSONResponse:
+    body = _error_body(exc)
+    return JSONResponse(body, status_code=body["error"]["code"])

@@ -1,0 +1,64 @@
+"""Where the daemon's memory is: the parts /metrics exports, and the growth they leave unexplained.
+
+Every large holding has a gauge: the weights, the prefix cache (--cache-bytes), the engine's
+recycled buffers, the decode batch (--kv-cache-bytes), the compiled programs
+(jaxsmol/system/program_memory.py) and the free memory malloc keeps for reuse (jaxsmol/system/host_memory.py).
+At start the resident set minus those parts is the baseline (the interpreter, libraries, the
+tokenizer); afterwards `unaccounted` = resident - baseline - parts is the growth no gauge explains,
+which stays near zero unless something holds memory nobody counts (a leak shows up there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxsmol.system import program_memory
+from jaxsmol.system.host_memory import heap, resident_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryParts:
+    """Bytes of each counted holding."""
+    weights: int
+    cache: int
+    pool: int
+    batch_kv: int
+    programs: int
+    heap_free: int
+
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+class MemoryAccount:
+    """The daemon's memory parts; `start` takes the baseline (call it before the first request)."""
+
+    def __init__(self, params):
+        self.weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+        self.baseline: int | None = None
+        self.resident_at_start = 0
+        program_memory.watch()  # before the daemon compiles anything ahead
+
+    def parts(self, cache: int, pool: int, batch_kv: int) -> MemoryParts:
+        h = heap()
+        return MemoryParts(weights=self.weights, cache=cache, pool=pool, batch_kv=batch_kv,
+                           programs=program_memory.held().bytes, heap_free=h.free if h else 0)
+
+    def start(self, cache: int = 0, pool: int = 0, batch_kv: int = 0) -> None:
+        self.resident_at_start = resident_bytes()
+        self.baseline = self.resident_at_start - self.parts(cache, pool, batch_kv).total()
+
+    def figures(self, cache: int, pool: int, batch_kv: int) -> dict[str, int]:
+        """The gauges: each part, the program count, malloc's bytes in use, the resident set and what
+        no part explains (0 before `start`)."""
+        parts, h, resident = self.parts(cache, pool, batch_kv), heap(), resident_bytes()
+        out = {f"{k}_bytes": v for k, v in dataclasses.asdict(parts).items()
+               if k not in ("cache", "pool", "batch_kv")}  # exported under their own names already
+        out["programs"] = program_memory.held().count
+        out["heap_in_use_bytes"] = h.in_use if h else 0
+        out["resident_bytes"] = resident
+        out["resident_at_start_bytes"] = self.resident_at_start
+        out["unaccounted_bytes"] = 0 if self.baseline is None else resident - self.baseline - parts.total()
+        return out

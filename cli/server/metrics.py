@@ -1,0 +1,143 @@
+"""Prometheus metrics of the daemon, on `prometheus_client` with a registry of its own per app.
+
+Requests are counted by route template: a path that is not one of the daemon's routes counts as
+`other`, so a client cannot create series (each distinct label value is a series kept forever).
+What this module observes (requests, tokens, time to first token) lives in the library's counters
+and histogram; what is counted elsewhere (the worker's cancellations and refusals, the prefix
+cache's stats, the queue) is read when /metrics is rendered.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/cache/flush", "/v1/completions", "/v1/chat/completions")
+OTHER = "other"  # the endpoint label of every path that is not a route
+
+# (key of PrefixCache.stats.as_dict(), help) for the counters jaxsmol_cache_<key>_total
+CACHE_COUNTERS = (
+    ("lookups", "Prefix cache lookups."), ("hits", "Lookups that reused a prefix."),
+    ("exact_hits", "Lookups answered with no forward."), ("misses", "Lookups with no reuse."),
+    ("saves", "Snapshots saved."), ("restores", "Snapshots restored."),
+    ("tokens_reused", "Prompt positions restored instead of prefilled."),
+    ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
+    ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
+    ("disk_writes", "Entries written to the disk tier."),
+)
+
+
+# (key of Scheduler.figures(), help): the continuous batch
+BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
+                ("pending", "Requests waiting for admission."),
+                ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare (bounded by --kv-cache-bytes)."))
+# (key of cli/server/memory.py MemoryAccount.figures(), help): the gauges jaxsmol_<key>
+MEMORY_GAUGES = (
+    ("weights_bytes", "Bytes of the model's weights."),
+    ("programs", "Compiled programs held (every jitted function's, jaxsmol/runtime/programs.py)."),
+    ("programs_bytes", "Heap bytes the compiled programs hold (measured as they compile ahead; an estimate "
+                       "for those compiled on first use)."),
+    ("heap_in_use_bytes", "Bytes malloc has handed out (arrays, programs, tokenizer; not Python's small objects)."),
+    ("heap_free_bytes", "Freed bytes malloc keeps for reuse (jaxsmol/system/host_memory.py)."),
+    ("resident_bytes", "The process's resident set size."),
+    ("resident_at_start_bytes", "The resident set size when the daemon started (weights loaded, nothing compiled ahead)."),
+    ("unaccounted_bytes", "Resident growth since start that no memory gauge explains (near 0 unless "
+                          "something holds memory nobody counts)."),
+)
+BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
+                  ("prefilled_tokens", "Prompt positions computed by the scheduler."))
+
+
+class Metrics:
+    """The daemon's metrics. `cancelled` and `rejected_queue_full` are plain counts that the worker
+    and the handlers increment; `render` gives the Prometheus text format."""
+
+    def __init__(self, routes: Iterable[str] = ROUTES):
+        self.routes = frozenset(routes)
+        self.cancelled = 0
+        self.rejected_queue_full = 0
+        self.registry = CollectorRegistry()
+        self._requests = Counter("jaxsmol_requests", "HTTP requests by endpoint and status.",
+                                 ["endpoint", "status"], registry=self.registry)
+        self._prompt_tokens = Counter("jaxsmol_prompt_tokens", "Prompt tokens of finished generations.",
+                                      registry=self.registry)
+        self._completion_tokens = Counter("jaxsmol_completion_tokens", "Generated tokens.", registry=self.registry)
+        self._ttft = Histogram("jaxsmol_time_to_first_token_seconds", "Time to first token of each generation.",
+                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self._lock = threading.Lock()  # one render at a time: the collector reads the values it was given
+        self._scrape = _ScrapeTime(self)
+        self.registry.register(self._scrape)
+
+    def endpoint(self, path: str) -> str:
+        """The label of a request path: its route, or OTHER."""
+        return path if path in self.routes else OTHER
+
+    def request(self, path: str, status: int) -> None:
+        self._requests.labels(self.endpoint(path), str(int(status))).inc()
+
+    def observe(self, prompt_tokens: int, completion_tokens: int, ttft_s: float) -> None:
+        """Count a finished choice."""
+        self._prompt_tokens.inc(prompt_tokens)
+        self._completion_tokens.inc(completion_tokens)
+        if completion_tokens:
+            self._ttft.observe(ttft_s)
+
+    def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None,
+               pool_bytes: int | None = None, memory: dict | None = None) -> str:
+        """Every metric in the Prometheus text format, with the cache's stats, the queue depth, the
+        scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens),
+        the bytes of the engine's recycled cache buffers (`pool_bytes`, Engine.pool_bytes) and the
+        memory account's figures (`memory`, MEMORY_GAUGES)."""
+        with self._lock:
+            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes, memory or {})
+            try:
+                return generate_latest(self.registry).decode()
+            finally:
+                self._scrape.values = None
+
+
+class _ScrapeTime:
+    """A collector of the values read at render time: the worker's counts, the cache's stats, the queue."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.values = metrics, None
+
+    def describe(self):
+        return []  # names known only when collected; nothing to check at registration
+
+    def collect(self):
+        m = self.metrics
+        yield CounterMetricFamily("jaxsmol_cancelled", "Generations stopped because the client left.",
+                                  value=m.cancelled)
+        yield CounterMetricFamily("jaxsmol_rejected", "Requests refused with 503 (queue full).",
+                                  value=m.rejected_queue_full)
+        if self.values is None:
+            return
+        stats, queue_depth, batch, pool_bytes, memory = self.values
+        yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
+        if pool_bytes is not None:
+            yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
+                                    "(bounded: jaxsmol/runtime/buffers.py), and restore's host staging buffers.",
+                                    value=pool_bytes)
+        for key, help_ in BATCH_GAUGES:
+            if key in batch:
+                yield GaugeMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
+        for key, help_ in MEMORY_GAUGES:
+            if key in memory:
+                yield GaugeMetricFamily(f"jaxsmol_{key}", help_, value=memory[key])
+        for key, help_ in BATCH_COUNTERS:
+            if key in batch:
+                yield CounterMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
+        for key, help_ in CACHE_COUNTERS:
+            yield CounterMetricFamily(f"jaxsmol_cache_{key}", help_, value=stats[key])
+        bypasses = CounterMetricFamily("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(stats["bypasses"].items()):
+            bypasses.add_metric([reason], n)
+        yield bypasses
+        yield GaugeMetricFamily("jaxsmol_cache_bytes", "Bytes held by the prefix cache.", value=stats["bytes_held"])
+        yield GaugeMetricFamily("jaxsmol_cache_disk_bytes", "Bytes held by the disk tier.", value=stats["disk_bytes"])

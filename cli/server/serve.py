@@ -1,0 +1,264 @@
+"""`jaxsmol serve`: an OpenAI-compatible HTTP daemon that keeps the prefix cache across requests.
+
+FastAPI validates requests (models in cli/api/protocol.py); uvicorn serves them. `Daemon` holds the
+engine, cache, worker, metrics and API keys, with one method per route: a handler turns a request
+into a `Job` (cli/api/events.py), submits it to the worker thread (cli/server/worker.py) and relays its events
+as one JSON body or as server-sent events (shapes in cli/api/responses.py). Tokenizing, chat templates,
+prompt checks and logprob JSON run off the event loop (`asyncio.to_thread`).
+With `cache_dir`, the prefix cache has a second tier on disk (cache/store/disk.py): warmed from it before
+the first request, written to it at shutdown (and on eviction). Readiness: /health and /ready answer
+503 {"status": "warming"} until the programs are compiled (cli/server/warmup.py, `--warmup`), then 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cache.prefix_cache import PrefixCache
+from cache.scheduler.settings import BatchSettings
+from cli.api import protocol as P
+from cli.server.completions import Completions
+from cli.api.events import DEFAULT_WRITE_TIMEOUT_S
+from cli.server.memory import MemoryAccount
+from cli.server.metrics import Metrics
+from cli.server.tenants import Tenants
+from cli.server.warmup import Warmup
+from cli.server.worker import Worker
+from jaxsmol.errors import JaxsmolError
+
+MAX_BODY_BYTES = 4 << 20
+ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
+          "/tokenize", "/detokenize")
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
+                   headers=None) -> JSONResponse:
+    return JSONResponse(P.error_body(status, message, type_, param), status_code=status, headers=headers)
+
+
+class _LimitsAndCounts:
+    """ASGI middleware: counts requests by route and status, and refuses bodies over `limit` bytes
+    with 413: at once from the Content-Length, else (a chunked body) when the read passes the limit.
+
+    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hides the
+    client's disconnect from `Request.is_disconnected()`, which the handlers rely on to cancel jobs.
+    A path that is no route is counted as "other": clients cannot add label values.
+    """
+
+    def __init__(self, app, limit: int, metrics: Metrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, seen = 500, 0  # 500 if the app raises before it answers (the error middleware sends it)
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        length = dict(scope["headers"]).get(b"content-length")
+        try:
+            if length is not None and (not length.isdigit() or int(length) > self.limit):
+                await error_response(413, f"request body over {self.limit} bytes")(scope, receive, counted_send)
+            else:
+                await self.app(scope, limited_receive, counted_send)
+        finally:
+            self.metrics.request(scope["path"] if scope["path"] in ROUTES else "other", status)
+
+
+class Daemon:
+    """The daemon's state and its routes (one method each); `create_app` wires them to FastAPI."""
+
+    def __init__(self, engine, cache: PrefixCache, worker: Worker, metrics: Metrics, tenants: Tenants,
+                 model_name: str, write_timeout_s: float, warmup: str = "none"):
+        self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
+        self.tenants, self.model_name = tenants, model_name
+        self.warmup = Warmup(warmup, engine, lambda stop: self.worker.scheduler.compile_programs(stop=stop))
+        self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
+        self.memory = MemoryAccount(engine.params)
+
+    def _auth(self, request: Request, admin: bool = False):
+        return self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
+
+    # ---- lifespan --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        cache, worker = self.cache, self.worker
+        self.memory.start(pool=self.engine.pool_bytes)
+        if cache.disk is not None:
+            n = await asyncio.to_thread(cache.warm_from_disk)
+            print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
+        worker.start()
+        self.warmup.start()  # background mode only: block has run, none runs nothing
+        yield
+        worker.stop()  # queued jobs finish first (SIGTERM drains)
+        await asyncio.to_thread(worker.join, 120)
+        await asyncio.to_thread(self.warmup.close, 120)
+        if cache.disk is not None:
+            n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
+            print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
+
+    def _locked(self, fn):
+        with self.worker.lock:  # not while a request is using the model or the cache
+            return fn()
+
+    # ---- routes ----------------------------------------------------------------------------------
+    async def health(self):
+        """Liveness and readiness for load balancers and routers: 200 {"status": "ok"} when ready, 503
+        {"status": "warming"} while the programs compile (a daemon that answers at all is alive)."""
+        state = self.warmup.state()
+        body = {"status": "ok" if state["ready"] else "warming", "model": self.model_name, "busy": self.worker.busy,
+                "queued": self.worker.jobs.qsize(), "compiling": not state["ready"], **state}
+        return JSONResponse(body, status_code=200 if state["ready"] else 503)
+
+    async def ready(self):
+        """Readiness alone (a Kubernetes readinessProbe): 200 when ready, 503 while warming."""
+        state = self.warmup.state()
+        return JSONResponse({"status": "ok" if state["ready"] else "warming", **state},
+                            status_code=200 if state["ready"] else 503)
+
+    async def models(self, request: Request):
+        self._auth(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxsmol", "max_model_len": self.engine.ctx}]}
+
+    async def prometheus(self, request: Request):
+        self._auth(request, admin=True)
+        stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
+        memory = self.memory.figures(stats["bytes_held"], pool, batch.get("kv_bytes", 0))
+        text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def flush(self, request: Request):
+        self._auth(request, admin=True)
+        await asyncio.to_thread(self._locked, self.cache.flush)
+        return {"flushed": True}
+
+    async def tokenize(self, body: P.TokenizeRequest, request: Request):
+        self._auth(request)
+        if (body.prompt is None) == (body.messages is None):
+            raise P.ProtocolError("give either prompt or messages", param="prompt")
+        ids = await asyncio.to_thread(self.runner.tokenize, body)
+        out = {"count": len(ids), "max_model_len": self.engine.ctx, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = await asyncio.to_thread(lambda: [self.runner.decode_one(i) for i in ids])
+        return out
+
+    async def detokenize(self, body: P.DetokenizeRequest, request: Request):
+        self._auth(request)
+        return {"prompt": await asyncio.to_thread(self.engine.tokenizer.decode, body.tokens)}
+
+    async def completions(self, body: P.CompletionRequest, request: Request):
+        tenant = self._auth(request)
+        P.refuse_unsupported(body)
+        if body.stream and (body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)):
+            raise P.ProtocolError("stream: prompt log-probabilities (echo with logprobs, prompt_logprobs) are "
+                                  "not streamed; send the request without stream", param="stream")
+        specs, view = await asyncio.to_thread(self.runner.completion_plan, body)
+        return await self.runner.answer(request, body, tenant, specs, view)
+
+    async def chat(self, body: P.ChatRequest, request: Request):
+        tenant = self._auth(request)
+        P.refuse_unsupported(body)
+        specs, view = await asyncio.to_thread(self.runner.chat_plan, body)
+        return await self.runner.answer(request, body, tenant, specs, view)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        if err.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
+        if not where and err.get("type") in ("model_attributes_type", "dict_type"):
+            return error_response(400, "the request body must be a JSON object")
+        return error_response(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(P.ProtocolError)
+    async def _protocol(request: Request, exc: P.ProtocolError):
+        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param)
+
+    @app.exception_handler(JaxsmolError)
+    async def _user_error(request: Request, exc: JaxsmolError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), type_=kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+
+
+def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
+               model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
+               disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
+               write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
+               warmup: str = "none") -> FastAPI:
+    disk = None
+    if cache_dir is not None and prefix_cache:
+        from cache.store.disk import DiskStore, identity
+
+        disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes)
+        for name, reason in disk.skipped:
+            print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
+    cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
+    metrics = Metrics(ROUTES)
+    worker = Worker(cache, max_queue, metrics, batch)
+    model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
+    d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, warmup)
+
+    app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=d.lifespan)
+    app.state.daemon, app.state.cache, app.state.worker, app.state.metrics = d, cache, worker, metrics
+    app.add_middleware(_LimitsAndCounts, limit=MAX_BODY_BYTES, metrics=metrics)
+    _install_error_handlers(app)
+    app.get("/health")(d.health)
+    app.get("/ready")(d.ready)
+    app.get("/v1/models")(d.models)
+    app.get("/metrics")(d.prometheus)
+    app.post("/v1/cache/flush")(d.flush)
+    app.post("/tokenize")(d.tokenize)
+    app.post("/detokenize")(d.detokenize)
+    app.post("/v1/completions")(d.completions)
+    app.post("/v1/chat/completions")(d.chat)
+    return app
+
+
+def serve(engine, host: str, port: int, max_connections: int | None = None, **kw) -> None:
+    import uvicorn
+
+    app = create_app(engine, **kw)
+    if app.state.daemon.warmup.mode == "block":
+        app.state.daemon.warmup.run()  # the port opens ready
+    print(f"jaxsmol serving {engine.model_dir} on http://{host}:{port}", file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM, then raises the signal again once it has restored the previous handler:
+    # with the default handler that kills the drained process (exit status -15). A drained stop is a clean exit.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120,
+                    limit_concurrency=max_connections)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

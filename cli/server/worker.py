@@ -1,0 +1,177 @@
+"""The daemon's model worker: one thread drives the continuous-batching scheduler (cache/scheduler/scheduler.py).
+
+The HTTP side submits `Job`s (cli/api/events.py); the worker turns each into scheduler requests (the
+choices of one prompt become forks of one request: prefilled once, one decode row each) and relays
+the scheduler's events to the job. Between scheduler steps it takes the jobs that arrived, so
+requests join and leave the running batch as they come. `Job.emit` never waits: a client that stops
+reading is cancelled once its events have waited for the write timeout (`Job.stalled`), and a
+cancelled job's rows are freed at the next step. Nothing a request does can stop the worker: every
+failure is reported on the job's own channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+
+from cache.prefix_cache import PrefixCache
+from cache.scheduler.requests import Finished, Request
+from cache.scheduler.settings import BatchSettings
+from cache.scheduler.scheduler import Scheduler
+from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime.scoring import score
+from jaxsmol.runtime.stream import Step
+
+
+class QueueFull(Exception):
+    pass
+
+
+# An idle worker that gets a job waits this long for more before its first step, as long as they keep
+# coming: a step begun with a burst's first job alone (a prompt's prefill, ~0.1-0.2 s here) held
+# every other until it ended. The jobs of a burst reach the worker together (8 streaming clients
+# started at once: within 0.3 ms), and every ms of this wait is a lone request's too (20 ms cost its
+# time to first token 7-15 ms in jaxsmol bench --only serve), so it is short.
+ARRIVAL_GAP_S = 0.005
+
+
+@dataclasses.dataclass(eq=False)
+class JobSink:
+    """The scheduler's sink for one job: relays its events and ends the job after its last choice."""
+    job: Job
+    metrics: object
+    remaining: int  # choices not finished yet
+    prompt_logprobs: dict  # ChoiceSpec.index -> the prompt's log-probabilities, when asked
+    ended: bool = False
+
+    def token(self, index: int, step: Step) -> None:
+        self.job.emit(TokenEvent(index, step))
+
+    def done(self, r: Finished) -> None:
+        self.metrics.observe(r.prompt_tokens, len(r.output_ids), r.ttft_s)
+        self.job.emit(ChoiceDone(ChoiceResult(
+            index=r.index, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+            output_ids=r.output_ids, text=r.text, finish_reason=r.finish_reason, logprobs=r.logprobs,
+            prompt_logprobs=self.prompt_logprobs.get(r.index))))
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._end()
+
+    def error(self, error: Exception) -> None:
+        if not self.ended:
+            self.job.emit(JobError(error))
+            self._end()
+            self.job.cancelled.set()  # the job's other choices stop too
+
+    def cancelled(self) -> bool:
+        if self.job.stalled():  # its client has not read for the write timeout
+            self.job.cancelled.set()
+        if self.job.cancelled.is_set() and not self.ended:
+            self.ended = True
+            self.metrics.cancelled += 1
+        return self.job.cancelled.is_set()
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.job.emit(JobEnd())
+
+
+class Worker(threading.Thread):
+    def __init__(self, cache: PrefixCache, max_queue: int, metrics, batch: BatchSettings = BatchSettings()):
+        super().__init__(name="jaxsmol-worker", daemon=True)
+        self.cache, self.metrics = cache, metrics
+        self._settings = dataclasses.asdict(batch)
+        self.scheduler = Scheduler(cache, **self._settings)
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)
+        self.stopping = threading.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    def stop(self) -> None:
+        """Finish the queued and running jobs, then exit (never blocks, even with a full queue)."""
+        self.stopping.set()
+
+    def run(self) -> None:
+        while True:
+            self._take_jobs(wait=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                try:
+                    with self.lock:
+                        self.scheduler.step()
+                except BaseException as e:  # never let a failure take the worker down
+                    self._fail_all(e)
+            elif self.stopping.is_set() and self.jobs.empty():
+                return
+
+    def _take_jobs(self, wait: bool) -> None:
+        """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle, then for more while
+        they arrive at most ARRIVAL_GAP_S apart) while the scheduler has fewer waiting for admission
+        than it has free rows (one at least): a burst is admitted and prefilled together. Jobs beyond
+        that wait in the bounded queue (--max-queue), so a full batch and a full queue answer 503."""
+        timeout = 0.1 if wait else None
+        while len(self.scheduler.pending) < max(1, self.scheduler.free_rows):
+            try:
+                job = self.jobs.get(timeout=timeout) if timeout else self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            timeout = ARRIVAL_GAP_S if wait else None
+            try:
+                with self.lock:
+                    self._start(job)
+            except BaseException as e:
+                job.emit(JobError(e if isinstance(e, Exception) else RuntimeError(repr(e))))
+                job.emit(JobEnd())
+
+    def _start(self, job: Job) -> None:
+        """Group the job's choices by prompt (n samples of one prompt are forks) and submit them."""
+        if job.cancelled.is_set():  # its client left while it waited
+            self.metrics.cancelled += 1
+            job.emit(JobEnd())
+            return
+        try:
+            prompt_lp = self._prompt_logprobs(job.choices)
+        except JaxsmolError as e:
+            job.emit(JobError(e))
+            job.emit(JobEnd())
+            return
+        groups: dict[tuple, list[ChoiceSpec]] = {}
+        for spec in job.choices:
+            groups.setdefault(tuple(spec.prompt_ids), []).append(spec)
+        sink = JobSink(job, self.metrics, len(job.choices), prompt_lp)
+        for prompt, specs in groups.items():
+            self.scheduler.submit(Request(list(prompt), [s.sampling for s in specs], sink,
+                                          indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass))
+
+    def _prompt_logprobs(self, choices: list[ChoiceSpec]) -> dict:
+        """ChoiceSpec.index -> prompt log-probabilities (jaxsmol/runtime/scoring.py: one cold forward per
+        distinct prompt, exact whatever the cache holds), for the choices that ask."""
+        scores, out = {}, {}
+        for spec in choices:
+            if spec.prompt_logprobs is None:
+                continue
+            key = (tuple(spec.prompt_ids), spec.prompt_logprobs)
+            if key not in scores:
+                scores[key] = [s.as_dict() for s in score(self.cache.engine, spec.prompt_ids, spec.prompt_logprobs)]
+            out[spec.index] = scores[key]
+        return out
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A step failed outside any one request: tell every request in flight, start afresh."""
+        s = self.scheduler
+        sinks = [r.request.sink for r in s.rows if r is not None] + [r.sink for r in s.pending]
+        sinks += [p.request.sink for p in s.prefills]
+        for sink in {id(k): k for k in sinks}.values():
+            sink.error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        self.scheduler = Scheduler(self.cache, **self._settings)

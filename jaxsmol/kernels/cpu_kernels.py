@@ -1,0 +1,350 @@
+"""CPU kernels written in C++ and called from jitted programs through JAX's foreign function
+interface (`jax.ffi`): two computing the forward in float32, and a copy.
+
+- `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16
+  (widened exactly as they load; activations, sums and the cache stay float32). Each output element
+  is one fused multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
+  other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
+  as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
+  without the kernels needs >= 64-row chunks). Its weights are packed once, at load, in 32-column
+  panels (`pack`, `pack_params`; q, k, v as one product and gate, up as another: `pack_layer`), so
+  every call streams them sequentially. Few rows (decode steps)
+  stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which at
+  2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over
+  the panels, as fast as XLA's.
+- `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked
+  attention copies every 256-slot block of the cache before its matmuls (a batch's or several heads'
+  block is not contiguous) and runs every row to the chunk's or batch's last position; the kernel
+  reads each (row, kv head)'s keys and values in place, up to that query's own position. Each query
+  row is computed on its own in position order, so its bits do not depend on the chunk or batch
+  carrying it (a decode step's single row takes a different, split path: T == 1 differs from T >= 2).
+- `load_prefix` (cpu_prefix.cc): Engine.restore's copy of a snapshot's prefix into a cache, split
+  between the threads (XLA's dynamic-update-slice copies on one).
+
+The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
+CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
+Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
+`JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build,
+`on` makes that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path
+every GPU and TPU takes). In `auto`, where they cannot be built (no compiler, a CPU other than x86-64
+with AVX2 and FMA: skipped before compiling), the forward uses XLA's dot and attention, with one line
+on stderr saying why. `state()` records what happened (`jaxsmol info` prints it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.system.data_dirs import kernels_dir
+from jaxsmol.errors import JaxsmolError
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_prefix.cc"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
+TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
+           "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
+PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
+HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # packed: one product each
+FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
+
+MODES = ("auto", "on", "off")  # JAXSMOL_KERNELS's values
+_MODE_WORDS = {"": "auto", "1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+ENV, OLD_ENV = "JAXSMOL_KERNELS", "JAXSMOL_CPU_KERNELS"  # the switch, and its old name (still read)
+ISAS = {16: "avx512", 8: "avx2"}  # the library's vector width in floats -> the instruction set it was built for
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelState:
+    """What became of the kernels in this process (state(); `jaxsmol info` prints it)."""
+
+    mode: str  # the switch: auto, on or off
+    switch: str | None  # the variable that set it (JAXSMOL_KERNELS, or its old name); None: the default, auto
+    in_use: bool  # built and registered: an engine on one CPU device whose shapes fit uses them
+    source: str | None = None  # "compiled" (by this process) or "cache" (a library built before); None when not in use
+    isa: str | None = None  # the instruction set its vectors use: "avx512" (16 floats) or "avx2" (8)
+    lanes: int = 0  # its vector width in floats
+    library: str | None = None  # the shared library's path
+    reason: str | None = None  # why they are not in use
+
+
+_lock = threading.Lock()
+_state: KernelState | None = None  # None until the first call of state()
+
+
+def kernel_switch(environ=os.environ) -> tuple[str, str | None]:
+    """(mode, variable): JAXSMOL_KERNELS, else its old name JAXSMOL_CPU_KERNELS, else (auto, None);
+    a JaxsmolError naming the variable for a value other than auto, on, off (or 1/true/yes, 0/false/no)."""
+    for name in (ENV, OLD_ENV):
+        raw = environ.get(name, "").strip()
+        if raw:
+            mode = _MODE_WORDS.get(raw.lower(), raw.lower())
+            if mode not in MODES:
+                raise JaxsmolError(f"{name} must be one of {', '.join(MODES)}, got {raw!r}")
+            return mode, name
+    return "auto", None
+
+
+def unsupported_cpu(machine: str, flags: set[str] | None) -> str | None:
+    """Why a CPU cannot run the kernels, or None: they are written for x86-64 with AVX2 and FMA (a
+    narrower vector is emulated, slower than XLA). flags None: unknown (no /proc/cpuinfo), left to the compiler."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return f"the CPU is {machine}; they need x86-64 with AVX2 and FMA"
+    missing = [f.upper() for f in ("avx2", "fma") if flags is not None and f not in flags]
+    return f"the CPU lacks {' and '.join(missing)}" if missing else None
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, None where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (a library built with -march=native runs only where they match)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def _build() -> tuple[Path, bool]:
+    """Compile the kernel sources into one shared library under the data directory (once per key)
+    -> (its path, whether this call compiled it)."""
+
+    missing = [f.name for f in (*SOURCES, HEADER) if not f.is_file()]
+    if missing:  # a broken install (a wheel without a source)
+        raise RuntimeError(f"kernel sources missing from {HEADER.parent}: {', '.join(missing)}")
+    cxx = os.environ.get("CXX", "c++")
+    key = hashlib.blake2b(digest_size=12)
+    for part in (*(f.read_bytes() for f in (*SOURCES, HEADER)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
+                 _cpu_signature().encode()):
+        key.update(part)
+    out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
+    if out.is_file():
+        return out, False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        objects = _compile_each(cxx, Path(work))
+        _run_compiler(cxx, [cxx, *FLAGS, *map(str, objects), "-o", str(tmp)], tmp)
+    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    return out, True
+
+
+def _compile_each(cxx: str, work: Path) -> list[Path]:
+    """Each source to an object file in `work`, all at once (one compiler per source: ~2x faster on
+    two cores than one command compiling them in turn; the same translation units, so the same code)."""
+    flags = [f for f in FLAGS if f != "-shared"]
+    objects = [work / f"{src.stem}.o" for src in SOURCES]
+    try:
+        running = [subprocess.Popen([cxx, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                   for src, obj in zip(SOURCES, objects)]
+    except OSError as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
+    failures = []
+    for proc in running:
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(stderr)
+    if failures:
+        raise RuntimeError(_compiler_failure(cxx, "\n".join(failures)))
+    return objects
+
+
+def _run_compiler(cxx: str, cmd: list[str], tmp: Path) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(_compiler_failure(cxx, done.stderr))
+
+
+def _compiler_failure(cxx: str, stderr: str) -> str:
+    errors = [ln for ln in stderr.splitlines() if "error" in ln][:3]
+    return f"{cxx} failed on the kernel sources: {' | '.join(errors) or stderr[-300:]}"
+
+
+def state() -> KernelState:
+    """The kernels' state, loading them on the first call (once per process; see _load)."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load(*kernel_switch())
+        return _state
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered (loading them on the first call); in mode `on`
+    a JaxsmolError where they are not."""
+    s = state()
+    if s.mode == "on" and not s.in_use:
+        raise JaxsmolError(f"{s.switch}=on, but the CPU kernels are not available: {s.reason}")
+    return s.in_use
+
+
+def vector_lanes() -> int:
+    """The kernels' vector width in floats, 0 where they are off. A decode step's attention sums q.k
+    in lanes, so builds of different widths differ in its last bits (part of Engine.fingerprint)."""
+    return state().lanes if available() else 0
+
+
+def _load(mode: str, switch: str | None) -> KernelState:
+    """Build (or find) the library and register its targets with JAX, unless switched off or the CPU
+    cannot run it (checked before compiling). In mode auto a failure is one line on stderr."""
+    if mode == "off":
+        return KernelState(mode, switch, False, reason=f"switched off ({switch}=off): XLA's ops only")
+    why = unsupported_cpu(platform.machine(), _cpu_flags())
+    if why is None:
+        try:
+            path, compiled = _build()
+            lanes = _register(path)
+        except (RuntimeError, OSError, AttributeError) as e:
+            why = str(e)
+        else:
+            return KernelState(mode, switch, True, "compiled" if compiled else "cache",
+                               ISAS.get(lanes, f"{lanes} lanes"), lanes, str(path))
+    if mode == "auto":  # in mode on, available() raises with the reason instead
+        print(f"jaxsmol: the CPU kernels are not available ({why}); the forward uses XLA's dot and attention",
+              file=sys.stderr)
+    return KernelState(mode, switch, False, reason=why)
+
+
+def _register(path: Path) -> int:
+    """Load the library and register its FFI targets for the CPU -> its vector width in floats."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return int(lib.JaxsmolVectorLanes())
+
+
+def fits(cfg) -> bool:
+    """Whether every matmul and attention of cfg's model fits the kernels: each matmul's output width
+    a whole number of weight panels, and a head size the attention kernel handles. (All or nothing:
+    one op left to XLA would make a prompt row's bits depend on its chunk again.)"""
+    widths = (cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, cfg.vocab_size)
+    return all(n % PANEL == 0 for n in widths) and cfg.head_dim in HEAD_DIMS
+
+
+def configure(cfg, dtype, mesh=None):
+    """cfg with `cpu_kernels` set: on for float32 or bfloat16 weights on one CPU device where the
+    kernels load and the model's shapes fit them. (A mesh partitions the forward with GSPMD, which
+    cannot split a custom call.) Params for a cfg with the kernels on are packed (pack_params)."""
+    use = (jnp.dtype(dtype) in WEIGHT_DTYPES and mesh is None and jax.default_backend() == "cpu" and fits(cfg)
+           and available())
+    return cfg if cfg.cpu_kernels == use else dataclasses.replace(cfg, cpu_kernels=use)
+
+
+def pack(w):
+    """A weight [K, N] (numpy or jax) -> the kernel's layout [N / 32, K, 32]: each 32-column panel
+    contiguous over k, so a matmul streams it sequentially (see cpu_matmul.cc)."""
+    K, N = w.shape
+    if N % PANEL:
+        raise ValueError(f"a packed weight needs N % {PANEL} == 0, got [{K}, {N}]")
+    panels = w.reshape(K, N // PANEL, PANEL).transpose(1, 0, 2)
+    return np.ascontiguousarray(panels) if isinstance(w, np.ndarray) else panels
+
+
+def unpack(panels):
+    """pack's inverse: [N / 32, K, 32] -> [K, N]."""
+    P, K, _ = panels.shape
+    return panels.transpose(1, 0, 2).reshape(K, P * PANEL)
+
+
+def is_packed(w) -> bool:
+    return w.ndim == 3
+
+
+def pack_params(params, packed: bool = True):
+    """params with every matmul weight packed (the layers' matrices, see pack_layer, and the
+    unembedding; not the embedding table, whose rows are gathered), or with packed=False every one
+    unpacked: the layout a cfg with the kernels on, or off, needs. Weights already in it are kept."""
+    unembed = params.unembed if is_packed(params.unembed) == packed else (pack if packed else unpack)(params.unembed)
+    return params.replace(layers=tuple(pack_layer(layer, packed) for layer in params.layers), unembed=unembed)
+
+
+def pack_layer(layer, packed: bool = True):
+    """A LayerParams in the kernels' layout: every matrix packed, and q, k, v (and gate, up) as one
+    product each, their panels side by side (FUSED); packed=False: back to separate [in, out] matrices.
+    One call streams the three weights where three calls each had their own start-up and stream."""
+    if not packed:
+        if layer.wqkv is not None:  # the fused panels split by width (wo's input is q's, w_down's up's)
+            q, f = layer.wo.shape[1] // PANEL, layer.w_down.shape[1] // PANEL
+            kv = (layer.wqkv.shape[0] - q) // 2
+            layer = layer.replace(wq=layer.wqkv[:q], wk=layer.wqkv[q:q + kv], wv=layer.wqkv[q + kv:], wqkv=None,
+                                  w_gate=layer.w_gate_up[:f], w_up=layer.w_gate_up[f:], w_gate_up=None)
+        return layer.replace(**{f: unpack(getattr(layer, f)) for f in MATRICES if is_packed(getattr(layer, f))})
+    if layer.wqkv is not None:
+        return layer
+    panels = {f: getattr(layer, f) if is_packed(getattr(layer, f)) else pack(getattr(layer, f)) for f in MATRICES}
+    fused = {name: jnp.concatenate([panels[f] for f in parts]) for name, parts in FUSED.items()}
+    return layer.replace(wo=panels["wo"], w_down=panels["w_down"], **fused,
+                         **{f: None for parts in FUSED.values() for f in parts})
+
+
+def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Array:
+    """x [..., K] float32 @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
+    in float32 or bfloat16 (available() must be True). `target`: another build's registered name
+    (tools/kernel_revision.py); by default the project's own for the weight's dtype."""
+    if target is None:
+        target = "jaxsmol_matmul_bf16" if panels.dtype == jnp.bfloat16 else "jaxsmol_matmul"
+    P, K, _ = panels.shape
+    lead, N = x.shape[:-1], P * PANEL
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    return call(x.reshape(-1, K), panels).reshape(*lead, N)
+
+
+def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
+    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: float32, H in 16..128."""
+    return q.dtype == k_all.dtype and attention_kernel_for(k_all.dtype, q.shape[-1])
+
+
+def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
+    """Whether a cache of this dtype and head size is read by the kernel (in place, any capacity),
+    not by XLA's attention (whole 256-slot blocks)."""
+    return cache_dtype == jnp.float32 and head_dim in HEAD_DIMS
+
+
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array,
+              target: str = "jaxsmol_attention") -> jax.Array:
+    """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
+    [B]) over cache layer `layer` of k_all, v_all [L, B, K, S, H] (the chunk's keys already written)
+    -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
+    `target`: another build's registered name (tools/kernel_revision.py)."""
+    pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_all, v_all, pos, layer=np.int64(layer))
+
+
+def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:
+    """cache [L, B, K, S, H] with prefix [L, B, K, P, H] (same dtype) written at slots 0..P-1, in
+    place where the cache is donated (cpu_prefix.cc: the copy split between the threads)."""
+    call = jax.ffi.ffi_call("jaxsmol_load_prefix", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, prefix)

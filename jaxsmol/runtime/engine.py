@@ -1,0 +1,336 @@
+"""The engine: weights, tokenizer and the jitted forward; chunked prefill, decode and generation.
+
+Compiled programs come from programs.py (the one jit site). Prompts are prefilled in chunks whose lengths come from
+buckets, with the true length traced, and caches are allocated with capacities from a doubling
+ladder (chunks.py), so the number of compiled forward programs is bounded (`compile_bound`).
+
+A prompt prefilled from a restored prefix gives exactly the bits of a prompt prefilled from zero,
+because a prompt row's bits do not depend on the chunk that carries it. That is what makes the
+prefix cache exact. On XLA:CPU the rows of `x @ W` are bit-identical for any row count >= 64 (not
+for 1..56), so every prefill chunk has at least 64 rows, wherever it starts, and attention blocks
+are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 or
+bfloat16 weights on one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
+prefill may also use 8-, 16- and 32-row chunks: a short suffix after a restore costs 8 rows, not 64.
+(Single rows are decode steps, whose attention takes another path: never a prefill chunk.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.runtime.buffers import CachePool, StagingBuffers
+from jaxsmol.runtime.compile_cache import enable_compilation_cache
+from jaxsmol.model.config import Config
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime import programs
+from jaxsmol.kernels import cpu_kernels
+from jaxsmol.model.kv import KVCache, check_snapshot
+from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length, chunk_plan,
+                            prefill_buckets)
+from jaxsmol.model.forward import ATTN_BLOCK
+from jaxsmol.model.params import Params, load_params
+from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.model.sharding import describe, kv_sharding, shard_params
+from jaxsmol.runtime.generation import Generation
+from jaxsmol.runtime.structured import all_allowed
+
+def compiled_programs(program: str = "forward") -> int:
+    """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
+    process so far: what compile_bound bounds, counted by the benchmark and the tests.
+    jax.clear_caches() resets it."""
+    return programs.compiled_count(program)
+
+
+def _next_chunk(ids: list[int], kv: KVCache, T: int) -> tuple[np.ndarray, int, KVCache]:
+    """The chunk of T rows (padded) that continues ids in kv: (tokens [T], real rows, kv). A chunk
+    that would run past the cache's capacity starts earlier (kv.pos moved back), recomputing a few
+    positions already written: an exact chunk gives every row the same bits wherever it starts."""
+    pos = int(kv.pos)
+    begin = max(min(pos, kv.capacity - T), 0)
+    n = min(T, len(ids) - begin)
+    chunk = np.zeros(T, np.int32)
+    chunk[:n] = ids[begin:begin + n]
+    return chunk, n, kv if begin == pos else kv.replace(pos=jnp.int32(begin))
+
+
+def context_length(cfg: Config, ctx: int | None) -> int:
+    """ctx (None: the model's max_position_embeddings), or JaxsmolError if the model cannot hold it."""
+    ctx = cfg.max_position if ctx is None else int(ctx)
+    if not 0 < ctx <= cfg.max_position:
+        raise JaxsmolError(f"context length {ctx} must be in [1, {cfg.max_position}] "
+                           "(the model's max_position_embeddings)")
+    return ctx
+
+
+def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
+    """Return ids as a list of ints, or raise JaxsmolError naming what is wrong with the request."""
+    try:
+        ids = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise JaxsmolError("token ids must be integers") from None
+    if not ids:
+        raise JaxsmolError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise JaxsmolError(f"token id {bad[0]} is outside [0, {cfg.vocab_size})")
+    if max_tokens < 0:
+        raise JaxsmolError(f"max_tokens must be >= 0, got {max_tokens}")
+    if len(ids) + max_tokens > ctx:
+        raise JaxsmolError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                           f"context of {ctx} tokens")
+    return ids
+
+
+# The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.
+# relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
+NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
+                    "kernels/cpu_attention.cc", "kernels/cpu_kernels.h")
+
+
+@functools.cache
+def numerics_identity() -> str:
+    """A hash of the code that computes KV states: part of every engine's fingerprint."""
+    import hashlib
+
+    h = hashlib.blake2b(jax.__version__.encode(), digest_size=8)
+    for name in NUMERICS_SOURCES:
+        h.update((Path(__file__).parents[1] / name).read_bytes())
+    return h.hexdigest()
+
+
+class Engine:
+    """A loaded model. Stateless between requests: every request gets its own immutable caches."""
+
+    def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None,
+                 mesh=None):
+        """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
+        cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
+        # the weights' layout follows cfg (a no-op for params loaded with it; another engine's
+        # params may come packed or not)
+        params = cpu_kernels.pack_params(params, packed=cfg.cpu_kernels)
+        if mesh is not None:
+            params = shard_params(params, mesh)
+        self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
+        self.ctx = context_length(cfg, ctx)
+        self.model_dir = Path(model_dir) if model_dir else None
+        self._fingerprint = None
+        self.pool, self.staging = CachePool(), StagingBuffers()  # kept between requests (buffers.py)
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
+             progress: bool = True, mesh=None, on_config: Callable | None = None) -> "Engine":
+        """Load a Hugging Face checkpoint directory, or the bundled default model when None.
+        on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
+        Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
+        from jaxsmol.checkpoint.tokenizer import Tokenizer
+
+        enable_compilation_cache(unless_set=True)
+
+        if model_dir is None:
+            from jaxsmol.checkpoint.default_model import default_model_dir
+            model_dir = default_model_dir(progress=progress)
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise JaxsmolError(f"model directory {model_dir} does not exist")
+        if dtype not in ("float32", "bfloat16"):
+            raise JaxsmolError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        cfg = Config.load(model_dir)
+        tokenizer = Tokenizer.load(model_dir)
+        if tokenizer.eos_ids:
+            cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
+        cfg = cpu_kernels.configure(cfg, dtype, mesh)  # before on_config, which may compile programs
+        if on_config is not None:
+            on_config(cfg, tokenizer)
+        params = load_params(model_dir, cfg, getattr(jnp, dtype))
+        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh)
+
+    # ---- identity -------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """A hash of config, dtype and every weight byte, of the code that computes the states, plus
+        the device layout: caches keyed by it (snapshots on disk too) never mix models, nor states
+        computed by another version of the forward or under different shardings (their last bits
+        differ)."""
+        if self._fingerprint is None:
+            import hashlib
+
+            h = hashlib.blake2b(repr(self.cfg).encode(), digest_size=16)
+            h.update(numerics_identity().encode())
+            if self.cfg.cpu_kernels:  # the kernels are loaded by now; an engine without them never builds them
+                h.update(f"lanes={cpu_kernels.vector_lanes()}".encode())
+            for leaf in jax.tree.leaves(self.params):
+                h.update(str(leaf.dtype).encode() + str(leaf.shape).encode())
+                h.update(np.asarray(leaf).tobytes())
+            self._fingerprint = h.hexdigest() + ("" if self.mesh is None else "@" + describe(self.mesh))
+        return self._fingerprint
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one position over all layers (float32 SmolLM2-135M: 46,080)."""
+        c = self.cfg
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.params.compute_dtype.itemsize
+
+    # ---- validation -----------------------------------------------------------------------------
+    def check_prompt(self, ids, max_tokens: int = 0) -> list[int]:
+        """Return ids as a list of ints, or raise JaxsmolError naming what is wrong."""
+        return check_prompt(self.cfg, self.ctx, ids, max_tokens)
+
+    # ---- the forward, chunked -------------------------------------------------------------------
+    def recycle(self, kv: KVCache | None, held=()) -> None:
+        """Hand back a one-row cache that nothing will read again (the caller must drop its reference);
+        `held`: the tokens whose exact state (what an exact prefill computes) its slots 0.. hold, so
+        that a restore of a prefix of them may take it without copying (see `restore`)."""
+        if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
+            return  # (deleted: donated to a call that failed)
+        self.pool.give(kv, held)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the buffers kept between requests (bounded: see buffers.py)."""
+        return self.pool.nbytes + self.staging.nbytes
+
+    def new_cache(self, slots: int) -> KVCache:
+        cap = capacity_for(slots)
+        if (kept := self.pool.take(cap)) is not None:
+            return kept
+        return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
+
+    def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache:
+        """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
+
+        The snapshot is untouched; a host snapshot has no layout, so it is placed for this engine's
+        mesh whatever layout computed it. `tokens`, when the snapshot is the exact state of them (an
+        exact prefix cache's entry): a recycled cache already holding that state is taken as it is."""
+        n = int(snapshot.pos) if length is None else length
+        check_snapshot(snapshot, self.cfg, n)
+        if n > capacity_for(slots):
+            raise JaxsmolError(f"a prefix of {n} positions does not fit a cache of {slots} slots")
+        if tokens is not None and len(tokens) >= n and self.mesh is None:
+            if (kept := self.pool.take_holding(capacity_for(slots), tuple(tokens[:n]))) is not None:
+                return kept
+        kv = self.new_cache(slots)  # a recycled buffer when one is free
+        place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
+            lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
+        with self.staging.lock:  # one restore at a time uses the staging buffers
+            k, v = self.staging.stage(snapshot.k, snapshot.v, n, ATTN_BLOCK)
+            kernel = self.cfg.cpu_kernels and self.mesh is None  # the copy on both threads (not sharded)
+            kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n), kernel=kernel)
+            return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
+
+    def buckets(self, exact: bool = True) -> tuple[int, ...]:
+        """The prefill chunk lengths this engine uses (see prefill_buckets)."""
+        return prefill_buckets(exact, self.cfg.cpu_kernels)
+
+    def chunk_rows(self, n_left: int, max_rows: int = PREFILL_BUCKETS[-1], exact: bool = True) -> int:
+        """The padded length of the next chunk `prefill_chunk` runs with n_left tokens still to prefill."""
+        return chunk_length(n_left, max_rows, self.buckets(exact))
+
+    def slots_needed(self, start: int, n_prompt: int, max_tokens: int, exact: bool = True) -> int:
+        """Cache slots a request touches: the padded prefill chunks and every decode position."""
+        chunks_end = start + sum(chunk_plan(n_prompt - start, self.buckets(exact)))
+        return max(chunks_end, n_prompt + max_tokens)
+
+    def prefill(self, ids: list[int], kv: KVCache, exact: bool = True) -> tuple[jax.Array, KVCache]:
+        """Feed ids[kv.pos:] into kv in bucketed chunks; return (logits [1, V] after ids[-1], kv).
+
+        `kv` is donated. Requires kv.pos < len(ids) and enough capacity (see slots_needed).
+        exact=False allows the short FAST_BUCKETS (not bit-identical to a cold prefill).
+        """
+        logits = None
+        while logits is None or int(kv.pos) < len(ids):
+            logits, kv = self.prefill_chunk(ids, kv, exact=exact)
+        return logits, kv
+
+    def prefill_chunk(self, ids: list[int], kv: KVCache, max_rows: int = PREFILL_BUCKETS[-1],
+                      exact: bool = True) -> tuple[jax.Array, KVCache]:
+        """Feed the next chunk of ids[kv.pos:] (at most max_rows real tokens) into kv (donated);
+        returns (logits [1, V] after the chunk's last token, kv). (A chunk that would run past the
+        capacity starts earlier: see _next_chunk.)"""
+        T = self.chunk_rows(len(ids) - int(kv.pos), max_rows, exact)
+        chunk, n, kv = _next_chunk(ids, kv, T)
+        return programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), kv, self.cfg)
+
+    def prefill_side_by_side(self, prompts: list[list[int]], kvs: list[KVCache], T: int
+                             ) -> tuple[jax.Array, list[KVCache]]:
+        """The next chunk, T rows padded, of each prompt (ids[kv.pos:]) in one forward; every kv
+        (donated) is one prompt's [L, 1, K, S, H] cache, all of one capacity. Returns (logits [P, V]
+        after each chunk's last token, kvs). Each prompt's rows get the bits `prefill_chunk` gives
+        them: only with the C++ kernels (`side_by_side`), whose rows do not depend on the others."""
+        if not self.side_by_side:
+            raise ValueError("prompts are prefilled side by side only with the CPU kernels")
+        chunks, lengths, ready = zip(*(_next_chunk(ids, kv, T) for ids, kv in zip(prompts, kvs)))
+        window = self.side_by_side_window(max(int(kv.pos) for kv in ready) + T, ready[0].capacity)
+        logits, kvs = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
+                                            jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg, window=window)
+        return logits, list(kvs)
+
+    def side_by_side_window(self, slots: int, capacity: int) -> int | None:
+        """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
+        caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
+        Only where the attention kernel reads the cache: XLA's attention reads whole 256-slot blocks."""
+        fits = [w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity]
+        return fits[0] if fits and cpu_kernels.attention_kernel_for(self.params.compute_dtype, self.cfg.head_dim) else None
+
+    @property
+    def side_by_side(self) -> bool:
+        """Whether several prompts' chunks may share a forward (prefill_side_by_side) and keep the
+        bits of a lone prefill: with the C++ kernels a row's bits do not depend on the rows beside
+        it; XLA's fused attention may differ with the batch's shape, so without them, no."""
+        return self.cfg.cpu_kernels
+
+    def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
+        return programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
+
+    def warmup(self, slots: int, prompt_len: int | None = None) -> None:
+        """Compile every program a request touching `slots` cache slots may need (prefill buckets and
+        decode, for the capacities on the way), so later timings measure compute, not compilation.
+        With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
+        4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs ~1.5 s
+        of tracing and lowering even when the persistent cache holds its compiled code).
+        Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
+        top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
+        for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
+            for T in FAST_BUCKETS:
+                if T <= min(top, cap):
+                    programs.forward.lower(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg).compile()
+        for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
+            programs.sample.lower(jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                                  jnp.float32(1), allowed).compile()
+
+    def logits_all(self, ids) -> np.ndarray:
+        """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""
+        ids = self.check_prompt(ids)
+        T = next((b for b in PREFILL_BUCKETS if b >= len(ids)), None) or -(-len(ids) // 64) * 64
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(ids)] = ids
+        kv = self.new_cache(T)
+        logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg, all_logits=True)
+        return np.asarray(logits[0, :len(ids)])
+
+    # ---- generation -----------------------------------------------------------------------------
+    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
+              prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
+              on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True,
+              prefix_exact: bool = False) -> "Generation":
+        """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
+        with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
+        exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold).
+        prefix_exact: the prefix is the exact state of its tokens (an exact prefix cache's entry), so
+        a recycled cache holding it may stand in for its copy (see `restore`, `Generation.held`)."""
+        return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
+                          prefix_logits, on_prefill, exact, prefix_exact)
+
+    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> "Generation":
+        gen = self.start(prompt_ids, sp, **kw)
+        for _ in gen:
+            pass
+        return gen
