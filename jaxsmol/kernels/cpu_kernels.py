@@ -48,12 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsmol.system.data_dirs import kernels_dir
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.kernels.formats import QuantizedMatrix, concat_panels
+from jaxsmol.system.data_dirs import kernels_dir
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_prefix.cc"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
+           "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
@@ -264,6 +267,8 @@ def configure(cfg, dtype, mesh=None):
 def pack(w):
     """A weight [K, N] (numpy or jax) -> the kernel's layout [N / 32, K, 32]: each 32-column panel
     contiguous over k, so a matmul streams it sequentially (see cpu_matmul.cc)."""
+    if isinstance(w, QuantizedMatrix):  # quantized matrices are kept in panels always
+        return w
     K, N = w.shape
     if N % PANEL:
         raise ValueError(f"a packed weight needs N % {PANEL} == 0, got [{K}, {N}]")
@@ -278,14 +283,16 @@ def unpack(panels):
 
 
 def is_packed(w) -> bool:
-    return w.ndim == 3
+    return w.ndim == 3 and not isinstance(w, QuantizedMatrix)
 
 
 def pack_params(params, packed: bool = True):
     """params with every matmul weight packed (the layers' matrices, see pack_layer, and the
     unembedding; not the embedding table, whose rows are gathered), or with packed=False every one
     unpacked: the layout a cfg with the kernels on, or off, needs. Weights already in it are kept."""
-    unembed = params.unembed if is_packed(params.unembed) == packed else (pack if packed else unpack)(params.unembed)
+    unembed = params.unembed
+    if not isinstance(unembed, QuantizedMatrix) and is_packed(unembed) != packed:
+        unembed = (pack if packed else unpack)(unembed)
     return params.replace(layers=tuple(pack_layer(layer, packed) for layer in params.layers), unembed=unembed)
 
 
@@ -293,6 +300,10 @@ def pack_layer(layer, packed: bool = True):
     """A LayerParams in the kernels' layout: every matrix packed, and q, k, v (and gate, up) as one
     product each, their panels side by side (FUSED); packed=False: back to separate [in, out] matrices.
     One call streams the three weights where three calls each had their own start-up and stream."""
+    if _quantized(layer):  # panels, fused, on both paths (XLA's dequantizes them in the forward)
+        return layer if layer.wqkv is not None else layer.replace(
+            **{name: concat_panels([getattr(layer, f) for f in parts]) for name, parts in FUSED.items()},
+            **{f: None for parts in FUSED.values() for f in parts})
     if not packed:
         if layer.wqkv is not None:  # the fused panels split by width (wo's input is q's, w_down's up's)
             q, f = layer.wo.shape[1] // PANEL, layer.w_down.shape[1] // PANEL
@@ -308,16 +319,31 @@ def pack_layer(layer, packed: bool = True):
                          **{f: None for parts in FUSED.values() for f in parts})
 
 
-def matmul(x: jax.Array, panels: jax.Array, target: str | None = None) -> jax.Array:
+def _quantized(layer) -> bool:
+    return isinstance(layer.wo, QuantizedMatrix)
+
+
+def matmul(x: jax.Array, panels, target: str | None = None) -> jax.Array:
     """x [..., K] float32 @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
     in float32 or bfloat16 (available() must be True). `target`: another build's registered name
-    (tools/kernel_revision.py); by default the project's own for the weight's dtype."""
+    (tools/kernel_revision.py); by default the project's own for the weight's dtype. A QuantizedMatrix
+    (formats.py) goes to its format's kernel: the same bits as the float32 kernel on its dequantized values."""
+    if isinstance(panels, QuantizedMatrix):
+        return _matmul_quantized(x, panels)
     if target is None:
         target = "jaxsmol_matmul_bf16" if panels.dtype == jnp.bfloat16 else "jaxsmol_matmul"
     P, K, _ = panels.shape
     lead, N = x.shape[:-1], P * PANEL
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     return call(x.reshape(-1, K), panels).reshape(*lead, N)
+
+
+def _matmul_quantized(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    P, K, _ = w.shape
+    lead, N = x.shape[:-1], P * PANEL
+    call = jax.ffi.ffi_call(f"jaxsmol_matmul_{w.fmt}", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    scales = (w.d,) if w.m is None else (w.d, w.m)
+    return call(x.reshape(-1, K), w.q, *scales).reshape(*lead, N)
 
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:

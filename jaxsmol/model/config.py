@@ -30,6 +30,10 @@ class Config:
     # An execution choice, not part of the checkpoint: attention and every matmul run the C++
     # kernels of cpu_kernels.py. Set by cpu_kernels.configure (the Engine does); off by default.
     cpu_kernels: bool = False
+    # The matrices' format: None (the checkpoint's floats, in the load dtype), or "q8_0" / "q4_1"
+    # (jaxsmol/kernels/formats.py: GGUF's blocks, dequantized inside the matmul). Part of every
+    # compiled program's shape, and of the engine's fingerprint.
+    quant: str | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

@@ -32,6 +32,7 @@ from jaxsmol.model.kv import KVCache
 from jaxsmol.model.params import LayerParams, Params
 from jaxsmol.model.rope import apply_rope, rope_tables
 from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels.formats import QuantizedMatrix, columns, dequantize
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
 NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
@@ -73,11 +74,14 @@ def _fold(a: jax.Array, axis: int) -> jax.Array:
 def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
     """x [..., Din] @ w [Din, Dout] -> [..., Dout]: through the C++ matmul when cfg.cpu_kernels (its
     rows' bits do not depend on the row count: see cpu_kernels.py; w then comes packed,
-    [Dout / 32, Din, 32]), XLA's dot otherwise."""
+    [Dout / 32, Din, 32]), XLA's dot otherwise. w may be a QuantizedMatrix (cfg.quant) on either path."""
+    quantized = isinstance(w, QuantizedMatrix)
     if cfg.cpu_kernels:
-        if not cpu_kernels.is_packed(w):
+        if not (quantized or cpu_kernels.is_packed(w)):
             raise ValueError("cfg.cpu_kernels needs its params packed: cpu_kernels.pack_params(params)")
-        return cpu_kernels.matmul(x, w)
+        return cpu_kernels.matmul(x, w)  # a quantized matrix: dequantized in registers, same bits
+    if quantized:  # XLA's path (no kernels, GPU, TPU): the same float32 values, made inside the program
+        w = cpu_kernels.unpack(dequantize(w))
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 
 
@@ -188,6 +192,14 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     return x, k_all, v_all
 
 
+def embed(table, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> their rows of the embedding table, float32 [B, T, D]: a float table [V, D], or
+    a quantized tied model's unembedding, read by column."""
+    if isinstance(table, QuantizedMatrix):
+        return columns(table, tokens)
+    return table[tokens].astype(jnp.float32)
+
+
 def _last_real(x: jax.Array, length: jax.Array) -> jax.Array:
     """x [B, T, D] -> [B, D]: row length - 1 of every sequence (length a scalar, or [B])."""
     if length.ndim == 0:
@@ -210,7 +222,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     pos = kv.pos
     dt = params.compute_dtype  # the matrix products' inputs (see the module docstring)
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), cfg.head_dim, cfg.rope_theta)  # [T, H] or [B, T, H]
-    x = params.embed[tokens].astype(jnp.float32)  # [B, T, D], the residual stream
+    x = embed(params.embed, tokens)  # [B, T, D], the residual stream
     k_all, v_all = kv.k, kv.v
     # A Python loop, not a lax.scan over stacked [L, ...] weights: XLA:CPU copies a traced slice of a
     # stacked array into a buffer of its own before a matmul, so a scanned decode step moved every

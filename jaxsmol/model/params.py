@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_kernels, formats
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 
@@ -44,7 +44,7 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D], rows gathered by token id
+    embed: jax.Array  # [V, D], rows gathered by token id; a quantized tied model: unembed itself (read by column)
     layers: tuple[LayerParams, ...]  # L of them
     final_norm: jax.Array  # [D]
     unembed: jax.Array  # [D, V]: lm_head.weight transposed (embed transposed when tied)
@@ -59,7 +59,7 @@ class Params:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self))
+        return sum(x.nbytes for x in {id(x): x for x in jax.tree.leaves(self)}.values())  # a shared table once
 
 
 # HF name suffix under `model.layers.{i}.` -> (our field, its HF shape for cfg). The loader transposes
@@ -169,7 +169,9 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         if shape_of(name) != shape:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
-    def matrix(a):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra matrix)
+    def matrix(a, fmt=cfg.quant):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra)
+        if fmt:  # quantized from its float32 values, in panels on both paths
+            return formats.quantize(np.asarray(a, np.float32).T, fmt)
         return jnp.asarray(cpu_kernels.pack(a.T) if cfg.cpu_kernels else np.ascontiguousarray(a.T), dtype)
 
     def weight(i, suffix, shape):  # a matrix, or a norm's [D]
@@ -178,14 +180,18 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
 
     def layer(i):  # fused as it is read (packed under the kernels), not all layers at the end
         fields = LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
-        return cpu_kernels.pack_layer(fields) if cfg.cpu_kernels else fields
+        return cpu_kernels.pack_layer(fields) if cfg.cpu_kernels or cfg.quant else fields
 
     layers = tuple(layer(i) for i in range(cfg.n_layers))
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
-    return Params(embed=jnp.asarray(embed, dtype), layers=layers,
-                  final_norm=jnp.asarray(tensors["model.norm.weight"], dtype),
-                  unembed=matrix(head))
+    unembed = matrix(head, cfg.quant and formats.UNEMBED_FORMAT)
+    if cfg.quant and cfg.tie_embeddings:
+        embed = unembed  # one table: rows gathered from its columns (formats.columns)
+    else:
+        embed = jnp.asarray(embed, dtype)
+    return Params(embed=embed, layers=layers, final_norm=jnp.asarray(tensors["model.norm.weight"], dtype),
+                  unembed=unembed)
 
 
 def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params:
@@ -197,10 +203,17 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
     (or while) the weights load."""
     sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    layer = LayerParams(**{field: sds(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
-    params = Params(embed=sds((cfg.vocab_size, cfg.dim)), layers=(layer,) * cfg.n_layers,
-                    final_norm=sds((cfg.dim,)), unembed=sds((cfg.dim, cfg.vocab_size)))
-    return jax.eval_shape(cpu_kernels.pack_params, params) if cfg.cpu_kernels else params
+
+    def spec(shape):  # a norm's [D], or a matrix [in, out]
+        if len(shape) == 2 and cfg.quant:
+            return formats.abstract(*shape, cfg.quant)
+        return sds(shape)
+
+    layer = LayerParams(**{field: spec(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
+    unembed = formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT) if cfg.quant else sds((cfg.dim, cfg.vocab_size))
+    embed = unembed if cfg.quant and cfg.tie_embeddings else sds((cfg.vocab_size, cfg.dim))
+    params = Params(embed=embed, layers=(layer,) * cfg.n_layers, final_norm=sds((cfg.dim,)), unembed=unembed)
+    return jax.eval_shape(cpu_kernels.pack_params, params) if cfg.cpu_kernels or cfg.quant else params
 
 
 def init_random(cfg: Config, seed: int = 0, dtype=jnp.float32) -> Params:

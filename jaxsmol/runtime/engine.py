@@ -30,7 +30,7 @@ from jaxsmol.runtime.compile_cache import enable_compilation_cache
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime import programs
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_kernels, formats
 from jaxsmol.model.kv import KVCache, check_snapshot
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length, chunk_plan,
                             prefill_buckets)
@@ -91,7 +91,8 @@ def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
 # The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.
 # relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
 NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
-                    "kernels/cpu_attention.cc", "kernels/cpu_kernels.h")
+                    "kernels/cpu_matmul_quant.cc", "kernels/formats.py", "kernels/cpu_attention.cc",
+                    "kernels/cpu_kernels.h")
 
 
 @functools.cache
@@ -105,12 +106,32 @@ def numerics_identity() -> str:
     return h.hexdigest()
 
 
+def with_quantization(cfg: Config, quantize: str | None, dtype: str, mesh) -> Config:
+    """cfg with its weights' format, or a JaxsmolError saying why the model cannot take it."""
+    if quantize is None:
+        return cfg
+    if quantize not in formats.FORMATS:
+        raise JaxsmolError(f"quantize must be one of {', '.join(formats.FORMATS)}, got {quantize!r}")
+    if dtype != "float32":
+        raise JaxsmolError(f"quantized weights compute in float32: --quantize {quantize} takes --dtype float32")
+    if mesh is not None:
+        raise JaxsmolError("quantized weights run on one device: --quantize takes no mesh")
+    sizes = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
+             "heads x head_dim": cfg.n_heads * cfg.head_dim, "kv heads x head_dim": cfg.n_kv_heads * cfg.head_dim}
+    odd = [f"{k}={v}" for k, v in sizes.items() if v % formats.BLOCK]
+    if odd:
+        raise JaxsmolError(f"{quantize} needs every matrix size to be a multiple of {formats.BLOCK}: {', '.join(odd)}")
+    return dataclasses.replace(cfg, quant=quantize)
+
+
 class Engine:
     """A loaded model. Stateless between requests: every request gets its own immutable caches."""
 
     def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None,
                  mesh=None):
         """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
+        if cfg.quant and mesh is not None:
+            raise JaxsmolError("quantized weights run on one device: no mesh")
         cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
         # the weights' layout follows cfg (a no-op for params loaded with it; another engine's
         # params may come packed or not)
@@ -125,8 +146,10 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
-             progress: bool = True, mesh=None, on_config: Callable | None = None) -> "Engine":
+             quantize: str | None = None, progress: bool = True, mesh=None,
+             on_config: Callable | None = None) -> "Engine":
         """Load a Hugging Face checkpoint directory, or the bundled default model when None.
+        quantize "q8_0" or "q4_1": every matrix quantized at load (kernels/formats.py), run as it is.
         on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
         Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
         from jaxsmol.checkpoint.tokenizer import Tokenizer
@@ -141,7 +164,7 @@ class Engine:
             raise JaxsmolError(f"model directory {model_dir} does not exist")
         if dtype not in ("float32", "bfloat16"):
             raise JaxsmolError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        cfg = Config.load(model_dir)
+        cfg = with_quantization(Config.load(model_dir), quantize, dtype, mesh)
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
