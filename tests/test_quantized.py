@@ -1,0 +1,157 @@
+"""Quantized weights (kernels/formats.py): ggml's rounding, the float32 values they stand for on both
+paths (C++ kernels and XLA's), the prefix cache's exactness, the refusals, and on the real model the
+bundled Q4_1 file's own weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants
+
+from jaxsmol import Engine, JaxsmolError, SamplingParams, score
+from jaxsmol.kernels import cpu_kernels, formats
+from jaxsmol.model.config import Config
+from jaxsmol.model.forward import forward
+from jaxsmol.model.kv import KVCache
+from jaxsmol.model.params import abstract_params, expected_shapes, params_from_hf
+
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+FORMATS = formats.FORMATS
+
+
+def dequantized(w_hf: np.ndarray, fmt: str) -> np.ndarray:
+    """An HF matrix [out, in] -> the float32 values fmt keeps of it, [out, in]."""
+    return np.asarray(cpu_kernels.unpack(formats.dequantize(formats.quantize(w_hf.T, fmt)))).T
+
+
+def random_tensors(cfg: Config, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {name: ((1 + 0.1 * rng.standard_normal(shape)) if len(shape) == 1 else
+                   rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+            for name, shape in expected_shapes(cfg).items()}
+
+
+def as_stored(tensors: dict, fmt: str) -> dict:
+    """The float32 checkpoint holding exactly the values a `fmt` engine runs: every matrix through
+    fmt, the (tied) embedding through the unembedding's format."""
+    out = {}
+    for name, a in tensors.items():
+        if a.ndim == 1:
+            out[name] = a
+        elif name == "model.embed_tokens.weight":
+            out[name] = dequantized(a, formats.UNEMBED_FORMAT)
+        else:
+            out[name] = dequantized(a, fmt)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_rounds_as_ggml_does(fmt):
+    w = np.random.default_rng(1).standard_normal((96, 128)).astype(np.float32)  # [out, in]
+    w[3, :32] = 0.0  # an all-zero block: scale 0
+    ref = quants.dequantize(quants.quantize(w, GGML[fmt]), GGML[fmt])
+    assert np.array_equal(dequantized(w, fmt), ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_bytes_a_weight_takes(fmt):
+    qm = formats.quantize(np.ones((576, 1536), np.float32), fmt)
+    assert qm.nbytes == 576 * 1536 * formats.BYTES_PER_WEIGHT[fmt]
+
+
+def _logits(cfg: Config, tensors: dict, tokens: np.ndarray) -> np.ndarray:
+    params = params_from_hf(cfg, tensors)
+    kv = KVCache.zeros(cfg, 256, dtype=jnp.float32)  # a whole attention block
+    fn = jax.jit(forward, static_argnames=("cfg", "all_logits"))
+    logits, _ = fn(params, jnp.asarray(tokens), jnp.int32(tokens.shape[1]), kv, cfg=cfg, all_logits=True)
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "kernels"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_model_computes_what_its_float32_values_compute_bit_for_bit(fmt, kernels):
+    """On either path a quantized matrix is dequantized to the very float32 values a float checkpoint
+    of them holds, and summed in the same order: the logits are the same bits."""
+    cfg = Config.tiny()
+    if kernels:
+        if not cpu_kernels.available():
+            pytest.skip(f"the CPU kernels are not available here: {cpu_kernels.state().reason}")
+        cfg = cpu_kernels.configure(cfg, jnp.float32)
+        assert cfg.cpu_kernels
+    tensors = random_tensors(cfg)
+    tokens = np.array([[1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33]], np.int32)
+    got = _logits(dataclasses.replace(cfg, quant=fmt), tensors, tokens)
+    want = _logits(cfg, as_stored(tensors, fmt), tokens)
+    assert np.array_equal(got, want)
+    assert np.abs(got - _logits(cfg, tensors, tokens)).max() > 0  # and they are not the unquantized ones
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_programs_compiled_ahead_see_the_loaded_layout(fmt):
+    cfg = dataclasses.replace(cpu_kernels.configure(Config.tiny(), jnp.float32), quant=fmt)
+    real = params_from_hf(cfg, random_tensors(cfg))
+    shapes = lambda p: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), p)  # noqa: E731
+    assert jax.tree.structure(abstract_params(cfg)) == jax.tree.structure(real)
+    assert shapes(abstract_params(cfg)) == shapes(real)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_warm_runs_equal_cold_runs_on_quantized_weights(tiny_model_dir, fmt):
+    from cache import PrefixCache
+
+    engine = Engine.load(tiny_model_dir, quantize=fmt, progress=False)
+    assert engine.cfg.quant == fmt
+    sp = SamplingParams(max_tokens=6)
+    prompt = list(range(100, 180))
+    cold, _ = PrefixCache(engine, mode="off").generate(prompt, sp)
+    cache = PrefixCache(engine, mode="radix")
+    list(cache.generate(prompt[:50] + [9, 9, 9], sp)[0])  # stores the shared 50-token prefix
+    warm, report = cache.generate(prompt, sp)
+    assert [t for t in warm] == [t for t in cold] and report.reused >= 50
+
+
+def test_refusals_name_the_problem(tiny_model_dir):
+    with pytest.raises(JaxsmolError, match="quantize must be one of q8_0, q4_1, got 'q5_k'"):
+        Engine.load(tiny_model_dir, quantize="q5_k", progress=False)
+    with pytest.raises(JaxsmolError, match="takes --dtype float32"):
+        Engine.load(tiny_model_dir, quantize="q8_0", dtype="bfloat16", progress=False)
+    odd = Config.tiny(ffn_dim=80)
+    from jaxsmol.runtime.engine import with_quantization
+
+    with pytest.raises(JaxsmolError, match="multiple of 32: intermediate_size=80"):
+        with_quantization(odd, "q4_1", "float32", None)
+
+
+PARITY_PROMPTS = ["The capital of France is Paris. The capital of Germany is Berlin.",
+                  "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+                  "Once upon a time, in a small village by the sea, there lived an old fisherman."]
+
+
+def _logprobs(engine) -> np.ndarray:
+    return np.concatenate([[s.logprob for s in score(engine, engine.tokenizer.encode(p))[1:]]
+                           for p in PARITY_PROMPTS])
+
+
+@pytest.mark.real
+def test_the_bundled_q4_1_file_runs_as_it_is(real_engine, model_dir):
+    """The bundled GGUF is Q4_1 (its token table Q8_0): quantizing its float32 import gives back the
+    file's own blocks, so --quantize q4_1 runs the file's weights, with the float32 import's logits."""
+    q4 = Engine.load(model_dir, quantize="q4_1", progress=False)
+    assert np.array_equal(_logprobs(q4), _logprobs(real_engine))
+    assert q4.params.nbytes < real_engine.params.nbytes / 5  # 112 MB against 651
+
+
+@pytest.mark.real
+def test_q8_0_stays_close_to_the_float32_weights(real_engine, model_dir):
+    q8 = Engine.load(model_dir, quantize="q8_0", progress=False)
+    diff = np.abs(_logprobs(q8) - _logprobs(real_engine))
+    print(f"q8_0 vs float32: max |logprob diff| {diff.max():.4f}, mean {diff.mean():.4f} over {diff.size}")
+    assert diff.max() < 0.3 and diff.mean() < 0.05  # measured: 0.156 and 0.029
+    ids = real_engine.tokenizer.encode(PARITY_PROMPTS[0][:40])
+    sp = SamplingParams(max_tokens=16)
+    assert q8.generate(ids, sp).text == real_engine.generate(ids, sp).text
