@@ -17,8 +17,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="a Hugging Face SmolLM checkpoint directory "
-                   "(default: the bundled SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument("--model", metavar="DIR|FILE.gguf", help="a Hugging Face SmolLM checkpoint directory, or a "
+                   "GGUF file run as it is (F32, F16, BF16, Q8_0, Q4_1, Q4_0) (default: the bundled "
+                   "SmolLM2-135M-Instruct, imported on first use)")
     p.add_argument("--ctx", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

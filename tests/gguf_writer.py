@@ -21,8 +21,9 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def _tiny_hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def _tiny_hf_weights(tied: bool, seed: int = 0, vocab: int | None = None) -> dict[str, np.ndarray]:
     V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
+    V = vocab or V
     rng = np.random.default_rng(seed)
     w = {"model.embed_tokens.weight": rng.normal(size=(V, D)), "model.norm.weight": rng.normal(size=D)}
     if not tied:
@@ -36,15 +37,19 @@ def _tiny_hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
-def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, sizes=None) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, sizes=None, matrix_type=None,
+                    vocab=None) -> dict[str, np.ndarray]:
     """Write a tiny Llama GGUF the way llama.cpp's converter would (Q/K permuted); return the HF weights.
-    `sizes` overrides size fields of the metadata (not the tensors), as a crafted file would."""
+    `sizes` overrides size fields of the metadata (not the tensors), as a crafted file would;
+    `matrix_type` (e.g. "Q4_0") stores the layers' matrices in that type, as llama-quantize would;
+    `vocab` another vocabulary size (a multiple of 32 for quantized runs)."""
     import gguf
 
     V, D, F, L, N, K, H = (TINY[k] for k in "VDFLNKH")
+    V = vocab or V
     m = {**dict(block_count=L, context_length=256, embedding_length=D, feed_forward_length=F, head_count=N,
                 head_count_kv=K, vocab_size=V), **(sizes or {})}
-    hf = _tiny_hf_weights(tied)
+    hf = _tiny_hf_weights(tied, vocab=V)
     tokens = SPECIALS + _byte_chars()
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a"]
     tokens += ["Ġt", "he", "Ġthe", "Ġa"]
@@ -72,9 +77,14 @@ def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, size
             t = permute_qk(t, N)
         elif name.endswith("k_proj.weight"):
             t = permute_qk(t, K)
+        kind = None
         if quantize_embed and gname == "token_embd.weight":
-            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType.Q8_0
+        elif matrix_type and gname.startswith("blk.") and t.ndim == 2:
+            kind = gguf.GGMLQuantizationType[matrix_type]
+        if kind is not None:
+            q = gguf.quants.quantize(t, kind)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, t)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()

@@ -144,6 +144,10 @@ def test_the_bundled_q4_1_file_runs_as_it_is(real_engine, model_dir):
     q4 = Engine.load(model_dir, quantize="q4_1", progress=False)
     assert np.array_equal(_logprobs(q4), _logprobs(real_engine))
     assert q4.params.nbytes < real_engine.params.nbytes / 5  # 112 MB against 651
+    from cli.info import weight_bytes  # what `jaxsmol info` prints, from the config alone
+
+    assert weight_bytes(model_dir)["q4_1"] == q4.params.nbytes
+    assert weight_bytes(model_dir)["float32"] == real_engine.params.nbytes
 
 
 @pytest.mark.real
@@ -155,3 +159,30 @@ def test_q8_0_stays_close_to_the_float32_weights(real_engine, model_dir):
     ids = real_engine.tokenizer.encode(PARITY_PROMPTS[0][:40])
     sp = SamplingParams(max_tokens=16)
     assert q8.generate(ids, sp).text == real_engine.generate(ids, sp).text
+
+
+@pytest.mark.parametrize("kind,fmt", [("Q8_0", "q8_0"), ("Q4_1", "q4_1"), ("Q4_0", "q4_1"), ("F16", None)])
+def test_a_gguf_file_runs_as_it_is(tmp_path, monkeypatch, kind, fmt):
+    """--model FILE.gguf: its quantized matrices read block by block (Q4_0 as Q4_1 with m = -8 d),
+    the same values as its float32 import, so the same logits bit for bit."""
+    from gguf_writer import write_tiny_gguf
+
+    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_tiny_gguf(path, matrix_type=kind, quantize_embed=True, vocab=320)
+    native = Engine.load(path, progress=False)
+    assert native.cfg.quant == fmt
+    imported = Engine.load(native.model_dir, progress=False)  # its float32 import
+    ids = [1, 40, 41, 42, 100, 7, 300]
+    assert [s.logprob for s in score(native, ids)] == [s.logprob for s in score(imported, ids)]
+
+
+def test_a_gguf_of_another_type_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    from gguf_writer import write_tiny_gguf
+
+    monkeypatch.setenv("JAXSMOL_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny-q5.gguf"
+    write_tiny_gguf(path, matrix_type="Q5_0", vocab=320)
+    with pytest.raises(JaxsmolError, match=r"tiny-q5.gguf holds matrices of type Q5_0: .* llama-quantize"):
+        Engine.load(path, progress=False)
+    assert Engine.load(path, quantize="q8_0", progress=False).cfg.quant == "q8_0"  # requantized when asked

@@ -107,6 +107,18 @@ def quantize(w, fmt: str) -> QuantizedMatrix:
     return QuantizedMatrix(q=jnp.asarray(packed), d=jnp.asarray(_f16(d)), m=jnp.asarray(_f16(lo)), fmt=fmt)
 
 
+def from_rows(fmt: str, values: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> QuantizedMatrix:
+    """GGUF's row-major blocks -> a QuantizedMatrix: values [N, K] (int8 codes, or Q4_1's 0..15),
+    d and m [N, K / 32] (one scale and minimum per block of a row) for w [K, N] = (rows, transposed)."""
+    N, K = values.shape
+    P = N // PANEL
+    panels = np.ascontiguousarray(values.reshape(P, PANEL, K).transpose(0, 2, 1))  # [P, K, 32]
+    if fmt == "q4_1":
+        panels = (panels[:, :, :16] | (panels[:, :, 16:] << 4)).astype(np.uint8)
+    scale = lambda a: jnp.asarray(_f16(a).reshape(P, PANEL, K // BLOCK).transpose(0, 2, 1))  # noqa: E731
+    return QuantizedMatrix(q=jnp.asarray(panels), d=scale(d), m=None if m is None else scale(m), fmt=fmt)
+
+
 def codes(w: QuantizedMatrix) -> jax.Array:
     """The integer codes as float32, [N / 32, K, 32] (Q4_1's nibbles unpacked)."""
     if w.fmt == "q8_0":

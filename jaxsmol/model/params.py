@@ -154,7 +154,8 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     """Map HF tensors (a dict of arrays, or a `Checkpoint`) to `Params`, asserting every shape;
     a missing or unexpected tensor is an error. Tensors are read one at a time. With
     cfg.cpu_kernels the matrices come packed for the kernel (cpu_kernels.pack_params)."""
-    shape_of = tensors.shape if isinstance(tensors, Checkpoint) else (lambda name: tuple(tensors[name].shape))
+    # a Checkpoint (or a GGUF's tensors) tells shapes from its header, without reading a tensor
+    shape_of = tensors.shape if callable(getattr(tensors, "shape", None)) else (lambda name: tuple(tensors[name].shape))
     names = {k for k in tensors.keys() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
         names.discard("lm_head.weight")  # some tied checkpoints still store a copy
@@ -170,6 +171,10 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
     def matrix(a, fmt=cfg.quant):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra)
+        if isinstance(a, formats.QuantizedMatrix):  # a GGUF's own blocks (checkpoint/gguf_weights.py)
+            if a.fmt == fmt:
+                return a
+            a = np.asarray(cpu_kernels.unpack(formats.dequantize(a))).T  # e.g. a Q4_0 token table: to Q8_0
         if fmt:  # quantized from its float32 values, in panels on both paths
             return formats.quantize(np.asarray(a, np.float32).T, fmt)
         return jnp.asarray(cpu_kernels.pack(a.T) if cfg.cpu_kernels else np.ascontiguousarray(a.T), dtype)

@@ -35,7 +35,8 @@ from jaxsmol.model.kv import KVCache, check_snapshot
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length, chunk_plan,
                             prefill_buckets)
 from jaxsmol.model.forward import ATTN_BLOCK
-from jaxsmol.model.params import Params, load_params
+from jaxsmol.model.params import Params, load_params, params_from_hf
+from jaxsmol.checkpoint.gguf_weights import GGUFFile
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
 from jaxsmol.runtime.generation import Generation
@@ -159,6 +160,10 @@ class Engine:
         if model_dir is None:
             from jaxsmol.checkpoint.default_model import default_model_dir
             model_dir = default_model_dir(progress=progress)
+        gguf = None
+        if Path(model_dir).is_file():  # a GGUF file: its matrices as they are (gguf_weights.py)
+            gguf = GGUFFile(Path(model_dir), progress, requantize=quantize is not None)
+            model_dir, quantize = gguf.model_dir, quantize or gguf.format
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise JaxsmolError(f"model directory {model_dir} does not exist")
@@ -171,7 +176,10 @@ class Engine:
         cfg = cpu_kernels.configure(cfg, dtype, mesh)  # before on_config, which may compile programs
         if on_config is not None:
             on_config(cfg, tokenizer)
-        params = load_params(model_dir, cfg, getattr(jnp, dtype))
+        if gguf is not None and gguf.format and cfg.quant == gguf.format:
+            params = params_from_hf(cfg, gguf.tensors(cfg))
+        else:
+            params = load_params(model_dir, cfg, getattr(jnp, dtype))
         return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh)
 
     # ---- identity -------------------------------------------------------------------------------

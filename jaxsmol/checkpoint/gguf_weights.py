@@ -1,0 +1,121 @@
+"""A GGUF file run as it is: its Q8_0, Q4_1 and Q4_0 matrices read block by block into the kernels'
+formats (kernels/formats.py: Q4_0's d (q - 8) is Q4_1 with m = -8 d, exactly), its float tensors
+(F32, F16, BF16) as float32, and the directory beside it that holds its config and tokenizer
+(gguf_import.py, once per file, under the data directory)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from jaxsmol.checkpoint.gguf_import import _hf_name, _open, import_gguf, unpermute_qk
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.kernels import formats
+from jaxsmol.model.params import Checkpoint
+from jaxsmol.system.data_dirs import models_dir
+
+NATIVE = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1"}  # GGUF type -> the format it runs in
+FLOAT = ("F32", "F16", "BF16")
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18}  # float16 d (and m), then 32 codes
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" or (Path(path).is_file() and Path(path).read_bytes()[:4] == b"GGUF")
+
+
+def imported_dir(gguf_path: Path, progress: bool = True) -> Path:
+    """The HF directory of this file (config, tokenizer, float32 tensors), imported on first use (the
+    bundled model's file: the default model's directory)."""
+    from jaxsmol.checkpoint import default_model
+
+    try:
+        if gguf_path.resolve() == default_model.bundled_gguf_path().resolve():
+            return default_model.default_model_dir(progress)
+    except JaxsmolError:  # the bundled model is not installed: this is another file
+        pass
+    st = gguf_path.stat()
+    key = hashlib.blake2b(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=6).hexdigest()
+    out = models_dir() / f"{gguf_path.stem}-{key}"
+    if not (out / "model.safetensors").is_file():
+        import_gguf(gguf_path, out, progress=progress)
+    return out
+
+
+def file_format(reader, path: Path) -> str | None:
+    """The format a file's layer matrices run in: None (all float), "q8_0" or "q4_1"; a JaxsmolError
+    naming any type it cannot run as it is, and what to do."""
+    types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")
+             and t.name.split(".")[2] in _MATRICES}
+    if types <= set(FLOAT):
+        return None
+    runs = {NATIVE.get(t) for t in types}
+    if None in runs or len(runs) > 1 or types & set(FLOAT):
+        other = sorted(t for t in types if t not in NATIVE) or sorted(types)
+        raise JaxsmolError(
+            f"{path.name} holds matrices of type {', '.join(other)}: jaxsmol runs F32, F16, BF16, Q8_0, Q4_1 and "
+            "Q4_0 files as they are (one quantized type for the layers). Convert it with llama.cpp's llama-quantize "
+            "to Q8_0 or Q4_1, or pass --quantize q8_0|q4_1 to run it requantized from its float values")
+    return runs.pop()
+
+
+def blocks(t, heads: int | None = None) -> formats.QuantizedMatrix:
+    """One Q8_0 / Q4_1 / Q4_0 tensor [N, K] (GGUF rows) -> a QuantizedMatrix of w [K, N]. heads: q's or
+    k's head count, whose rows llama.cpp permuted for its RoPE (unpermuted here, as rows)."""
+    kind = t.tensor_type.name
+    K, N = (int(d) for d in t.shape)  # GGUF lists dims fastest first
+    raw = np.asarray(t.data, np.uint8).reshape(N, K // formats.BLOCK, _BLOCK_BYTES[kind])
+    if heads:
+        raw = unpermute_qk(raw, heads)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]
+    if kind == "Q8_0":
+        return formats.from_rows("q8_0", raw[..., 2:].copy().view(np.int8).reshape(N, K), d)
+    qs = raw[..., 4:] if kind == "Q4_1" else raw[..., 2:]  # [N, K / 32, 16]: codes j and j + 16
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, K)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8.0 * d
+    return formats.from_rows("q4_1", values, d, m)
+
+
+class GGUFFile:
+    """A GGUF file opened to run: its imported directory and the format its matrices run in."""
+
+    def __init__(self, path: Path, progress: bool = True, requantize: bool = False):
+        """requantize: the caller quantizes the float import itself (--quantize), whatever the file's types."""
+        if not is_gguf(path):
+            raise JaxsmolError(f"{path} is a file, not a model directory or a .gguf file")
+        self.path, self.reader = path, _open(path)
+        # refuses what it cannot run before importing
+        self.format = None if requantize else file_format(self.reader, path)
+        self.model_dir = imported_dir(path, progress)
+
+    def tensors(self, cfg) -> "GGUFTensors":
+        import json
+
+        cfg_hf = json.loads((self.model_dir / "config.json").read_text())
+        return GGUFTensors(self.reader, self.model_dir, cfg_hf, cfg.tie_embeddings)
+
+
+class GGUFTensors:
+    """The tensors params_from_hf reads, by HF name: a quantized matrix as its file's blocks, every
+    other tensor from the imported directory (float32)."""
+
+    def __init__(self, reader, model_dir: Path, cfg_hf: dict, tied: bool):
+        self.floats = Checkpoint(model_dir)
+        self.cfg_hf, self.tied = cfg_hf, tied
+        self.quantized = {_hf_name(t.name): t for t in reader.tensors if t.tensor_type.name in NATIVE
+                          and (t.name.startswith("blk.") or tied or t.name == "output.weight")}
+
+    def keys(self):
+        return self.floats.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.floats.shape(name)
+
+    def __getitem__(self, name: str):
+        t = self.quantized.get(name)
+        if t is None or not t.name.endswith("weight") or len(t.shape) != 2:
+            return self.floats[name]
+        heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(t.name.split(".")[-2])
+        return blocks(t, self.cfg_hf[heads] if heads else None)
