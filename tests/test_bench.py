@@ -95,7 +95,7 @@ def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-# ---- the sections run only when named in --only (moved from tools/bench_*.py) ------------------------
+# ---- the sections run only when named in --only -----------------------------------------------------
 def _bench(tmp_path, model_dir, *flags: str, plot: bool = True):
     """`jaxsmol bench --quick` with `flags`: (its stdout, the JSON, whether a plot was drawn)."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -111,8 +111,16 @@ def _bench(tmp_path, model_dir, *flags: str, plot: bool = True):
 def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     """forks, prompt-cache and ttft-peer (without a peer: jaxsmol's two rows) at their smallest sizes."""
     stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "forks", "prompt-cache", "ttft-peer", "--samples", "2",
-                         "--tokens", "2", "--prompt-tokens", "24", "--rounds", "1", "--prefix", "40", "--suffix", "4")
+                         "--tokens", "2", "--prompt-tokens", "24", "--rounds", "1", "--prefix", "40", "--suffix", "4",
+                         "--report")
     assert res["meta"]["sections"] == ["forks", "prompt-cache", "ttft-peer"]
+    # the run's command (without its output files), machine and date, and its markdown table (--report)
+    meta = res["meta"]
+    assert meta["command"].startswith("jaxsmol bench --quick --model ") and "--json" not in meta["command"]
+    assert meta["cpu"] and meta["cpus"] >= 1 and len(meta["date"]) == 10
+    assert f"**{meta['cpu']}, {meta['cpus']} cores** ({meta['date']})" in stdout
+    assert "| 2 samples x 2 tokens of one 24-token question | " in stdout
+    assert "| time to first token, 40 + 4 tokens, cold | " in stdout and "| time to first token, 4 new after 40 stored | " in stdout
     assert set(res["meta"]["section_wall_s"]) == {"forks", "prompt-cache", "ttft-peer"}
     assert not {"prefill", "decode", "ttft", "cli"} & set(res)  # the default run's sections did not run
 
@@ -150,7 +158,8 @@ def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypa
     with Daemon(flags) as peer:
         stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "serve", "first-burst", "ttft-peer",
                              "--peer-url", peer.url, "--clients", "1", "2", "--tokens", "2", "--max-batch", "2",
-                             "--idle", "0", "--rounds", "1", "--prefix", "40", "--suffix", "4")
+                             "--idle", "0", "--rounds", "1", "--prefix", "40", "--suffix", "4", "--report",
+                             "--peer-name", "peer-daemon")
         assert peer.proc.poll() is None  # the peer is left running
     assert res["meta"]["peer_url"] == peer.url
 
@@ -169,6 +178,10 @@ def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypa
     assert "serving: concurrent streaming clients, 2 tokens each" in stdout and f"the peer {peer.url}" in stdout
 
     assert [r["way"] for r in res["ttft-peer"]["rows"]] == ["jaxsmol exact", "jaxsmol fast", "peer"]
+    # the markdown table: jaxsmol beside the named peer, row by row
+    assert "| 2 streaming clients, 2 tokens each | " in stdout and "| 2 streaming clients against 1 client | " in stdout
+    assert "| 2 streaming clients while 1000-token prompts arrive | ITL p99 " in stdout
+    assert "| peer-daemon " in stdout
     _positive(res["ttft-peer"]["rows"][-1]["warm_ttft_s"], "peer warm ttft")
 
     b = res["first-burst"]

@@ -56,7 +56,7 @@ FLAG_KEYS = {
 
 
 def add_section_flags(parser) -> None:
-    """The flags of FLAG_KEYS and with_flags, on `jaxsmol bench`'s parser."""
+    """The flags of FLAG_KEYS and with_flags, and the report's, on `jaxsmol bench`'s parser."""
     e = parser.add_argument_group("sizes of the sections named in --only (default: the full or --quick plan's)")
     e.add_argument("--clients", type=int, nargs="+", metavar="N", help="serve: concurrent streaming clients, a row "
                    "each (full plan 1 2 4 8 16); first-burst: the largest")
@@ -72,6 +72,10 @@ def add_section_flags(parser) -> None:
     e.add_argument("--batch-invariant", action="store_true", help="serve: the daemon's --batch-invariant")
     e.add_argument("--no-long", action="store_true", help="serve: skip the rows with long prompts arriving")
     e.add_argument("--idle", type=float, metavar="S", help="first-burst: seconds between /health and the burst (25)")
+    r = parser.add_argument_group("the markdown performance table (docs/performance.md, cli/bench/performance.py)")
+    r.add_argument("--report", nargs="*", metavar="RESULTS", help="also print this run's measurements as the markdown "
+                   "table; with files (earlier runs' --json results), print theirs and run nothing")
+    r.add_argument("--peer-name", metavar="NAME", help="the --peer-url server's name in the tables (e.g. llama.cpp)")
 
 
 def with_flags(plan: dict, args) -> dict:

@@ -6,12 +6,40 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from cli.bench.hf import hf_available
 from cli.bench.measure import Warmup, log, loadavg, now, peak_rss_bytes
 from cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def command_line(argv: list[str]) -> str:
+    """`jaxsmol bench ...` as typed, less the output files (--json, --plot) and --report."""
+    out, skip = ["jaxsmol"], 0
+    for i, arg in enumerate(argv):
+        if skip or arg.startswith(("--json=", "--plot=")):
+            skip = max(skip - 1, 0)
+        elif arg in ("--json", "--plot"):
+            skip = 1
+        elif arg == "--report":
+            skip = next((j for j, a in enumerate(argv[i + 1:]) if a.startswith("-")), len(argv) - i - 1)
+        else:
+            out.append(arg)
+    return shlex.join(out)
 
 
 def _meta(args, engine, plan, sections, load0) -> dict:
@@ -23,6 +51,8 @@ def _meta(args, engine, plan, sections, load0) -> dict:
         "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
         "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
+        "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "peer_name": getattr(args, "peer_name", None),
+        "command": command_line(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
         "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx, engine.buckets()),
         "compile_bound_fast": compile_bound(engine.ctx, engine.buckets(exact=False)),
         "sections": sections + (["hf"] if args.compare == "hf" else []),
@@ -74,6 +104,11 @@ def _run_sections(args, engine, plan, rng, sections, res: dict) -> None:
 def run_bench(args) -> int:
     from jaxsmol.errors import JaxsmolError
 
+    if getattr(args, "report", None):  # earlier runs' results: print their table, run nothing
+        from cli.bench.performance import report_files
+
+        print(report_files(args.report), end="")
+        return 0
     if args.compare == "hf" and not hf_available():
         raise JaxsmolError("--compare hf needs torch and transformers: pip install -e '.[hf]'")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -103,6 +138,10 @@ def run_bench(args) -> int:
     res["meta"]["params_bytes"] = engine.params.nbytes
 
     print(format_results(res))
+    if getattr(args, "report", None) is not None:
+        from cli.bench.performance import markdown
+
+        print("\n" + markdown([res]), end="")
     Path(args.json).write_text(json.dumps(res, indent=1))
     print(f"\nwrote {args.json}", file=sys.stderr)
     if args.plot:
