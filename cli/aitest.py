@@ -20,8 +20,7 @@ from cli.main import add_probe_args
 from cli.tables import format_probe
 
 
-@user_errors
-def main(argv=None) -> int:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="aitest", description="The test client of the prefix-cache course exercise.")
     p.add_argument("ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
     p.add_argument("--cacheprobe", action="store_true", help="run the request cold, then warm, and compare")
@@ -29,6 +28,12 @@ def main(argv=None) -> int:
     add_probe_args(p, default_mode="minimal")
     add_sampling_args(p)
     add_model_args(p)
+    return p
+
+
+@user_errors
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.predict < 0:
         p.error(f"--predict must be >= 0, got {args.predict}")
