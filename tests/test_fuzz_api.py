@@ -1,4 +1,4 @@
-"""A fuzz of the daemon's HTTP API (issue 11): hypothesis generates request bodies for every POST route,
+"""A fuzz of the daemon's HTTP API: hypothesis generates request bodies for every POST route,
 valid-ish and garbage (wrong types, huge and negative numbers, NaN, nested junk, lone surrogates, empty
 and mixed lists, odd roles and content parts, structured-output junk), and no answer may be a 5xx: bad
 input is a 400 with an OpenAI error object. Afterwards the daemon is healthy and answers correctly.

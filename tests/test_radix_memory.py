@@ -31,9 +31,9 @@ def held_by(fn) -> tuple[int, object]:
         tracemalloc.stop()
 
 
-def test_split_halves_own_their_memory_the_issue_repro():
-    """Issue 11's repro: long keys split by short ones sharing their first 2 tokens, the long tails
-    evicted. Views kept every evicted tail's base alive (31 MiB counted, 512 MiB held)."""
+def test_split_halves_own_their_memory_when_tails_are_evicted():
+    """Long keys split by short ones sharing their first 2 tokens, the long tails
+    evicted: views would keep every evicted tail's base alive (31 MiB counted, 512 MiB held)."""
     def repro():
         s = RadixStore(32 << 20, seq_axis=0)
         for i in range(40):

@@ -1,9 +1,9 @@
-"""A soak of a real daemon under the adversarial traffic of issue 11, with a small cache budget: its
+"""A soak of a real daemon under adversarial traffic, with a small cache budget: its
 resident memory must stay within the budgets plus a fixed overhead, its prefix cache within
 --cache-bytes, and it must answer a known request with the same tokens afterwards.
 
 The traffic, per round: the radix-split pattern (a ~1200-token random prompt, its first 2 tokens + one
-other token, then every short prompt so far again, all max_tokens 0: each split used to keep the whole
+other token, then every short prompt so far again, all max_tokens 0: a split must not keep the whole
 long segment alive behind a view), many distinct cache_salt values (one radix root each), many bogus
 paths (one metrics label each, if they were labels), stop strings at the limits; across the rounds a
 streaming client that stops reading (its job must be cancelled, not its events piled up).
@@ -32,17 +32,17 @@ CACHE_BYTES = 100 * MB
 KV_CACHE_BYTES = 100 * MB
 WRITE_TIMEOUT_S = 3
 WARMUP_ROUNDS = 2  # 2 x ~1200 tokens x 46 KB > 100 MB: the cache is full (and evicting) after them
-SOAK_ROUNDS = 4  # the leak of issue 11 (53 MB a round) would exceed the bound below within these rounds
+SOAK_ROUNDS = 4  # a split keeping its long segment alive (53 MB a round) would exceed the bound within these
 LONG_PROMPT = 1200
 SALTS_PER_ROUND = 10  # 60 namespaces over the run
 BOGUS_PATHS_PER_ROUND = 50
 # Growth allowed beyond the budgets and the programs (jaxsmol_programs_bytes, added to the bound after
 # the stalled stream): what a full, steady daemon still legitimately gains. Measured here
 # (2 shared cores, CPU XLA, glibc malloc; a 200 MB cache after 4 warm-up rounds of 20 salts each, the
-# sizes before the soak was shortened): +24 MB over the 4 soak rounds, +29 MB more with the stalled
+# larger sizes of a longer soak): +24 MB over the 4 soak rounds, +29 MB more with the stalled
 # stream (whose 189 MB decode batch reused freed memory): programs compiled for shapes first seen after
 # the warm-up, allocator fragmentation of freed host snapshots (glibc keeps freed arenas), tokenizer and
-# uvicorn buffers. The leak of issue 11 point 1 grew 53 MB a round: over 200 MB in these 4 rounds.
+# uvicorn buffers. A split keeping its long segment alive leaks 53 MB a round: over 200 MB in these 4 rounds.
 FIXED_OVERHEAD = 100 * MB
 KNOWN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
 

@@ -332,7 +332,7 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step of every live row, then each row's host side (its token's stream, stop
         strings, events). (Dispatching the next step before reading this one, as vLLM's async
-        scheduling does, measured no steadier gain on two cores: README, "what was tried".)"""
+        scheduling does, gave no steady gain on two cores: docs/design.md, the scheduler.)"""
         live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
         tokens, active, settings = step_inputs(self.rows, self._free(len(self.rows)))
         want = any(r.stream.sp.logprobs for _, r in live)
