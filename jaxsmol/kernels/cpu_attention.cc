@@ -1,5 +1,9 @@
 // Causal attention for the jitted forward (cpu_kernels.py), float32: each query row over positions
-// 0..its own of its row's cache.
+// 0..its own of its row's cache. The cache is float32 or bfloat16 (JaxsmolAttentionBf16: `--kv-dtype
+// bfloat16`), read in place either way; a bfloat16 key or value is widened exactly as it loads (the
+// top 16 bits of a float32, LoadWeight/Widen), and everything else (q, scores, softmax, sums, out) is
+// float32, so a bfloat16 cache gives the bits of a float32 cache holding the same values while the
+// keys and values read are half the bytes. (Templates over KV, the cache's element: float or uint16_t.)
 //
 // Why: XLA reads the cache in 256-slot blocks through dynamic slices, and for a batch (or several kv
 // heads) a block is not contiguous, so every block of every layer was copied before its two matmuls
@@ -8,14 +12,28 @@
 // head) reads its keys and values in place, only up to its own position, on its own: its bits do
 // not depend on the chunk or batch it arrives in.
 //
-// q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H], pos [B] (row b's
-// first query position; the chunk's keys are already in the cache) -> out [B, T, K, G, H].
+// q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H] (float32 or bfloat16),
+// pos [B] (row b's first query position; the chunk's keys are already in the cache) -> out [B, T, K, G, H].
 // Softmax in two passes: scores, then max, exp and sum, then P V, each in position order.
 #include "cpu_kernels.h"
 
 namespace {
 
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// A cache element as float32: itself, or a bfloat16's bits shifted up (exact; the vector form is
+// LoadWeight in cpu_kernels.h).
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) {
+  const uint32_t bits = uint32_t{x} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Cache elements per 64-byte line: the prefetches' step.
+template <typename KV>
+constexpr int64_t kLineOf = 64 / sizeof(KV);
 
 // Sum of the lanes in a fixed tree order (halves, quarters, ...).
 inline float LaneSum(Vec v) {
@@ -64,22 +82,22 @@ constexpr int ChunkOf(int hv, int fit) { return hv <= fit ? hv : ChunkOf(hv / 2,
 // 0.77-0.81x), without the prefetch 0.85-0.91x.
 constexpr int kHeadsAtOnce = 3;  // GQ at most (SmolLM2: 3 query heads per kv head)
 
-template <int HV, int GQ>
-void AttendKeysOf(const float* q, const float* keys, const float* values, int64_t p0, int64_t p1,
+template <typename KV, int HV, int GQ>
+void AttendKeysOf(const float* q, const KV* keys, const KV* values, int64_t p0, int64_t p1,
                   float* scores, float* m_out, float* l_out, float* acc_out) {
-  constexpr int64_t H = HV * kLanes, kAheadKeys = 8;
+  constexpr int64_t H = HV * kLanes, kAheadKeys = 8, kLine = kLineOf<KV>;
   const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes;  // a head's scores are `padded` apart
   keys += p0 * H;
   values += p0 * H;
   float m[GQ];
   for (int g = 0; g < GQ; ++g) m[g] = -INFINITY;
   for (int64_t p = 0; p < n; ++p) {
-    for (int64_t c = 0; c < H; c += 16) __builtin_prefetch(keys + (p + kAheadKeys) * H + c);
+    for (int64_t c = 0; c < H; c += kLine) __builtin_prefetch(keys + (p + kAheadKeys) * H + c);
     Vec d[GQ];
-    const Vec k0 = Load(keys + p * H);
+    const Vec k0 = LoadWeight(keys + p * H);
     for (int g = 0; g < GQ; ++g) d[g] = Load(q + g * H) * k0;
     for (int j = 1; j < HV; ++j) {
-      const Vec kj = Load(keys + p * H + kLanes * j);
+      const Vec kj = LoadWeight(keys + p * H + kLanes * j);
       for (int g = 0; g < GQ; ++g) d[g] += Load(q + g * H + kLanes * j) * kj;
     }
     for (int g = 0; g < GQ; ++g) {
@@ -106,9 +124,9 @@ void AttendKeysOf(const float* q, const float* keys, const float* values, int64_
   for (int j0 = 0; j0 < HV; j0 += J) {
     Vec acc[GQ][J] = {};
     for (int64_t p = 0; p < n; ++p) {
-      for (int64_t c = 0; c < H; c += 16) __builtin_prefetch(values + (p + kAheadKeys) * H + c);
+      for (int64_t c = 0; c < H; c += kLine) __builtin_prefetch(values + (p + kAheadKeys) * H + c);
       for (int j = 0; j < J; ++j) {
-        const Vec vj = Load(values + p * H + kLanes * (j0 + j));
+        const Vec vj = LoadWeight(values + p * H + kLanes * (j0 + j));
         for (int g = 0; g < GQ; ++g) acc[g][j] += scores[g * padded + p] * vj;
       }
     }
@@ -118,14 +136,14 @@ void AttendKeysOf(const float* q, const float* keys, const float* values, int64_
 }
 
 // All G query heads of one (row, kv head), kHeadsAtOnce at a time (scores: kHeadsAtOnce x its scratch).
-template <int HV>
-void AttendKeys(const float* q, const float* keys, const float* values, int64_t G, int64_t p0, int64_t p1,
+template <typename KV, int HV>
+void AttendKeys(const float* q, const KV* keys, const KV* values, int64_t G, int64_t p0, int64_t p1,
                 float* scores, float* m_out, float* l_out, float* acc_out) {
   static_assert(kHeadsAtOnce == 3, "the dispatch below names GQ = 1, 2, 3");
   constexpr int64_t H = HV * kLanes;
   for (int64_t g = 0; g < G;) {
     const int64_t gq = std::min<int64_t>(kHeadsAtOnce, G - g);
-    (gq == 3 ? &AttendKeysOf<HV, 3> : gq == 2 ? &AttendKeysOf<HV, 2> : &AttendKeysOf<HV, 1>)(
+    (gq == 3 ? &AttendKeysOf<KV, HV, 3> : gq == 2 ? &AttendKeysOf<KV, HV, 2> : &AttendKeysOf<KV, HV, 1>)(
         q + g * H, keys, values, p0, p1, scores, m_out + g, l_out + g, acc_out + g * H);
     g += gq;
   }
@@ -137,8 +155,8 @@ void AttendKeys(const float* q, const float* keys, const float* values, int64_t 
 // not depend on the batch.
 constexpr int64_t kDecodeParts = 2, kSplitFrom = 256;
 
-template <int HV>
-void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const float* vs, const int32_t* ps,
+template <typename KV, int HV>
+void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
                   float* os, int64_t layer, int64_t B, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
   const int64_t P = kDecodeParts;
@@ -152,7 +170,7 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const float* ks, const
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
     const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
     std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
-    AttendKeys<HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
+    AttendKeys<KV, HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
                    &acc[task * G * H]);
   });
   for (int64_t bk = 0; bk < B * K; ++bk) {  // merge the parts, in order
@@ -205,25 +223,25 @@ constexpr int64_t kKeysAhead = 2;  // blocks of keys
 // Scores of one query head's tile rows (qg: [H, RT] transposed, RT = RV kLanes) against keys 0..n-1,
 // masked to each row's position (row_pos, -1 for a lane past the tile's rows): sg [padded, RT] and
 // the rows' maxima m. Stream: prefetch the keys ahead, and the values P V will read (see kCombinedVecs).
-template <int HV, int RV, bool Stream>
-void TileScores(const float* qg, const float* keys, const float* values, int64_t n, const Vec* row_pos, float* sg,
+template <typename KV, int HV, int RV, bool Stream>
+void TileScores(const float* qg, const KV* keys, const KV* values, int64_t n, const Vec* row_pos, float* sg,
                 Vec* m) {
-  constexpr int64_t H = HV * kLanes, RT = RV * kLanes, KK = KeysFor<RV>;
+  constexpr int64_t H = HV * kLanes, RT = RV * kLanes, KK = KeysFor<RV>, kLine = kLineOf<KV>;
   const Vec minus_inf = Vec{} - INFINITY;
   for (int i = 0; i < RV; ++i) m[i] = minus_inf;
   for (int64_t p = 0; p < n; p += KK) {
-    for (int64_t c = 0; Stream && c < KK * H; c += 16) {
+    for (int64_t c = 0; Stream && c < KK * H; c += kLine) {
       __builtin_prefetch(keys + std::min(p + kKeysAhead * KK, n - 1) * H + c);
       __builtin_prefetch(values + std::min(p, n - 1) * H + c, 0, 2);
     }
-    const float* key[KK];
+    const KV* key[KK];
     for (int k = 0; k < KK; ++k) key[k] = keys + std::min(p + k, n - 1) * H;
     Vec acc[KK][RV] = {};
     for (int64_t h = 0; h < H; ++h) {
       Vec qh[RV];
       for (int i = 0; i < RV; ++i) qh[i] = Load(qg + h * RT + i * kLanes);
       for (int k = 0; k < KK; ++k) {
-        const float kv = key[k][h];
+        const float kv = Widen(key[k][h]);
         for (int i = 0; i < RV; ++i) acc[k][i] += qh[i] * kv;
       }
     }
@@ -239,15 +257,15 @@ void TileScores(const float* qg, const float* keys, const float* values, int64_t
 // P V: out rows r0..r0+R-1 of the tile (row stride q_stride) = sum over positions p < n, in order,
 // of e[p, r] v[p], times inv[r]; e is sg [n, RT] (the exps), head dims J vectors at a time.
 constexpr int kValueVecs = 4;
-template <int HV, int R, int RT>
-void TileValues(const float* sg, const float* values, int64_t n, const float* inv, float* out, int64_t q_stride) {
+template <typename KV, int HV, int R, int RT>
+void TileValues(const float* sg, const KV* values, int64_t n, const float* inv, float* out, int64_t q_stride) {
   constexpr int64_t H = HV * kLanes;
   constexpr int J = HV < kValueVecs ? HV : kValueVecs;
   for (int64_t j0 = 0; j0 < HV; j0 += J) {
     Vec acc[R][J] = {};
     for (int64_t p = 0; p < n; ++p) {
       Vec v[J];
-      for (int j = 0; j < J; ++j) v[j] = Load(values + p * H + (j0 + j) * kLanes);
+      for (int j = 0; j < J; ++j) v[j] = LoadWeight(values + p * H + (j0 + j) * kLanes);
       for (int r = 0; r < R; ++r) {
         const float e = sg[p * RT + r];
         for (int j = 0; j < J; ++j) acc[r][j] += e * v[j];
@@ -262,8 +280,8 @@ void TileValues(const float* sg, const float* values, int64_t n, const float* in
 // AVX2's 16 registers, where the form above (2 rows x 4 vectors) took 1.09-1.15x the time (the kernel
 // built for AVX2 and timed on an AVX-512 machine, tools/time_decode_attention.py --against).
 constexpr int kByRowsChunk = 4;
-template <int HV, int RV>
-void TileValuesByRows(const float* sg, const float* values, int64_t n, const float* inv, float* out, int64_t q_stride,
+template <typename KV, int HV, int RV>
+void TileValuesByRows(const float* sg, const KV* values, int64_t n, const float* inv, float* out, int64_t q_stride,
                       int64_t R) {
   constexpr int64_t H = HV * kLanes, RT = RV * kLanes;
   for (int64_t h0 = 0; h0 < H; h0 += kByRowsChunk) {
@@ -272,7 +290,7 @@ void TileValuesByRows(const float* sg, const float* values, int64_t n, const flo
       Vec e[RV];
       for (int i = 0; i < RV; ++i) e[i] = Load(sg + p * RT + i * kLanes);
       for (int j = 0; j < kByRowsChunk; ++j) {
-        const float v = values[p * H + h0 + j];
+        const float v = Widen(values[p * H + h0 + j]);
         for (int i = 0; i < RV; ++i) acc[j][i] += e[i] * v;
       }
     }
@@ -288,16 +306,16 @@ void TileValuesByRows(const float* sg, const float* values, int64_t n, const flo
 template <int HV>
 constexpr int kRowsAtOnce = std::min(8, (kVecRegs - 3 - std::min(HV, kValueVecs)) / std::min(HV, kValueVecs));
 
-template <int HV, int RT, int... Rs>
-constexpr decltype(&TileValues<HV, 1, RT>) kValueTiles[] = {nullptr, &TileValues<HV, Rs, RT>...};
-template <int HV, int RT>
-constexpr auto& kValueTileFor = kValueTiles<HV, RT, 1, 2, 3, 4, 5, 6, 7, 8>;
+template <typename KV, int HV, int RT, int... Rs>
+constexpr decltype(&TileValues<KV, HV, 1, RT>) kValueTiles[] = {nullptr, &TileValues<KV, HV, Rs, RT>...};
+template <typename KV, int HV, int RT>
+constexpr auto& kValueTileFor = kValueTiles<KV, HV, RT, 1, 2, 3, 4, 5, 6, 7, 8>;
 
 // One tile: R query rows (positions first..first+R-1) of G query heads of one kv head, GT heads a
 // tile pass (GT R <= RT lanes: lane g R + t is head g's row t), so a short chunk's heads share the
 // keys' and values' reads and fill the lanes.
-template <int HV, int RV, bool Stream = false>
-void AttendRows(const float* q, int64_t q_stride, const float* keys, const float* values, float* out,
+template <typename KV, int HV, int RV, bool Stream = false>
+void AttendRows(const float* q, int64_t q_stride, const KV* keys, const KV* values, float* out,
                 int64_t G, int64_t GT, int64_t R, int64_t first, int64_t S) {
   constexpr int64_t H = HV * kLanes, RT = RV * kLanes, KK = KeysFor<RV>;
   const int64_t n = std::min(first + R - 1, S - 1) + 1;  // keys the last row sees
@@ -314,7 +332,7 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
   const Vec minus_inf = Vec{} - INFINITY;
   for (int64_t pass = 0; pass < passes; ++pass) {
     Vec m[RV];
-    TileScores<HV, RV, Stream>(qt + pass * H * RT, keys, values, n, row_pos, sg, m);
+    TileScores<KV, HV, RV, Stream>(qt + pass * H * RT, keys, values, n, row_pos, sg, m);
     Vec l[RV] = {};
     for (int64_t p = 0; p < n; ++p)
       for (int i = 0; i < RV; ++i) {
@@ -328,28 +346,31 @@ void AttendRows(const float* q, int64_t q_stride, const float* keys, const float
     for (int64_t gt = 0; gt < GT; ++gt) {
       float* const o = out + (pass * GT + gt) * H;
       if constexpr (kVecRegs == 16) {
-        TileValuesByRows<HV, RV>(sg, values, n, inv, o, q_stride, R);  // (AVX2: GT is 1)
+        TileValuesByRows<KV, HV, RV>(sg, values, n, inv, o, q_stride, R);  // (AVX2: GT is 1)
       } else {
         constexpr int64_t RA = kRowsAtOnce<HV>;
         for (int64_t r0 = 0; r0 < R; r0 += RA)
-          kValueTileFor<HV, RT>[std::min(RA, R - r0)](sg + gt * R + r0, values, n, inv + gt * R + r0, o + r0 * q_stride,
-                                                      q_stride);
+          kValueTileFor<KV, HV, RT>[std::min(RA, R - r0)](sg + gt * R + r0, values, n, inv + gt * R + r0,
+                                                          o + r0 * q_stride, q_stride);
       }
     }
   }
 }
 
 using Queries = ffi::Buffer<ffi::F32, 5>;
-using Cache = ffi::Buffer<ffi::F32, 5>;
+template <ffi::DataType CacheType>
+using CacheOf = ffi::Buffer<CacheType, 5>;
+using Cache = CacheOf<ffi::F32>;
+using CacheBf16 = CacheOf<ffi::BF16>;  // elements as uint16_t (XLA's FFI maps BF16 to it)
 using Positions = ffi::Buffer<ffi::S32, 1>;
 using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
 // Attention with head dim H = kLanes HV over [B, T, K, G, H] queries.
-template <int HV>
-void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const float* vs, const int32_t* ps,
+template <typename KV, int HV>
+void AttendAll(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
                float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
-  if (T == 1) return AttendDecode<HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
+  if (T == 1) return AttendDecode<KV, HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
   // a chunk: one task per (row, kv head, tile of kTileRows query positions), or, when that leaves threads
   // idle (3 kv heads on 2 threads), per query head too: each head's rows are computed the same way
   // either way, only the keys are read once per head instead of per kv head. A short chunk on
@@ -365,23 +386,28 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const float* ks, const fl
     const int64_t rows = std::min<int64_t>(kTileRows, T - t0), first = std::max<int64_t>(ps[b], 0) + t0;
     if (together) {  // as few row vectors as hold them
       const int64_t vecs = (G * rows + kLanes - 1) / kLanes;
-      (vecs == 1 ? &AttendRows<HV, 1, true> : vecs == 2 ? &AttendRows<HV, 2, true> : &AttendRows<HV, kCombinedVecs, true>)(
+      (vecs == 1   ? &AttendRows<KV, HV, 1, true>
+       : vecs == 2 ? &AttendRows<KV, HV, 2, true>
+                   : &AttendRows<KV, HV, kCombinedVecs, true>)(
           qs + offset, row_stride, ks + slots, vs + slots, os + offset, G, G, rows, first, S);
     } else  // AVX2: 16-row tiles, as measured
-      (rows <= kLanes && kVecRegs == 32 ? &AttendRows<HV, 1> : &AttendRows<HV, kRowVecs>)(
+      (rows <= kLanes && kVecRegs == 32 ? &AttendRows<KV, HV, 1> : &AttendRows<KV, HV, kRowVecs>)(
           qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task, 1, rows, first, S);
   });
 }
 
-ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, Positions pos, OutQueries out,
-                     int64_t layer) {
+// The cache's element type names the kernel: F32 (float) or BF16 (uint16_t, widened as it loads).
+template <ffi::DataType CacheType>
+ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, CacheOf<CacheType> v_all,
+                     Positions pos, OutQueries out, int64_t layer) {
+  using KV = ffi::NativeType<CacheType>;
   const auto qd = q.dimensions(), cd = k_all.dimensions();
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
   if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
   const int64_t hv = H == 16 || H == 32 || H == 64 || H == 128 ? H / kLanes : 0;  // 1-8 or 2-16 vectors
-  auto* attend = hv == 1 ? &AttendAll<1> : hv == 2 ? &AttendAll<2> : hv == 4 ? &AttendAll<4>
-               : hv == 8 ? &AttendAll<8> : hv == 16 ? &AttendAll<16> : nullptr;
+  auto* attend = hv == 1 ? &AttendAll<KV, 1> : hv == 2 ? &AttendAll<KV, 2> : hv == 4 ? &AttendAll<KV, 4>
+               : hv == 8 ? &AttendAll<KV, 8> : hv == 16 ? &AttendAll<KV, 16> : nullptr;
   if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
          B, T, K, G, S);
@@ -390,12 +416,24 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, Cache k_all, Cache v_all, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Queries>()
                                   .Arg<Cache>()
                                   .Arg<Cache>()
+                                  .Arg<Positions>()
+                                  .Ret<Queries>()
+                                  .Attr<int64_t>("layer"));
+
+// The same over a bfloat16 cache (`--kv-dtype bfloat16`): the bits of JaxsmolAttention on a float32
+// cache holding the same values.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttentionBf16, Attention<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Queries>()
+                                  .Arg<CacheBf16>()
+                                  .Arg<CacheBf16>()
                                   .Arg<Positions>()
                                   .Ret<Queries>()
                                   .Attr<int64_t>("layer"));

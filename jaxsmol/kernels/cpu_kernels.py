@@ -57,7 +57,8 @@ SOURCES = tuple(Path(__file__).with_name(n)
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
-           "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
+           "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
+           "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
@@ -347,22 +348,27 @@ def _matmul_quantized(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
 
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
-    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: float32, H in 16..128."""
-    return q.dtype == k_all.dtype and attention_kernel_for(k_all.dtype, q.shape[-1])
+    """Whether attention of q [B, T, K, G, H] over k_all goes to the kernel: q float32, the cache
+    float32 or bfloat16, H in 16..128."""
+    return q.dtype == jnp.float32 and attention_kernel_for(k_all.dtype, q.shape[-1])
 
 
 def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
     """Whether a cache of this dtype and head size is read by the kernel (in place, any capacity),
-    not by XLA's attention (whole 256-slot blocks)."""
-    return cache_dtype == jnp.float32 and head_dim in HEAD_DIMS
+    not by XLA's attention (whole 256-slot blocks): float32, or bfloat16 (widened exactly as it loads)."""
+    return cache_dtype in (jnp.float32, jnp.bfloat16) and head_dim in HEAD_DIMS
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array,
-              target: str = "jaxsmol_attention") -> jax.Array:
+              target: str | None = None) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
     [B]) over cache layer `layer` of k_all, v_all [L, B, K, S, H] (the chunk's keys already written)
     -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
-    `target`: another build's registered name (tools/kernel_revision.py)."""
+    A bfloat16 cache is read in place and widened exactly: the bits of a float32 cache of its values.
+    `target`: another build's registered name (tools/kernel_revision.py); by default the project's own
+    for the cache's dtype."""
+    if target is None:
+        target = "jaxsmol_attention_bf16" if k_all.dtype == jnp.bfloat16 else "jaxsmol_attention"
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, pos, layer=np.int64(layer))
