@@ -27,6 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run every matrix quantized, dequantized inside the matmul (GGUF's Q8_0: ~1.1 bytes a "
                         "weight; Q4_1: ~0.6, the unembedding at Q8_0). On the bundled model q4_1 is the GGUF "
                         "file's own weights: the same logits as the float32 default, at 1/6 of its memory")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the KV cache's dtype (default: float32, or bfloat16 with --dtype bfloat16 on XLA's path): "
+                        "bfloat16 halves the cache and its snapshots, so the prefix cache holds twice the tokens")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads and MLP columns)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch)")
 
@@ -84,6 +87,7 @@ def load_engine(args, on_config=None):
         from jaxsmol.model.sharding import make_mesh
         mesh = make_mesh(tp=args.tp, dp=args.dp)
     return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, quantize=getattr(args, "quantize", None),
+                       kv_dtype=getattr(args, "kv_dtype", None),
                        progress=sys.stderr.isatty(), mesh=mesh, on_config=on_config)
 
 

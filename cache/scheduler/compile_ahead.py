@@ -22,7 +22,7 @@ from jaxsmol.runtime.structured import all_allowed
 
 def empty_batch(engine, width: int, capacity: int) -> KVCache:
     """An empty decode batch for `engine`: k, v [L, width, K, capacity, H] zeros, pos [width]."""
-    return KVCache.zeros(engine.cfg, capacity, batch=width, dtype=engine.params.compute_dtype,
+    return KVCache.zeros(engine.cfg, capacity, batch=width, dtype=engine.cache_dtype,
                          mesh=engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
 
 
@@ -37,7 +37,7 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
     if engine.mesh is not None:
         return 0
     capacity, n = capacity_for(slots), 0
-    row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.params.compute_dtype))
+    row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.cache_dtype))
 
     def free_settings(width):  # rows that sample freely, as most requests do
         return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
@@ -65,7 +65,7 @@ def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
     the 128 leading slots; longer ones the whole capacity). Returns how many."""
     if not engine.side_by_side:
         return 0
-    row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.params.compute_dtype))
+    row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.cache_dtype))
     n = 0
     windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
     for P in range(2, most + 1):

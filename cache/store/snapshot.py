@@ -63,7 +63,7 @@ def identity(engine) -> dict:
     tok_fp = "none" if tok is None else (getattr(tok, "fingerprint", None) or f"unhashed:{type(tok).__name__}")
     return {"model": engine.fingerprint, "tokenizer": tok_fp,
             "kv_dims": (cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim),
-            "kv_dtype": np.dtype(engine.params.compute_dtype).name, "vocab": cfg.vocab_size, "ctx": engine.ctx,
+            "kv_dtype": np.dtype(engine.cache_dtype).name, "vocab": cfg.vocab_size, "ctx": engine.ctx,
             "max_bytes": max_snapshot_bytes(engine)}
 
 
@@ -235,6 +235,9 @@ def _check_dims(path, snap: "Snapshot", ident: dict) -> None:
 
 def _check_identity(path, manifest: dict, ident: dict) -> None:
     if manifest.get("model") != ident["model"]:
+        kv_dtype = (manifest.get("dtypes") or {}).get("k")
+        if isinstance(kv_dtype, str) and kv_dtype != ident.get("kv_dtype", kv_dtype):  # say why when it is that
+            raise SnapshotError(f"{path} holds a {kv_dtype} KV cache; this engine's is {ident['kv_dtype']} (--kv-dtype)")
         raise SnapshotError(f"{path} was made by another model (fingerprint {str(manifest.get('model'))[:12]}, "
                             f"this model {ident['model'][:12]}: config, dtype, weights or the kernels' numerics differ)")
     if manifest.get("tokenizer") != ident["tokenizer"]:

@@ -76,7 +76,7 @@ class Warmup:
             return
         eng.warmup(cap)
         c = eng.cfg
-        one = np.zeros((c.n_layers, 1, c.n_kv_heads, 1, c.head_dim), eng.params.compute_dtype)  # [L, B, K, S, H]
+        one = np.zeros((c.n_layers, 1, c.n_kv_heads, 1, c.head_dim), eng.cache_dtype)  # [L, B, K, S, H]
         eng.restore(KVCache(k=one, v=one, pos=np.int32(1)), cap).k.block_until_ready()  # host -> this capacity
         self.capacities.add(cap)
 

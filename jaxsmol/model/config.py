@@ -9,6 +9,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from jaxsmol.errors import JaxsmolError
 
 
@@ -34,6 +36,14 @@ class Config:
     # (jaxsmol/kernels/formats.py: GGUF's blocks, dequantized inside the matmul). Part of every
     # compiled program's shape, and of the engine's fingerprint.
     quant: str | None = None
+    # The KV cache's dtype: None (the matrix products' input dtype: float32 under the kernels, else the
+    # weights'), or "bfloat16" / "float32". bfloat16 halves the cache, its snapshots and attention's
+    # reads; keys and values are rounded to it as they are written, every sum stays float32.
+    kv_dtype: str | None = None
+
+    def cache_dtype(self, compute_dtype):
+        """The KV cache's dtype for params computing in compute_dtype."""
+        return jnp.dtype(self.kv_dtype) if self.kv_dtype else jnp.dtype(compute_dtype)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

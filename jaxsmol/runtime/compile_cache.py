@@ -51,7 +51,7 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     from jaxsmol.runtime.structured import all_allowed
 
     params = abstract_params(cfg, getattr(jnp, dtype))
-    cache_dtype = params.compute_dtype  # float32 under the kernels, whatever the weights' dtype
+    cache_dtype = cfg.cache_dtype(params.compute_dtype)  # float32 under the kernels unless --kv-dtype says
     plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
     cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
     kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=cache_dtype))

@@ -147,10 +147,11 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
-             quantize: str | None = None, progress: bool = True, mesh=None,
+             quantize: str | None = None, kv_dtype: str | None = None, progress: bool = True, mesh=None,
              on_config: Callable | None = None) -> "Engine":
         """Load a Hugging Face checkpoint directory, or the bundled default model when None.
         quantize "q8_0" or "q4_1": every matrix quantized at load (kernels/formats.py), run as it is.
+        kv_dtype "bfloat16" or "float32": the KV cache's dtype (default: the matrix products' input dtype).
         on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
         Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
         from jaxsmol.checkpoint.tokenizer import Tokenizer
@@ -169,7 +170,9 @@ class Engine:
             raise JaxsmolError(f"model directory {model_dir} does not exist")
         if dtype not in ("float32", "bfloat16"):
             raise JaxsmolError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        cfg = with_quantization(Config.load(model_dir), quantize, dtype, mesh)
+        if kv_dtype not in (None, "float32", "bfloat16"):
+            raise JaxsmolError(f"kv_dtype must be float32 or bfloat16, got {kv_dtype!r}")
+        cfg = dataclasses.replace(with_quantization(Config.load(model_dir), quantize, dtype, mesh), kv_dtype=kv_dtype)
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
@@ -203,10 +206,15 @@ class Engine:
         return self._fingerprint
 
     @property
+    def cache_dtype(self):
+        """The KV cache's dtype (Config.kv_dtype, else the matrix products' input dtype)."""
+        return self.cfg.cache_dtype(self.params.compute_dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one position over all layers (float32 SmolLM2-135M: 46,080)."""
         c = self.cfg
-        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.params.compute_dtype.itemsize
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.cache_dtype.itemsize
 
     # ---- validation -----------------------------------------------------------------------------
     def check_prompt(self, ids, max_tokens: int = 0) -> list[int]:
@@ -231,7 +239,7 @@ class Engine:
         cap = capacity_for(slots)
         if (kept := self.pool.take(cap)) is not None:
             return kept
-        return KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
+        return KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
@@ -307,7 +315,7 @@ class Engine:
         caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
         Only where the attention kernel reads the cache: XLA's attention reads whole 256-slot blocks."""
         fits = [w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity]
-        return fits[0] if fits and cpu_kernels.attention_kernel_for(self.params.compute_dtype, self.cfg.head_dim) else None
+        return fits[0] if fits and cpu_kernels.attention_kernel_for(self.cache_dtype, self.cfg.head_dim) else None
 
     @property
     def side_by_side(self) -> bool:
@@ -329,7 +337,7 @@ class Engine:
         Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
         top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
-            kv = KVCache.zeros(self.cfg, cap, dtype=self.params.compute_dtype, mesh=self.mesh)
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
             for T in FAST_BUCKETS:
                 if T <= min(top, cap):
                     programs.forward.lower(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T), kv, self.cfg).compile()
