@@ -22,7 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "SmolLM2-135M-Instruct, imported on first use)")
     p.add_argument("--ctx", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' dtype (the CPU kernels widen bfloat16 exactly and compute in float32)")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_1"],
                    help="run every matrix quantized, dequantized inside the matmul (GGUF's Q8_0: ~1.1 bytes a "
                         "weight; Q4_1: ~0.6, the unembedding at Q8_0). On the bundled model q4_1 is the GGUF "
@@ -35,11 +36,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                   "probabilities sum to p (1 = all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed: one seed, one output")
 
 
 def add_structured_args(p: argparse.ArgumentParser) -> None:

@@ -166,7 +166,9 @@ def add_probe_args(p, default_mode: str) -> None:
     p.add_argument("--predict", type=int, default=1, metavar="N", help="tokens to generate (default 1)")
     p.add_argument("--then", type=int, nargs="+", metavar="ID",
                    help="a second prompt (token ids) for the warm run, sharing a prefix with the first")
-    p.add_argument("--cache-mode", default=default_mode, choices=["radix", "minimal", "off"])
+    p.add_argument("--cache-mode", default=default_mode, choices=["radix", "minimal", "off"],
+                   help="radix: many prefixes in a radix tree; minimal: the course exercise's single snapshot; "
+                        "off: every request cold")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_prompt_cache_arg(p)
@@ -191,10 +193,10 @@ def _add_generate(sub) -> None:
 
 def _add_tokenize(sub) -> None:
     t = sub.add_parser("tokenize", help="print the token ids of a text")
-    t.add_argument("text")
-    t.add_argument("--chat", action="store_true")
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--model", metavar="DIR")
+    t.add_argument("text", help="the text to encode")
+    t.add_argument("--chat", action="store_true", help="wrap the text in the model's chat template (a user turn)")
+    t.add_argument("--json", action="store_true", help="print the ids as a JSON list")
+    t.add_argument("--model", metavar="DIR", help="a checkpoint directory (default: the bundled model)")
     t.set_defaults(func=_tokenize)
 
 
@@ -212,10 +214,11 @@ def _add_cacheprobe(sub) -> None:
 
 def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible daemon (keeps the prefix cache)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
     s.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes (default 2 GiB)")
-    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"])
+    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"],
+                   help="radix: many prefixes in a radix tree (default); minimal: the course exercise's single snapshot")
     s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
     s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
@@ -304,8 +307,8 @@ def _add_info(sub) -> None:
 
 def _add_import_gguf(sub) -> None:
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
-    i.add_argument("file")
-    i.add_argument("outdir")
+    i.add_argument("file", help="the GGUF file (any type gguf-py dequantizes; the directory holds float32)")
+    i.add_argument("outdir", help="the directory to write (must not exist, or be empty)")
     i.set_defaults(func=_import_gguf)
 
 

@@ -18,7 +18,7 @@ from cli.api.structured_request import GUIDED_FIELDS, structured_from_request
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 
-# Per-request limits (each stated in the README).
+# Per-request limits (each stated in docs/serving.md).
 MAX_N = 8  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 32  # prompts x n
