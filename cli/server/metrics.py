@@ -50,6 +50,14 @@ MEMORY_GAUGES = (
 )
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
                   ("prefilled_tokens", "Prompt positions computed by the scheduler."))
+# (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
+# Extension reads by default, aliases of the queue, the rows in use and the decode KV in use
+VLLM_ALIASES = (
+    ("vllm:num_requests_waiting", "waiting", "Requests waiting: queued or waiting for admission (vLLM's name)."),
+    ("vllm:num_requests_running", "running", "Requests being prefilled or decoded (vLLM's name)."),
+    ("vllm:kv_cache_usage_perc", "kv_usage", "Share of --kv-cache-bytes the running requests' positions take, "
+                                             "0..1 (vLLM's name)."),
+)
 
 
 class Metrics:
@@ -87,13 +95,14 @@ class Metrics:
             self._ttft.observe(ttft_s)
 
     def render(self, cache_stats: dict, queue_depth: int, batch: dict | None = None,
-               pool_bytes: int | None = None, memory: dict | None = None) -> str:
+               pool_bytes: int | None = None, memory: dict | None = None, load=None) -> str:
         """Every metric in the Prometheus text format, with the cache's stats, the queue depth, the
         scheduler's figures (`batch`: rows, width, kv_bytes, steps, decoded_tokens, prefilled_tokens),
         the bytes of the engine's recycled cache buffers (`pool_bytes`, Engine.pool_bytes) and the
-        memory account's figures (`memory`, MEMORY_GAUGES)."""
+        memory account's figures (`memory`, MEMORY_GAUGES) and the replica's load (`load`, a
+        cli/server/replica.py Load: VLLM_ALIASES)."""
         with self._lock:
-            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes, memory or {})
+            self._scrape.values = (cache_stats, queue_depth, batch or {}, pool_bytes, memory or {}, load)
             try:
                 return generate_latest(self.registry).decode()
             finally:
@@ -117,8 +126,11 @@ class _ScrapeTime:
                                   value=m.rejected_queue_full)
         if self.values is None:
             return
-        stats, queue_depth, batch, pool_bytes, memory = self.values
+        stats, queue_depth, batch, pool_bytes, memory, load = self.values
         yield GaugeMetricFamily("jaxsmol_queue_depth", "Requests waiting for the model.", value=queue_depth)
+        if load is not None:
+            for name, attr, help_ in VLLM_ALIASES:
+                yield GaugeMetricFamily(name, help_, value=getattr(load, attr))
         if pool_bytes is not None:
             yield GaugeMetricFamily("jaxsmol_pool_bytes", "Bytes of finished cache buffers kept for reuse "
                                     "(bounded: jaxsmol/runtime/buffers.py), and restore's host staging buffers.",

@@ -28,6 +28,7 @@ from cli.api import protocol as P
 from cli.server.completions import Completions
 from cli.api.events import DEFAULT_WRITE_TIMEOUT_S
 from cli.server.memory import MemoryAccount
+from cli.server.replica import model_info, read_load, server_info
 from cli.server.metrics import Metrics
 from cli.server.tenants import Tenants
 from cli.server.warmup import Warmup
@@ -37,6 +38,8 @@ from jaxsmol.errors import JaxsmolError
 MAX_BODY_BYTES = 4 << 20
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
           "/tokenize", "/detokenize")
+# what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
+REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
@@ -83,7 +86,7 @@ class _LimitsAndCounts:
             else:
                 await self.app(scope, limited_receive, counted_send)
         finally:
-            self.metrics.request(scope["path"] if scope["path"] in ROUTES else "other", status)
+            self.metrics.request(scope["path"] if scope["path"] in ROUTES + REPLICA_ROUTES else "other", status)
 
 
 class Daemon:
@@ -146,13 +149,24 @@ class Daemon:
         self._auth(request, admin=True)
         stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
         memory = self.memory.figures(stats["bytes_held"], pool, batch.get("kv_bytes", 0))
-        text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory)
+        load = read_load(self.worker, self.engine.kv_bytes_per_token)
+        text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory, load=load)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def flush(self, request: Request):
         self._auth(request, admin=True)
         await asyncio.to_thread(self._locked, self.cache.flush)
         return {"flushed": True}
+
+    async def load(self):
+        """SGLang's GET /get_load (no key needed, as /health): running and waiting requests, tokens."""
+        return JSONResponse(read_load(self.worker, self.engine.kv_bytes_per_token).sglang())
+
+    async def server_info(self):
+        return server_info(self.engine, self.model_name, self.worker.scheduler.max_batch)
+
+    async def model_info(self):
+        return model_info(self.engine, self.model_name)
 
     async def tokenize(self, body: P.TokenizeRequest, request: Request):
         self._auth(request)
@@ -226,7 +240,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         for name, reason in disk.skipped:
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
-    metrics = Metrics(ROUTES)
+    metrics = Metrics(ROUTES + REPLICA_ROUTES)
     worker = Worker(cache, max_queue, metrics, batch)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
     d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, warmup)
@@ -240,6 +254,12 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.get("/v1/models")(d.models)
     app.get("/metrics")(d.prometheus)
     app.post("/v1/cache/flush")(d.flush)
+    app.post("/flush_cache")(d.flush)  # SGLang's name, which sglang-router calls on every worker
+    app.get("/get_load")(d.load)
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path)(d.server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(d.model_info)
     app.post("/tokenize")(d.tokenize)
     app.post("/detokenize")(d.detokenize)
     app.post("/v1/completions")(d.completions)
