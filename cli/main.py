@@ -1,4 +1,4 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, bench, import-gguf, info."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, cluster, bench, import-gguf, info."""
 
 from __future__ import annotations
 
@@ -213,48 +213,26 @@ def _add_cacheprobe(sub) -> None:
 
 
 def _add_serve(sub) -> None:
+    from cli.serve_options import add_serve_options
+
     s = sub.add_parser("serve", help="run the OpenAI-compatible daemon (keeps the prefix cache)")
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     s.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    s.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes (default 2 GiB)")
-    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"],
-                   help="radix: many prefixes in a radix tree (default); minimal: the course exercise's single snapshot")
-    s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
-    s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
-                   "memory, and all of them at shutdown; loaded back at start and on a memory miss")
-    s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
-    s.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require Authorization: Bearer KEY (repeatable; these are admin keys, each with its own "
-                        "cache namespace)")
-    s.add_argument("--api-keys", metavar="FILE", help="API keys, one a line: 'KEY [NAMESPACE] [admin]' (keys naming "
-                   "the same NAMESPACE share cache entries; '-' or none: a namespace of the key's own)")
-    s.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="connections served at once; more get 503 (default: no limit)")
-    s.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
-                   help="cancel a request whose client has not read its output for S seconds (default 30)")
-    s.add_argument("--max-batch", type=int, default=16, metavar="N",
-                   help="decode rows: requests (and choices) decoded together in one step (default 16)")
-    s.add_argument("--kv-cache-bytes", type=int, default=4 << 30, metavar="BYTES",
-                   help="device memory for the decode rows' KV cache (default 4 GiB; one request alone is "
-                        "always admitted)")
-    s.add_argument("--batch-invariant", action="store_true",
-                   help="decode always at the full --max-batch width, so a request's tokens and logprobs "
-                        "do not depend on the other requests (slower when few are in flight)")
-    s.add_argument("--prefill-chunk", type=int, default=48, metavar="ROWS",
-                   help="prompt rows prefilled between two decode steps while others decode: 32, 48, 64, 128, 256 "
-                        "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
-                        "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
-                        "arrive, larger gives a burst of newcomers their first tokens sooner)")
-    s.add_argument("--warmup", choices=["block", "background", "none"], default="background",
-                   help="when the programs requests run are compiled: block = before the port opens; background "
-                        "(default) = the port opens at once, /health and /ready answer 503 'warming' until they are "
-                        "compiled, then 200; none = nothing ahead, ready at once (each program compiles on first "
-                        "use, holding every stream)")
-    s.add_argument("--no-compile-ahead", dest="warmup", action="store_const", const="none",
-                   help="the same as --warmup none")
-    add_model_args(s)
+    add_serve_options(s)
     s.set_defaults(func=_serve)
+
+
+def _add_cluster(sub) -> None:
+    from cli.cluster import add_cluster_parser
+
+    add_cluster_parser(sub)
+    sub.choices["cluster"].set_defaults(func=_cluster)
+
+
+def _cluster(args) -> int:
+    from cli.cluster import run_cluster
+
+    return run_cluster(args)
 
 
 def _add_score(sub) -> None:
@@ -315,8 +293,8 @@ def _add_import_gguf(sub) -> None:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
-    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_score, _add_bench, _add_import_gguf,
-                _add_info):
+    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_cluster, _add_score, _add_bench,
+                _add_import_gguf, _add_info):
         add(sub)
     return parser
 

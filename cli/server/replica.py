@@ -78,13 +78,19 @@ def _version() -> str:
         return "unknown"
 
 
+def _model_path(engine, model_name: str) -> str:
+    """The model's directory (a router on the same machine loads the tokenizer from it), else its name."""
+    return str(engine.model_dir) if engine.model_dir is not None else model_name
+
+
 def server_info(engine, model_name: str, max_batch: int) -> dict:
     """GET /server_info (and SGLang's older /get_server_info): the fields sglang-router reads."""
-    return {"served_model_name": model_name, "model_path": model_name, "version": _version(),
+    return {"served_model_name": model_name, "model_path": _model_path(engine, model_name), "version": _version(),
             "max_running_requests": max_batch, "max_total_tokens": engine.ctx, "dp_size": 1}
 
 
 def model_info(engine, model_name: str) -> dict:
     """GET /model_info (and /get_model_info): what the model is, in SGLang's fields."""
-    return {"model_path": model_name, "tokenizer_path": model_name, "is_generation": True,
+    path = _model_path(engine, model_name)
+    return {"model_path": path, "tokenizer_path": path, "is_generation": True,
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_model_len": engine.ctx}

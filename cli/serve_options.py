@@ -1,0 +1,76 @@
+"""The options of `jaxsmol serve` (but its address), shared by `jaxsmol cluster` (cli/cluster.py), which
+passes them on to every replica: `serve_argv` turns the parsed values back into `jaxsmol serve`
+arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.common import ArgumentParser, add_model_args
+
+
+def add_serve_options(s: argparse.ArgumentParser) -> None:
+    """Every `jaxsmol serve` option but --host and --port, with the model's (cli/common.py)."""
+    s.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes (default 2 GiB)")
+    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"],
+                   help="radix: many prefixes in a radix tree (default); minimal: the course exercise's single snapshot")
+    s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
+                   "memory, and all of them at shutdown; loaded back at start and on a memory miss")
+    s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require Authorization: Bearer KEY (repeatable; these are admin keys, each with its own "
+                        "cache namespace)")
+    s.add_argument("--api-keys", metavar="FILE", help="API keys, one a line: 'KEY [NAMESPACE] [admin]' (keys naming "
+                   "the same NAMESPACE share cache entries; '-' or none: a namespace of the key's own)")
+    s.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections served at once; more get 503 (default: no limit)")
+    s.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="cancel a request whose client has not read its output for S seconds (default 30)")
+    s.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="decode rows: requests (and choices) decoded together in one step (default 16)")
+    s.add_argument("--kv-cache-bytes", type=int, default=4 << 30, metavar="BYTES",
+                   help="device memory for the decode rows' KV cache (default 4 GiB; one request alone is "
+                        "always admitted)")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="decode always at the full --max-batch width, so a request's tokens and logprobs "
+                        "do not depend on the other requests (slower when few are in flight)")
+    s.add_argument("--prefill-chunk", type=int, default=48, metavar="ROWS",
+                   help="prompt rows prefilled between two decode steps while others decode: 32, 48, 64, 128, 256 "
+                        "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
+                        "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
+                        "arrive, larger gives a burst of newcomers their first tokens sooner)")
+    s.add_argument("--warmup", choices=["block", "background", "none"], default="background",
+                   help="when the programs requests run are compiled: block = before the port opens; background "
+                        "(default) = the port opens at once, /health and /ready answer 503 'warming' until they are "
+                        "compiled, then 200; none = nothing ahead, ready at once (each program compiles on first "
+                        "use, holding every stream)")
+    s.add_argument("--no-compile-ahead", dest="warmup", action="store_const", const="none",
+                   help="the same as --warmup none")
+    add_model_args(s)
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    """The serve options of `args` whose values are not their defaults, as `jaxsmol serve` arguments (an
+    option sharing its destination with an earlier one, --no-compile-ahead with --warmup, is given
+    through the earlier one)."""
+    parser = ArgumentParser(add_help=False)
+    add_serve_options(parser)
+    out, seen = [], set()
+    for a in parser._actions:
+        if a.dest in seen or not a.option_strings:
+            continue
+        seen.add(a.dest)
+        value, flag = getattr(args, a.dest), a.option_strings[-1]
+        if value == a.default:
+            continue
+        if isinstance(a, argparse._StoreTrueAction):
+            out.append(flag)
+        elif isinstance(a, argparse._AppendAction):
+            out += [x for v in value for x in (flag, str(v))]
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
