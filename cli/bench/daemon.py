@@ -24,11 +24,15 @@ def free_port() -> int:
 
 
 def model_flags(args, default_ctx: int | None = 2048) -> list[str]:
-    """The benchmark's --model/--ctx/--dtype/--tp/--dp as daemon flags (ctx 2048 unless given)."""
+    """The benchmark's --model/--ctx/--dtype/--quantize/--kv-dtype/--tp/--dp as a command's flags (ctx
+    default_ctx unless given)."""
     out = ["--model", str(args.model)] if args.model else []
     ctx = args.ctx or default_ctx
     out += ["--ctx", str(ctx)] if ctx else []
     out += ["--dtype", args.dtype]
+    for flag in ("quantize", "kv_dtype"):
+        if getattr(args, flag, None):
+            out += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     for flag in ("tp", "dp"):
         if getattr(args, flag, 1) != 1:
             out += [f"--{flag}", str(getattr(args, flag))]

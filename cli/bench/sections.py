@@ -151,13 +151,9 @@ def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
 
 
 def _model_args(args) -> list[str]:
-    out = []
-    if args.model:
-        out += ["--model", str(args.model)]
-    if args.ctx:
-        out += ["--ctx", str(args.ctx)]
-    out += ["--dtype", args.dtype]
-    return out
+    from cli.bench.daemon import model_flags
+
+    return model_flags(args, default_ctx=None)
 
 
 def _fresh_process(args, ids, cache_dir) -> dict:
