@@ -123,8 +123,9 @@ def test_info_reports_the_kernels_and_the_directories(tmp_path):
     assert text.returncode == 0 and text.stderr == ""
     lines = text.stdout.splitlines()
     assert [line.split("  ")[0] for line in lines] == ["jaxsmol", "python", "jax / jaxlib", "backend", "devices",
-                                                       "kernels", "model", "bundled model", "data directory",
-                                                       "compile cache"]
+                                                       "kernels", "model", "bundled model", "weights",
+                                                       "data directory", "compile cache"]
     off = r"kernels +not in use \(mode off\): switched off \(JAXSMOL_KERNELS=off\): XLA's ops only"
     assert re.fullmatch(off, lines[5])
-    assert lines[6].endswith("(not imported yet)") and lines[8].endswith(f"  {tmp_path}")
+    assert lines[6].endswith("(not imported yet)") and lines[9].endswith(f"  {tmp_path}")
+    assert lines[8].endswith("(once the model is imported)")

@@ -20,15 +20,26 @@ import numpy as np
 from jaxsmol.kernels import cpu_kernels
 
 
+def _show(root: Path, rev: str, name: str) -> str | None:
+    """A kernel file as of rev: under jaxsmol/kernels/, or jaxsmol/ in revisions before the move; None if neither."""
+    for folder in ("jaxsmol/kernels", "jaxsmol"):
+        r = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{folder}/{name}"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return r.stdout
+    return None
+
+
 def register(rev: str, source: str, symbol: str) -> str:
     """Build `jaxsmol/<source>` as of git revision rev with its handler `symbol` renamed, register it
     with XLA and return the new target's name for jax.ffi.ffi_call."""
     root = Path(__file__).resolve().parents[1]
     work = Path(tempfile.mkdtemp(prefix="jaxsmol-kernel-"))
-    for name in (source, "cpu_kernels.h"):
-        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:jaxsmol/{name}"], capture_output=True,
-                              text=True, check=True).stdout
-        (work / name).write_text(text)
+    for name in (source, "cpu_kernels.h", "cpu_matmul.h"):
+        text = _show(root, rev, name)
+        if text is None and name == source:
+            raise SystemExit(f"{rev} has no kernel source {name}")
+        if text is not None:
+            (work / name).write_text(text)
     renames = [f"-D{symbol}={symbol}Base", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
     subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
                     "-o", str(work / "base.so")], check=True, capture_output=True)
