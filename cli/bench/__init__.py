@@ -26,6 +26,9 @@ Only when named in --only (each takes minutes at its full sizes, or starts daemo
   serve         a `jaxsmol serve` daemon (and --peer-url) under N concurrent streaming clients: tok/s,
                 TTFT and inter-token latency, with and without long prompts arriving
   first-burst   a fresh daemon's first burst of clients, with and without compiling ahead
+  cluster       replicas behind sglang-router, cache_aware against round_robin: tenants with few-shot
+                prefixes of their own (completions, then multi-turn chat); prefix hit rate, prefilled
+                tokens, requests/s, TTFT (`cluster.py`; its workload and clients: `tenants.py`)
 
 TTFT here is what a caller sees: from `PrefixCache.start` (lookup, gather, restore) to the first
 token, the snapshot save of a cold request included. Timings on a shared machine are noisy: the JSON

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")  # the default run, in this order
 # run only when named in --only (each takes minutes at its full sizes, or starts daemons), after the above
-EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready")
+EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster")
 HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
@@ -24,6 +24,9 @@ FULL = dict(
     serve_batch_invariant=False,
     burst_idle=25.0, burst_clients=8, burst_tokens=32, burst_rounds=2, burst_max_batch=16,
     ready_tokens=64, ready_settled=5, ready_max_batch=16,
+    cluster_replicas=2, cluster_tenants=6, cluster_per_tenant=12, cluster_prefix=800, cluster_suffix=30,
+    cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=4, cluster_max_batch=8,
+    cluster_variants=("completions", "chat"),
 )
 QUICK = dict(
     FULL,
@@ -39,6 +42,7 @@ QUICK = dict(
     serve_clients=(1, 4), serve_tokens=16, serve_max_batch=4,
     burst_idle=5.0, burst_clients=4, burst_tokens=8, burst_rounds=1,
     ready_tokens=16, ready_settled=2,
+    cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400, cluster_tokens=4,
 )
 
 # the flags of the extra sections (cli/main.py _add_bench) -> the plan entries each one sets
@@ -52,6 +56,7 @@ FLAG_KEYS = {
     "max_batch": ("serve_max_batch", "burst_max_batch", "ready_max_batch"),
     "prefill_chunk": ("serve_prefill_chunk",),
     "idle": ("burst_idle",),
+    "replicas": ("cluster_replicas",),
 }
 
 
@@ -72,6 +77,8 @@ def add_section_flags(parser) -> None:
     e.add_argument("--batch-invariant", action="store_true", help="serve: the daemon's --batch-invariant")
     e.add_argument("--no-long", action="store_true", help="serve: skip the rows with long prompts arriving")
     e.add_argument("--idle", type=float, metavar="S", help="first-burst: seconds between /health and the burst (25)")
+    e.add_argument("--replicas", type=int, metavar="N", help="cluster: daemons behind the router (2); it takes the "
+                   "largest of --clients (4) and --max-batch (8) too")
     r = parser.add_argument_group("the markdown performance table (docs/performance.md, cli/bench/performance.py)")
     r.add_argument("--report", nargs="*", metavar="RESULTS", help="also print this run's measurements as the markdown "
                    "table; with files (earlier runs' --json results), print theirs and run nothing")
@@ -91,6 +98,10 @@ def with_flags(plan: dict, args) -> dict:
         out["serve_long"] = False
     if getattr(args, "batch_invariant", False):
         out["serve_batch_invariant"] = True
+    if getattr(args, "clients", None):
+        out["cluster_clients"] = max(args.clients)
+    if getattr(args, "max_batch", None):
+        out["cluster_max_batch"] = args.max_batch
     return out
 
 

@@ -63,6 +63,7 @@ def _meta(args, engine, plan, sections, load0) -> dict:
 def _calls(args, engine, plan, rng) -> dict:
     """Each section's function and its arguments."""
     from cli.bench import sections as s
+    from cli.bench.cluster import section_cluster
     from cli.bench.first_burst import section_first_burst
     from cli.bench.forks import section_forks
     from cli.bench.hf import section_hf
@@ -84,6 +85,7 @@ def _calls(args, engine, plan, rng) -> dict:
             "serve": (section_serve, args, plan, args.peer_url),
             "first-burst": (section_first_burst, args, plan),
             "ready": (section_ready, args, plan),
+            "cluster": (section_cluster, args, engine, plan),
             "hf": (section_hf, engine, plan, rng, warm)}
 
 

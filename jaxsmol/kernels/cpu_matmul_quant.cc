@@ -1,57 +1,223 @@
 // y[M, N] = x[M, K] @ w[K, N] in float32 with w in a quantized format (formats.py): Q8_0 (w = d q) or
 // Q4_1 (w = d q + m), 32-column panels, one scale (and minimum) per 32 k's and column.
 //
-// Each weight is dequantized in registers to the float32 value formats.dequantize gives (d q is
-// exact; Q4_1's one rounding of + m is the same with or without an FMA), and each output element is
-// one FMA chain over k = 0..K-1 in order, as in cpu_matmul.cc: the same bits as the float32 kernel
-// on the dequantized weights, whatever M.
-#include "cpu_kernels.h"
+// Each weight is dequantized to the float32 value formats.dequantize gives (d q is exact; Q4_1's one
+// rounding of + m is the same with or without an FMA), and each output element is one FMA chain over
+// k = 0..K-1 in order, as in cpu_matmul.cc: the same bits as the float32 kernel on the dequantized
+// weights, whatever M, path or thread count. Three paths, by row count, as the float32 kernel's:
+// - One row (a decode step): kStreams panels side by side per thread (OneRow), each weight
+//   dequantized in the registers (widen, convert, multiply by its block's scale [+ m]) and used by
+//   one FMA; the scales load once per 32 k's.
+// - 2-16 rows: each weight row dequantized once in the registers for a group of rows (Rows).
+// - Many rows: each block of a panel dequantized into L1 scratch once for all the row groups, then
+//   the float32 kernel's tiles over it (cpu_matmul.h's ManyPanelsWith).
+// Measured (tools/time_matmuls.py --format, the 30-layer stack with the unembedding, quantized /
+// float32 time side by side): see the commit that made these paths; the figures by each choice
+// below were taken side by side on a 2-core AVX-512 machine (Zen 4) shared with other work.
+#include "cpu_matmul.h"
+
+#include <immintrin.h>
 
 namespace {
 
-constexpr int64_t kPanel = 32, kBlock = 32;
-constexpr int kPanelVecs = kPanel / kLanes;
+constexpr int64_t kBlock = 32;          // k's per scale (and minimum)
+constexpr int64_t kHalf = kPanel / 2;   // Q4_1: bytes per panel row
 
-typedef int8_t ByteVec __attribute__((vector_size(kLanes)));
-typedef uint8_t UByteVec __attribute__((vector_size(kLanes)));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// kLanes weights of row k, columns kLanes v.. of a panel, as float32.
+// kLanes bytes at p widened to int32 lanes, signed or not: one vpmovsxbd / vpmovzxbd. (GCC 12 made
+// __builtin_convertvector of a byte vector 16 scalar moves and shifts: the one-row product took
+// 2.4x float32's time.)
+template <bool Signed>
+inline IntVec Widen(const void* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i i = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+#else
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  const __m256i i = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+#endif
+  IntVec v;
+  std::memcpy(&v, &i, sizeof v);
+  return v;
+}
+
+// A format: its panels (At), a panel's scales for one k block (ScalesAt, loaded once per 32 k's) and
+// the weights of row k, columns kLanes v.. of the panel, as float32 (Weight).
 struct Q8_0 {
+  static constexpr int kScaleVecs = 1;  // vectors of scales per weight vector: d
+  struct Panel {
+    const int8_t* q;  // [K, 32]
+    const float* d;   // [K / 32, 32]
+  };
+  struct Scales {
+    Vec d[kPanelVecs];
+  };
   const int8_t* q;  // [P, K, 32]
   const float* d;   // [P, K / 32, 32]
-  inline Vec Load(int64_t p, int64_t K, int64_t k, int v) const {
-    ByteVec b;
-    std::memcpy(&b, q + (p * K + k) * kPanel + kLanes * v, sizeof b);
-    return __builtin_convertvector(b, Vec) * ::Load(d + (p * (K / kBlock) + k / kBlock) * kPanel + kLanes * v);
+  int64_t K;
+  Panel At(int64_t p) const { return {q + p * K * kPanel, d + p * (K / kBlock) * kPanel}; }
+  static Scales ScalesAt(const Panel& w, int64_t b) {
+    Scales s;
+    for (int v = 0; v < kPanelVecs; ++v) s.d[v] = Load(w.d + b * kPanel + kLanes * v);
+    return s;
+  }
+  static Vec Weight(const Panel& w, int64_t k, int v, const Scales& s) {
+    const IntVec i = Widen<true>(w.q + k * kPanel + kLanes * v);
+    return __builtin_convertvector(i, Vec) * s.d[v];  // exact: 11 significant bits times 7
   }
 };
 
 struct Q4_1 {
-  const uint8_t* q;  // [P, K, 16]: byte j holds column j (low nibble) and j + 16 (high nibble)
+  static constexpr int kScaleVecs = 2;  // d and m
+  struct Panel {
+    const uint8_t* q;  // [K, 16]: byte j holds column j (low nibble) and j + 16 (high nibble)
+    const float* d;    // [K / 32, 32]
+    const float* m;    // [K / 32, 32]
+  };
+  struct Scales {
+    Vec d[kPanelVecs], m[kPanelVecs];
+  };
+  const uint8_t* q;  // [P, K, 16]
   const float* d;    // [P, K / 32, 32]
   const float* m;    // [P, K / 32, 32]
-  inline Vec Load(int64_t p, int64_t K, int64_t k, int v) const {
+  int64_t K;
+  Panel At(int64_t p) const {
+    const int64_t s = p * (K / kBlock) * kPanel;
+    return {q + p * K * kHalf, d + s, m + s};
+  }
+  static Scales ScalesAt(const Panel& w, int64_t b) {
+    Scales s;
+    for (int v = 0; v < kPanelVecs; ++v) s.d[v] = Load(w.d + b * kPanel + kLanes * v);
+    for (int v = 0; v < kPanelVecs; ++v) s.m[v] = Load(w.m + b * kPanel + kLanes * v);
+    return s;
+  }
+  static Vec Weight(const Panel& w, int64_t k, int v, const Scales& s) {
     const int64_t col = kLanes * v;
-    UByteVec b;
-    std::memcpy(&b, q + (p * K + k) * (kPanel / 2) + col % (kPanel / 2), sizeof b);
-    b = col < kPanel / 2 ? (b & 0xF) : (b >> 4);
-    const int64_t s = (p * (K / kBlock) + k / kBlock) * kPanel + col;
-    return __builtin_convertvector(b, Vec) * ::Load(d + s) + ::Load(m + s);
+    IntVec i = Widen<false>(w.q + k * kHalf + col % kHalf);  // widened first: x86 has no byte shifts
+    i = col < kHalf ? (i & 0xF) : (i >> 4);
+    return __builtin_convertvector(i, Vec) * s.d[v] + s.m[v];  // one rounding, fused or not
   }
 };
 
-template <typename Q>
-void Rows(ffi::ThreadPool& pool, const float* x, const Q& w, float* y, int64_t M, int64_t K, int64_t N) {
-  ParallelFor(pool, N / kPanel, [=](int64_t p) {
-    for (int64_t r = 0; r < M; ++r) {
-      Vec acc[kPanelVecs] = {};
-      for (int64_t k = 0; k < K; ++k) {
-        const float xs = x[r * K + k];
-        for (int v = 0; v < kPanelVecs; ++v) acc[v] += xs * w.Load(p, K, k, v);
-      }
-      for (int v = 0; v < kPanelVecs; ++v) Store(y + r * N + p * kPanel + kLanes * v, acc[v]);
+// ---- One row ----
+
+// One row over S panels at once (`first`, first + apart, ...), as the float32 OneRowPanels: each
+// thread reads S streams side by side. A code becomes a float by a convert (vcvtdq2ps): adding 2^23
+// to its bits and subtracting 2^23 as a float (exact too) took 1.02-1.17x the CPU time, one row.
+template <typename F, int S>
+void OneRow(const float* x, const F& w, float* y, int64_t K, int64_t first, int64_t apart) {
+  Vec acc[S][kPanelVecs] = {};
+  typename F::Panel panel[S];
+  for (int s = 0; s < S; ++s) panel[s] = w.At(first + s * apart);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    typename F::Scales scales[S];
+    for (int s = 0; s < S; ++s) scales[s] = F::ScalesAt(panel[s], b);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+      const float xs = x[k];
+      for (int v = 0; v < kPanelVecs; ++v)
+        for (int s = 0; s < S; ++s) acc[s][v] += xs * F::Weight(panel[s], k, v, scales[s]);
     }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int v = 0; v < kPanelVecs; ++v) Store(y + (first + s * apart) * kPanel + kLanes * v, acc[s][v]);
+}
+// Panels side by side. AVX-512, the stack at one row (time, CPU time): 4 took 0.83-0.93x the time of
+// 8 (the float32 kernel's count; here 8 panels are 16 or 24 streams of codes and scales), 2
+// 0.86-0.92x, 16 1.07-1.3x; 3 0.95-1.01x the CPU time of 4, 6 1.1-1.15x; prefetching the codes 64
+// rows ahead 1.03-1.13x. AVX2 (not measured) as float32.
+constexpr int kStreams = kVecRegs == 32 ? 4 : 2;
+
+// ---- Few rows ----
+
+// Rows 0..R-1 of a pass (xt [K, LD]) over column tile c of a panel, all of K: each weight vector
+// dequantized once for the R rows.
+template <typename F, int R, int LD>
+void Rows(const float* xt, const typename F::Panel& w, float* y, int64_t K, int64_t N, int c) {
+  Vec acc[R][kTileVecs] = {};
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const typename F::Scales scales = F::ScalesAt(w, b);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+      Vec wk[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) wk[v] = F::Weight(w, k, c * kTileVecs + v, scales);
+      for (int r = 0; r < R; ++r) {
+        const float xs = xt[k * LD + r];
+        for (int v = 0; v < kTileVecs; ++v) acc[r][v] += xs * wk[v];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kTileVecs; ++v) Store(y + r * N + c * kTileCols + kLanes * v, acc[r][v]);
+}
+
+// Rows per group: the accumulators, the weight row, its scales and x's broadcast in the registers
+// (AVX-512: 12 for Q8_0, 11 for Q4_1; AVX2, half a panel at a time: 4 and 3). More rows take two
+// groups, each dequantizing the weights again; yet dequantizing 128-row blocks into L1 once for the
+// float32 tiles (as the many-row path does) took 0.94-1.25x the CPU time at 12-16 rows, more in 6
+// of 8 runs.
+template <typename F>
+constexpr int kRowGroup = (kVecRegs - 3 - (1 + F::kScaleVecs) * kTileVecs) / kTileVecs;
+
+// R rows of a pass (xt [K, LD]) in groups of about equal size, each over the whole panel.
+template <typename F, int R, int LD>
+void Groups(const float* xt, const typename F::Panel& w, float* y, int64_t K, int64_t N, int c) {
+  constexpr int groups = (R + kRowGroup<F> - 1) / kRowGroup<F>, G = (R + groups - 1) / groups;
+  Rows<F, G, LD>(xt, w, y, K, N, c);
+  if constexpr (R > G) Groups<F, R - G, LD>(xt + G, w, y + G * N, K, N, c);
+}
+
+template <typename F, int R>
+void Pass(const float* xt, const typename F::Panel& w, float* y, int64_t K, int64_t N) {
+  for (int c = 0; c < kColTiles; ++c) Groups<F, R, R>(xt, w, y, K, N, c);
+}
+
+template <typename F>
+using PassFn = void (*)(const float*, const typename F::Panel&, float*, int64_t, int64_t);
+template <typename F, int... Rs>
+constexpr PassFn<F> kPasses[] = {nullptr, &Pass<F, Rs>...};
+template <typename F>
+constexpr auto& kPassFor = kPasses<F, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16>;
+
+template <typename F>
+void FewRows(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t M, int64_t K, int64_t N) {
+  FewRowsWith(pool, x, M, K, N, [w, y, M, K, N](const float* xt, int64_t p, int64_t end) {
+    if (M == 1) {  // the thread's panels in kStreams parts, read side by side
+      const int64_t part_len = (end - p) / kStreams;
+      for (int64_t i = p; i < p + part_len; ++i) OneRow<F, kStreams>(xt, w, y, K, i, part_len);
+      p += kStreams * part_len;
+      const int64_t half = (end - p) / 2;
+      for (int64_t i = p; i < p + half; ++i) OneRow<F, 2>(xt, w, y, K, i, half);
+      p += 2 * half;  // an odd one left: below
+    }
+    for (; p < end; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
+        kPassFor<F>[std::min(kRowsPerPass, M - m0)](xt + m0 * K, w.At(p), y + m0 * N + p * kPanel, K, N);
   });
+}
+
+// ---- Many rows ----
+
+// Each kBlockK-row block of a panel dequantized into the thread's scratch (24 KB, in L1), once for
+// all the row groups' tiles.
+template <typename F>
+void ManyRows(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t M, int64_t K, int64_t N) {
+  ManyRowsWith(pool, x, M, K, N, [=](const float* xp, int64_t p0, int64_t p1) {
+    float* const wide = ThreadScratch<5>(kBlockK * kPanel);
+    ManyPanelsWith(xp, y, M, K, N, p0, p1, [w, wide](int64_t p, int64_t k0, int64_t kc) {
+      const typename F::Panel panel = w.At(p);
+      for (int64_t b = k0 / kBlock; b < (k0 + kc) / kBlock; ++b) {  // kc: a multiple of kBlock
+        const typename F::Scales scales = F::ScalesAt(panel, b);
+        for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+          for (int v = 0; v < kPanelVecs; ++v) Store(wide + (k - k0) * kPanel + kLanes * v, F::Weight(panel, k, v, scales));
+      }
+      return static_cast<const float*>(wide);
+    });
+  });
+}
+
+template <typename F>
+void Matmul(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t M, int64_t K, int64_t N) {
+  (M < kManyFrom ? FewRows<F> : ManyRows<F>)(pool, x, w, y, M, K, N);
 }
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
@@ -62,23 +228,26 @@ using CodesQ4 = ffi::Buffer<ffi::U8, 3>;
 
 bool Shapes(const Matrix& x, int64_t P, int64_t K, int64_t q_cols, const ffi::Span<const int64_t> q, const Scales& d,
             OutMatrix& y) {
-  return K % kBlock == 0 && q[1] == K && q[2] == q_cols && d.dimensions()[0] == P && d.dimensions()[1] == K / kBlock &&
-         d.dimensions()[2] == kPanel && y->dimensions()[0] == x.dimensions()[0] && y->dimensions()[1] == P * kPanel;
+  return K >= kBlock && K % kBlock == 0 && q[1] == K && q[2] == q_cols && d.dimensions()[0] == P &&
+         d.dimensions()[1] == K / kBlock && d.dimensions()[2] == kPanel && y->dimensions()[0] == x.dimensions()[0] &&
+         y->dimensions()[1] == P * kPanel;
 }
 
 ffi::Error MatmulQ8_0(ffi::ThreadPool pool, Matrix x, CodesQ8 q, Scales d, OutMatrix y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], P = q.dimensions()[0];
   if (!Shapes(x, P, K, kPanel, q.dimensions(), d, y))
     return ffi::Error::InvalidArgument("matmul_q8_0: needs x [M, K], q [N / 32, K, 32], d [N / 32, K / 32, 32]");
-  Rows(pool, x.typed_data(), Q8_0{q.typed_data(), d.typed_data()}, y->typed_data(), M, K, P * kPanel);
+  Matmul(pool, x.typed_data(), Q8_0{q.typed_data(), d.typed_data(), K}, y->typed_data(), M, K, P * kPanel);
   return ffi::Error::Success();
 }
 
 ffi::Error MatmulQ4_1(ffi::ThreadPool pool, Matrix x, CodesQ4 q, Scales d, Scales m, OutMatrix y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], P = q.dimensions()[0];
-  if (!Shapes(x, P, K, kPanel / 2, q.dimensions(), d, y) || m.dimensions()[0] != P || m.dimensions()[1] != K / kBlock)
+  if (!Shapes(x, P, K, kHalf, q.dimensions(), d, y) || m.dimensions()[0] != P || m.dimensions()[1] != K / kBlock ||
+      m.dimensions()[2] != kPanel)
     return ffi::Error::InvalidArgument("matmul_q4_1: needs x [M, K], q [N / 32, K, 16], d and m [N / 32, K / 32, 32]");
-  Rows(pool, x.typed_data(), Q4_1{q.typed_data(), d.typed_data(), m.typed_data()}, y->typed_data(), M, K, P * kPanel);
+  Matmul(pool, x.typed_data(), Q4_1{q.typed_data(), d.typed_data(), m.typed_data(), K}, y->typed_data(), M, K,
+         P * kPanel);
   return ffi::Error::Success();
 }
 
