@@ -4,7 +4,9 @@ daemon's second tier). The file format, its checks and atomic writes are in cach
 `load_prompt_cache` / `save_prompt_cache` are the single-file `--prompt-cache FILE` of the command line;
 a file refused as not a snapshot at all (a typo naming the user's own file) is never overwritten.
 `DiskStore` is a directory of snapshot files, one per stored key, least recently used first out under a
-byte budget (`--cache-dir`). Neither knows how the in-memory cache is built: they call
+byte budget (`--cache-dir`); a pinned snapshot (the manifest's `pinned` mark) is never evicted and not
+counted against that budget (the in-memory pinned budget bounds it). `list_dir`, `remove_entry` and
+`mark_entry` serve `jaxsmol cache ls|rm|pin|unpin DIR` without a model. Neither knows how the in-memory cache is built: they call
 `cache.add_snapshot(snap)` and `cache.snapshot_of(tokens)` (cache/prefix_cache.py).
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from cache.store.radix import common_prefix_len
 from cache.store.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
-                            save_snapshot)
+                                  save_snapshot, set_pinned)
 from jaxsmol.errors import JaxsmolError
 
 # The snapshot names are re-exported: callers of the prompt cache and the second tier import from here.
@@ -89,6 +91,12 @@ class DiskEntry:
     logits_at: tuple
     nbytes: int
     last_used: float
+    pinned: bool = False
+
+    @property
+    def key(self) -> str:
+        """The entry's name without its suffix: what `jaxsmol cache rm|pin DIR KEY` and GET /v1/cache call it."""
+        return self.path.name[: -len(SUFFIX)]
 
 
 class DiskStore:
@@ -132,7 +140,7 @@ class DiskStore:
         try:
             m = read_manifest(p, self.ident)
             entry = DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
-                              tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime)
+                              tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime, m.get("pinned") is True)
         except SnapshotError as e:
             self.skipped.append((p.name, str(e)))
             if "truncated or corrupted" in str(e) or "not a jaxsmol" in str(e):
@@ -145,12 +153,16 @@ class DiskStore:
         self.entries[p.name] = entry
 
     def name_of(self, salt: str, tokens) -> str:
-        key = json.dumps([self.ident["model"], self.ident["tokenizer"], salt, [int(t) for t in tokens]])
-        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
+        return entry_key(self.ident, salt, tokens) + SUFFIX
 
     @property
     def bytes_held(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+    @property
+    def unpinned_bytes(self) -> int:
+        """The bytes under `budget_bytes` (pinned files are bounded by the pinned budget instead)."""
+        return sum(e.nbytes for e in self.entries.values() if not e.pinned)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -166,19 +178,37 @@ class DiskStore:
             e.path.unlink()
 
     def put(self, snap: Snapshot) -> bool:
-        """Store `snap` (evicting the least recently used files to make room); False if it cannot fit."""
+        """Store `snap` (evicting the least recently used unpinned files to make room; a pinned one
+        always goes in); False if it cannot fit. A file there already is kept, rewritten only when
+        the snapshot's pinned mark differs from it."""
         name = self.name_of(snap.salt, snap.tokens)
-        if name in self.entries:
+        if name in self.entries and self.entries[name].pinned == snap.pinned:
             self._touch(self.entries[name])
             return True
-        if snap.nbytes > self.budget_bytes:
-            return False
-        while self.entries and self.bytes_held + snap.nbytes > self.budget_bytes:
-            self._drop(min(self.entries, key=lambda n: self.entries[n].last_used))
+        self.entries.pop(name, None)  # rewritten below, with its new mark
+        if not snap.pinned:
+            if snap.nbytes > self.budget_bytes:
+                return False
+            unpinned = sorted((e.last_used, n) for n, e in self.entries.items() if not e.pinned)
+            held = sum(self.entries[n].nbytes for _, n in unpinned)
+            for _, n in unpinned:
+                if held + snap.nbytes <= self.budget_bytes:
+                    break
+                held -= self.entries[n].nbytes
+                self._drop(n)
         path = self.dir / name
         size = save_snapshot(path, snap, self.ident)
-        self.entries[name] = DiskEntry(path, snap.salt, snap.tokens, tuple(sorted(snap.logits)), size, time.time())
+        self.entries[name] = DiskEntry(path, snap.salt, snap.tokens, tuple(sorted(snap.logits)), size, time.time(),
+                                       snap.pinned)
         self.writes += 1
+        return True
+
+    def forget(self, salt: str, tokens) -> bool:
+        """Delete the file of exactly this key (an unpinned prefix leaves disk until it is written again)."""
+        name = self.name_of(salt, tokens)
+        if name not in self.entries:
+            return False
+        self._drop(name)
         return True
 
     def find(self, salt: str, prompt) -> tuple[DiskEntry | None, int]:
@@ -206,6 +236,57 @@ class DiskStore:
     def newest_first(self) -> list[DiskEntry]:
         return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)
 
-    def clear(self) -> None:
-        for name in list(self.entries):
+    def clear(self, keep_pinned: bool = False) -> None:
+        for name in [n for n, e in self.entries.items() if not (keep_pinned and e.pinned)]:
             self._drop(name)
+
+
+def entry_key(ident: dict, salt: str, tokens) -> str:
+    """The 32-hex-digit key of a stored prefix: its disk file's name and its key in GET /v1/cache."""
+    key = json.dumps([ident["model"], ident["tokenizer"], salt, [int(t) for t in tokens]])
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+# ---- a directory, without a model: `jaxsmol cache ls|rm|pin|unpin DIR` --------------------------------
+def list_dir(directory) -> tuple[list[DiskEntry], list[tuple[str, str]]]:
+    """Every snapshot file of a cache directory, of any model (its manifest read, nothing verified),
+    the largest first; and (name, reason) of the files named like entries that could not be read."""
+    entries, bad = [], []
+    d = Path(directory)
+    if not d.is_dir():
+        raise JaxsmolError(f"{d} is not a directory")
+    for p in sorted(d.iterdir()):
+        if not (_ENTRY_NAME.fullmatch(p.name) and p.is_file()):
+            continue
+        try:
+            m, st = read_manifest(p), p.stat()
+            entries.append(DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
+                                     tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime,
+                                     m.get("pinned") is True))
+        except (SnapshotError, OSError, KeyError, TypeError, ValueError) as e:
+            bad.append((p.name, str(e)))
+    return sorted(entries, key=lambda e: (-e.nbytes, e.path.name)), bad
+
+
+def entry_path(directory, key: str) -> Path:
+    """The file of entry KEY (32 hex digits, with or without .safetensors) in a cache directory;
+    JaxsmolError naming what is wrong."""
+    name = key if key.endswith(SUFFIX) else key + SUFFIX
+    if not _ENTRY_NAME.fullmatch(name):
+        raise JaxsmolError(f"{key!r} is not an entry key (32 hex digits, as `jaxsmol cache ls` prints them)")
+    path = Path(directory) / name
+    if not path.is_file():
+        raise JaxsmolError(f"no entry {name[: -len(SUFFIX)]} in {directory}")
+    return path
+
+
+def remove_entry(directory, key: str) -> Path:
+    path = entry_path(directory, key)
+    path.unlink()
+    return path
+
+
+def mark_entry(directory, key: str, pinned: bool) -> Path:
+    path = entry_path(directory, key)
+    set_pinned(path, pinned)
+    return path

@@ -6,8 +6,10 @@ anything about models: a value is a pytree of host arrays whose leaves share a s
 jaxsmol, {"k", "v"} segments of the KV cache), plus an optional payload per stored key (for jaxsmol,
 the logits after the key's last token, which answer an identical prompt with no forward).
 
-    lookup(ns, tokens, gather=True) -> Hit   the longest stored prefix, pinned until release(hit.lease)
-                                  (gather=False: its value read later, by gather(hit.lease, hit.reused))
+    lookup(ns, tokens, gather=True, count=True) -> Hit   the longest stored prefix, held until release(hit.lease)
+                                  (gather=False: its value read later, by gather(hit.lease, hit.reused);
+                                  count=False: not a request's hit, e.g. an answer extending its prompt)
+    peek(ns, tokens) -> int       how many leading tokens are stored (nothing gathered, held or touched)
     insert(ns, tokens, value_of, payload=None) -> positions newly stored
     state(ns, tokens) -> (tokens, value, {length: payload}) of the longest stored prefix, or None
     add(ns, tokens, value_of, payloads)   store a key and an exact entry per payload (files, disk)
@@ -39,9 +41,10 @@ class RadixPrefixStore(RadixStore):
     keeps_last_position = True  # a whole prompt is stored, with its last logits as the payload
     max_keys = None
 
-    def lookup(self, namespace, tokens, gather: bool = True) -> Hit:
+    def lookup(self, namespace, tokens, gather: bool = True, count: bool = True) -> Hit:
         """gather=False leaves hit.value None: `gather(hit.lease, hit.reused)` reads it later, while
-        the lease holds it (a copy the caller may not need yet)."""
+        the lease holds it (a copy the caller may not need yet). count: a hit on every node whose
+        positions are all restored (what inspection reports per entry)."""
         match = self.match(namespace, tokens)
         n = len(tokens)
         exact = match.payload is not None
@@ -51,6 +54,10 @@ class RadixPrefixStore(RadixStore):
             self.acquire(match)
             hit.lease = match
             hit.value = self.gather(match, reused) if gather else None
+            depth = 0
+            for node in match.path if count else ():
+                depth += len(node.tokens)
+                node.hits += depth <= reused
         return hit
 
     def release(self, lease) -> None:

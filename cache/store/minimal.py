@@ -43,10 +43,14 @@ class SingleSnapshotStore:
             return 0
         return min(common_prefix_len(prompt, s.tokens), len(prompt) - 1)
 
-    def lookup(self, namespace, tokens, gather: bool = True) -> Hit:
+    def lookup(self, namespace, tokens, gather: bool = True, count: bool = True) -> Hit:
         reused = self.reusable_len(namespace, tokens)  # one snapshot, already whole: nothing to defer
         return Hit(matched=reused, reused=reused, value=self.snapshot.value if reused else None,
                    nearest_len=len(self.snapshot.tokens) if self.snapshot else 0)
+
+    def peek(self, namespace, tokens) -> int:
+        s = self.snapshot
+        return common_prefix_len(tuple(tokens), s.tokens) if s is not None and s.namespace == namespace else 0
 
     def release(self, lease) -> None:
         pass  # one snapshot, replaced only by a save: nothing to pin

@@ -11,7 +11,9 @@ the matched tokens provides the value of the match (the first `length` positions
 depend on those positions' tokens, which is what a causal model's KV state is).
 
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
-nodes on the path of a lease (an entry in use) are never evicted. `on_evict(namespace, match)`, when
+nodes on the path of a lease (an entry in use) are never evicted. A pinned key (`pin`) is never
+evicted either: its nodes' bytes are counted apart (`pinned_bytes`, bounded by the caller's pinned
+budget) and not against `budget_bytes`, until `unpin` returns them to the LRU. `on_evict(namespace, match)`, when
 set, is called with a victim's whole key before it goes (a second tier may keep it). A namespace's
 root goes when its last key does.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any, Hashable
 
 import jax
@@ -31,10 +34,21 @@ import numpy as np
 
 def common_prefix_len(a, b, start: int = 0) -> int:
     """How many leading items of `a` equal the items of `b` from index `start` on (the one
-    common-prefix helper of cache/)."""
-    n, limit = 0, min(len(a), len(b) - start)
-    while n < limit and a[n] == b[start + n]:
-        n += 1
+    common-prefix helper of cache/). Sequences of one type compare in C slices of halving length (a
+    2000-token edge: tens of microseconds, not a Python loop over every token)."""
+    limit = min(len(a), len(b) - start)
+    if type(a) is not type(b) or not isinstance(a, (tuple, list)):
+        n = 0
+        while n < limit and a[n] == b[start + n]:
+            n += 1
+        return n
+    n = 0  # a[:n] == b[start:start + n]; find the first difference in ever shorter blocks
+    step = limit
+    while step:
+        if n + step <= limit and a[n:n + step] == b[start + n:start + n + step]:
+            n += step
+        else:
+            step //= 2
     return n
 
 
@@ -57,7 +71,8 @@ def _owned(tree):
 
 
 class _Node:
-    __slots__ = ("tokens", "segment", "payload", "children", "parent", "last_used", "leases")
+    __slots__ = ("tokens", "segment", "payload", "children", "parent", "last_used", "leases", "pins", "hits",
+                 "used_at")
 
     def __init__(self, tokens: tuple, segment, parent: "_Node | None"):
         self.tokens = tokens  # the edge label: tokens from the parent's end to this node's end
@@ -67,6 +82,9 @@ class _Node:
         self.parent = parent
         self.last_used = 0
         self.leases = 0
+        self.pins = 0  # pinned keys whose path runs through this node (never evicted while > 0)
+        self.hits = 0  # lookups that restored every position of this node
+        self.used_at = 0.0  # wall time of the last use (time.time()), for inspection
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +109,8 @@ class RadixStore:
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
         self.bytes_held = 0
+        self.pinned_bytes = 0  # bytes of nodes with pins > 0 (part of bytes_held, not under budget_bytes)
+        self.pinned: set = set()  # (namespace, tokens) of the pinned keys
         self.evictions = 0
         self.on_evict = None  # callable(namespace, Match of the victim's whole key), or None
 
@@ -106,13 +126,14 @@ class RadixStore:
         return self._roots.setdefault(namespace, _Node((), None, None))
 
     def _touch(self, path):
-        now = next(self._clock)
+        now, wall = next(self._clock), time.time()
         for node in path:
-            node.last_used = now
+            node.last_used, node.used_at = now, wall
 
     # ---- lookup ------------------------------------------------------------------------------
-    def match(self, namespace, tokens) -> Match:
-        """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it."""
+    def match(self, namespace, tokens, touch: bool = True) -> Match:
+        """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it;
+        touch=False leaves the LRU order as it is (a peek)."""
         tokens = tuple(tokens)
         node, depth, path = self._roots.get(namespace), 0, []
         at_node_end = False  # does the match end exactly at the end of path[-1]'s edge?
@@ -133,8 +154,23 @@ class RadixStore:
         while tail is not None and tail.children and tail.payload is None:  # a full stored key below
             tail = next(iter(tail.children.values()))
             nearest += len(tail.tokens)
-        self._touch(path)
+        if touch:
+            self._touch(path)
         return Match(length=depth, path=path, payload=path[-1].payload if exact else None, nearest_len=nearest)
+
+    def peek(self, namespace, tokens) -> int:
+        """How many leading tokens of `tokens` are stored: a walk of the tree, nothing gathered or touched."""
+        tokens = tuple(tokens)
+        node, depth = self._roots.get(namespace), 0
+        while node is not None and depth < len(tokens):
+            node = node.children.get(tokens[depth])
+            if node is None:
+                break
+            n = common_prefix_len(node.tokens, tokens, depth)
+            depth += n
+            if n < len(node.tokens):
+                break
+        return depth
 
     def gather(self, match: Match, length: int | None = None):
         """The value of the first `length` (default: match.length) positions, as one pytree.
@@ -215,6 +251,7 @@ class RadixStore:
         if payload is not None and node.payload is None and path:
             node.payload = _owned(payload)
             self.bytes_held += _nbytes(payload)
+            self.pinned_bytes += _nbytes(payload) if node.pins else 0
         self._touch(path)
         self._evict(protect=set(map(id, path)))
         return added
@@ -225,10 +262,13 @@ class RadixStore:
         upper = _Node(node.tokens[:at], _owned(self._slice(node.segment, 0, at)), node.parent)
         # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
         # evicted meanwhile, since it is not a leaf while that child exists.
-        upper.last_used = node.last_used
+        # Pins are copied: every pinned key through `node` runs through `upper` too.
+        upper.last_used, upper.used_at, upper.pins, upper.hits = node.last_used, node.used_at, node.pins, node.hits
         node.parent.children[node.tokens[0]] = upper
         lower_segment = _owned(self._slice(node.segment, at, len(node.tokens)))
-        self.bytes_held += _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)
+        grown = _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)
+        self.bytes_held += grown
+        self.pinned_bytes += grown if node.pins else 0
         node.tokens, node.segment, node.parent = node.tokens[at:], lower_segment, upper
         upper.children[node.tokens[0]] = node
         return upper
@@ -253,8 +293,8 @@ class RadixStore:
             stack.extend(node.children.values())
 
     def _evict(self, protect=frozenset()) -> None:
-        while self.bytes_held > self.budget_bytes:
-            candidates = [n for n in self._leaves() if n.leases == 0 and id(n) not in protect]
+        while self.bytes_held - self.pinned_bytes > self.budget_bytes:
+            candidates = [n for n in self._leaves() if n.leases == 0 and n.pins == 0 and id(n) not in protect]
             if not candidates:
                 return  # everything left is in use: over budget until released
             victim = min(candidates, key=lambda n: n.last_used)
@@ -270,9 +310,82 @@ class RadixStore:
         """Forget an empty namespace (one root per salt ever seen would otherwise pile up)."""
         del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
 
-    def clear(self) -> None:
-        self._roots.clear()
-        self.bytes_held = 0
+    def clear(self, keep_pinned: bool = False) -> None:
+        """Forget every key (keep_pinned: every key but the pinned ones and the nodes they run through)."""
+        if not keep_pinned:
+            self._roots.clear()
+            self.pinned.clear()
+            self.bytes_held = self.pinned_bytes = 0
+            return
+        for ns, root in list(self._roots.items()):
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                node.children = {t: c for t, c in node.children.items() if c.pins}
+                stack.extend(node.children.values())
+            if not root.children:
+                del self._roots[ns]
+        self.bytes_held = self.pinned_bytes
+
+    # ---- pinned keys ---------------------------------------------------------------------------
+    def key_path(self, namespace, tokens) -> list | None:
+        """The nodes of the stored key `tokens`, the last one ending where the key ends (its edge is
+        split there if the key ends inside it); None if the key is not stored."""
+        tokens = tuple(tokens)
+        match = self.match(namespace, tokens, touch=False)
+        if not tokens or match.length < len(tokens):
+            return None
+        path, end = match.path, sum(len(n.tokens) for n in match.path)
+        if end > len(tokens):
+            last = path[-1]
+            path = path[:-1] + [self._split(last, len(last.tokens) - (end - len(tokens)))]
+        return path
+
+    def pin_cost(self, namespace, tokens) -> int | None:
+        """The bytes pinning the stored key `tokens` would add to pinned_bytes (None: not stored)."""
+        path = self.key_path(namespace, tokens)
+        if path is None:
+            return None
+        return 0 if (namespace, tuple(tokens)) in self.pinned else sum(n.nbytes for n in path if not n.pins)
+
+    def pin(self, namespace, tokens) -> bool:
+        """Keep the stored key `tokens` (and every node it runs through) out of eviction until `unpin`;
+        False if it is not stored. Pinning a pinned key again does nothing."""
+        tokens = tuple(tokens)
+        path = self.key_path(namespace, tokens)
+        if path is None:
+            return False
+        if (namespace, tokens) not in self.pinned:
+            self.pinned.add((namespace, tokens))
+            for node in path:
+                self.pinned_bytes += node.nbytes if node.pins == 0 else 0
+                node.pins += 1
+        return True
+
+    def unpin(self, namespace, tokens) -> bool:
+        """Return a pinned key to the LRU (evicted when its turn comes); False if it was not pinned."""
+        tokens = tuple(tokens)
+        if (namespace, tokens) not in self.pinned:
+            return False
+        self.pinned.discard((namespace, tokens))
+        for node in self.key_path(namespace, tokens):  # pinned nodes stay: the key is still there
+            node.pins -= 1
+            self.pinned_bytes -= node.nbytes if node.pins == 0 else 0
+        self._evict()
+        return True
+
+    def walk(self, keys_only: bool = True):
+        """(namespace, tokens, node, bytes of its whole state) of every stored key: a node that ends a
+        key with a payload, or a leaf (keys_only=False: of every node). The state's bytes are its
+        path's segments and its payload; a node's own bytes are `node.nbytes`."""
+        for ns, root in list(self._roots.items()):
+            stack = [(child, (), 0) for child in root.children.values()]
+            while stack:
+                node, above, above_bytes = stack.pop()
+                tokens, nbytes = above + node.tokens, above_bytes + _nbytes(node.segment)
+                if not keys_only or node.payload is not None or not node.children:
+                    yield ns, tokens, node, nbytes + _nbytes(node.payload)
+                stack.extend((c, tokens, nbytes) for c in node.children.values())
 
     def __len__(self) -> int:
         """Number of leaves: stored keys that no other stored key extends (a key that is a prefix of

@@ -8,6 +8,7 @@ most MAX_LOGITS_ROWS of them), and a JSON manifest in the safetensors metadata:
     model                Engine.fingerprint (config, dtype, every weight byte)
     tokenizer            Tokenizer.fingerprint (tokenizer.json bytes + chat template), "none" without one
     salt                 the cache namespace's salt ("" unless a tenant set one)
+    pinned               (optional, default false) a pinned prefix: the daemon pins it again at start
     tokens, length       the token ids the state was computed from, and how many
     logits_at, dtypes    prefix lengths that have logits; each tensor's dtype (bfloat16 is stored as uint16)
     checksum             blake2b over this manifest (checksum left out) and every tensor's name, dtype,
@@ -81,6 +82,7 @@ class Snapshot:
     v: np.ndarray
     logits: dict = dataclasses.field(default_factory=dict)  # prefix length -> logits [V] after its last token
     salt: str = ""
+    pinned: bool = False  # a pinned prefix (kept out of eviction, pinned again at start)
 
     def __post_init__(self):
         self.tokens = tuple(int(t) for t in self.tokens)
@@ -130,8 +132,6 @@ def _dtype(name) -> np.dtype:
 
 def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
     """Write `snap` to `path` atomically; returns the file's size in bytes."""
-    from safetensors.numpy import save_file
-
     path = Path(path)
     lengths = sorted(snap.logits)[-MAX_LOGITS_ROWS:]
     tensors = {"k": snap.k, "v": snap.v}
@@ -141,7 +141,36 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
                 "tokenizer": ident["tokenizer"], "salt": snap.salt, "tokens": list(snap.tokens),
                 "length": snap.length, "logits_at": lengths,
                 "dtypes": {name: np.asarray(a).dtype.name for name, a in tensors.items()}}
-    stored = {name: _storable(np.asarray(a)) for name, a in tensors.items()}
+    if snap.pinned:
+        manifest["pinned"] = True
+    return _write(path, {name: _storable(np.asarray(a)) for name, a in tensors.items()}, manifest)
+
+
+def set_pinned(path, pinned: bool) -> None:
+    """Mark the snapshot file `path` pinned or not (its data verified first, the file rewritten
+    atomically); SnapshotError for a file that is not an intact snapshot."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    try:
+        with safe_open(path, framework="np") as f:
+            stored = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:
+        raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
+    if manifest.get("checksum") != checksum(manifest, stored):
+        raise SnapshotError(f"{path} is corrupted (checksum mismatch)")
+    manifest.pop("pinned", None)
+    if pinned:
+        manifest["pinned"] = True
+    _write(path, stored, manifest)
+
+
+def _write(path: Path, stored: dict, manifest: dict) -> int:
+    """Write tensors and manifest (its checksum computed here) to `path` atomically; the file's size."""
+    from safetensors.numpy import save_file
+
+    manifest = {k: v for k, v in manifest.items() if k != "checksum"}
     manifest["checksum"] = checksum(manifest, stored)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -270,7 +299,7 @@ def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
             raise ValueError("logits_at does not match the logits rows")
         logits = dict(zip(lengths, tensors["logits"])) if lengths else {}
         snap = Snapshot(tokens=manifest["tokens"], k=tensors["k"], v=tensors["v"], logits=logits,
-                        salt=str(manifest.get("salt", "")))
+                        salt=str(manifest.get("salt", "")), pinned=manifest.get("pinned") is True)
         if snap.length != manifest["length"] or not all(0 < n <= snap.length for n in lengths):
             raise ValueError("length or logits_at do not match the tokens")
     except (KeyError, TypeError, ValueError) as e:
