@@ -13,6 +13,9 @@ A second tier on disk (`disk=DiskStore(...)`, cache/store/disk.py), radix mode: 
 there while its budget allows, a lookup that finds a longer prefix there than in memory brings it back
 first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
+Pinned prefixes (`cache.pins`, cache/pins.py) are radix keys kept out of eviction under a budget of
+their own; `cached_prefix` tells how much of a prompt is stored without touching anything (what
+cache-aware admission orders waiting requests by).
 
 Exactness: a warm run gives the bits of a cold run. Prefill chunks come from the engine's exact
 buckets wherever they start (see jaxsmol/runtime/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
@@ -30,6 +33,7 @@ import warnings
 
 import numpy as np
 
+from cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from cache.store.disk import DiskStore, Snapshot, SnapshotError
 from cache.store.minimal import SingleSnapshotStore
 from cache.records import AnswerSave, CacheReport, CacheStats, Lookup
@@ -44,7 +48,8 @@ MODES = ("radix", "minimal", "off")
 
 class PrefixCache:
     def __init__(self, engine: Engine, mode: str = "radix", budget_bytes: int = 2 << 30, salt: str = "",
-                 save_generated: bool = True, exact: bool = True, disk: DiskStore | None = None):
+                 save_generated: bool = True, exact: bool = True, disk: DiskStore | None = None,
+                 pinned_bytes: int = DEFAULT_BUDGET_BYTES):
         if mode not in MODES:
             raise JaxsmolError(f"cache mode must be one of {', '.join(MODES)}, got {mode!r}")
         if budget_bytes < 0:
@@ -56,6 +61,7 @@ class PrefixCache:
         self.radix = RadixPrefixStore(budget_bytes, seq_axis=SEQ_AXIS)
         self.single = SingleSnapshotStore()
         self.stats = CacheStats()
+        self.pins = Pins(self, pinned_bytes)
         self.disk = disk if mode != "off" else None
         if self.disk is not None and mode == "radix":
             self.radix.on_evict = self._spill
@@ -81,15 +87,23 @@ class PrefixCache:
         return self.radix.bytes_held + self.single.bytes_held
 
     def flush(self) -> None:
-        """Forget every entry, the disk tier's too."""
-        self.radix.clear()
+        """Forget every entry but the pinned ones, the disk tier's too (unpin a prefix to forget it)."""
+        self.radix.clear(keep_pinned=True)
         self.single.clear()
         if self.disk is not None:
-            self.disk.clear()
+            self.disk.clear(keep_pinned=True)
         self._sync()
+
+    def cached_prefix(self, prompt_ids, salt: str | None = None, bypass: bool = False) -> int:
+        """How many leading tokens of the prompt are stored in memory: a walk of the store, nothing
+        gathered, held or touched (the disk tier is not consulted)."""
+        if self.mode == "off" or bypass:
+            return 0
+        return self.store.peek(self.namespace(salt), prompt_ids)
 
     def _sync(self) -> None:
         self.stats.bytes_held = self.bytes_held
+        self.stats.pinned_bytes = self.radix.pinned_bytes
         self.stats.evictions = self.radix.evictions
         if self.disk is not None:
             self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
@@ -230,20 +244,29 @@ class PrefixCache:
         if self.disk is None:
             return 0
         keys = [(ns, tokens) for ns, tokens in self.store.entries() if ns[0] == self.engine.fingerprint]
+        for ns, tokens in self.pins.keys():
+            self.pins.write(ns, tokens)
         for ns, tokens in keys:
             snap = self.snapshot_of(tokens, salt=ns[1])
             if snap is not None:
+                snap.pinned = self.pins.is_pinned(ns, tokens)
                 self.disk.put(snap)
         self._sync()
         return len(self.disk)
 
     def warm_from_disk(self) -> int:
-        """Fill memory from the disk tier, most recently used first, while they fit the memory budget.
-        Returns the number of entries loaded."""
+        """Pin the disk tier's pinned entries again (while the pinned budget allows: a warning in
+        `pins.warnings` for each one that did not fit), then fill memory with the others, most recently
+        used first, while they fit the memory budget. Returns the number of entries loaded."""
         if self.disk is None:
             return 0
+        pinned = [e for e in self.disk.entries.values() if e.pinned]
+        if self.mode == "radix" and pinned:
+            self.pins.restored, self.pins.warnings = self.pins.restore(pinned)
         chosen, total = [], 0
         for e in self.disk.newest_first():
+            if e.pinned and self.mode == "radix":
+                continue
             if total + e.nbytes > self.budget_bytes or len(chosen) == self.store.max_keys:
                 break
             chosen.append(e)
@@ -257,7 +280,7 @@ class PrefixCache:
                 self.stats.disk_refused += 1
         self.stats.disk_loads += loaded
         self._sync()
-        return loaded
+        return loaded + self.pins.restored
 
     # ---- saving -----------------------------------------------------------------------------------
     def save_prompt(self, lk: "Lookup", kv: KVCache, logits) -> None:
@@ -287,7 +310,7 @@ class PrefixCache:
         it has the bits a cold prefill of the next turn would compute (see the module docstring).
         None if the prompt was evicted meanwhile (nothing to extend)."""
         tokens = list(lk.prompt) + list(output_ids)
-        hit = self.store.lookup(lk.ns, tokens, gather=False)
+        hit = self.store.lookup(lk.ns, tokens, gather=False, count=False)
         if hit.matched < len(lk.prompt) or hit.matched == len(tokens):
             self.store.release(hit.lease)  # evicted meanwhile, or already stored: nothing to do
             return None

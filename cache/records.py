@@ -28,6 +28,7 @@ class CacheStats:
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     bytes_held: int = 0
+    pinned_bytes: int = 0  # bytes of pinned prefixes (part of bytes_held; bounded by their own budget)
     evictions: int = 0
     disk_loads: int = 0  # entries brought back from the disk tier
     disk_writes: int = 0  # entries written to the disk tier

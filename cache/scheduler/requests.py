@@ -47,7 +47,9 @@ class Request:
     indices: list[int] | None = None  # the choice indices the sink sees (default 0..n-1)
     salt: str | None = None
     bypass: bool = False
+    pin: bool = False  # pin the prompt once it is stored (cache/pins.py); its choices sample nothing
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    overtaken: int = 0  # later requests admitted before it (cache-aware admission bounds this)
 
     def __post_init__(self):
         if not self.samplings:

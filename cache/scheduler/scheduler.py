@@ -1,9 +1,11 @@
 """Continuous batching: many requests decode together, one jitted step for all of them.
 
 Each `step()` does, in order:
-  1. admission: the oldest waiting requests, while decode rows will be free for their choices (and
-     fewer than PREFILLS_AT_ONCE prompts are being prefilled), are looked up in the prefix cache and
-     restored into one-row staging caches (prefill / insert / generate, as in JetStream);
+  1. admission: waiting requests, while decode rows will be free for their choices (and fewer than
+     PREFILLS_AT_ONCE prompts are being prefilled), are looked up in the prefix cache and restored
+     into one-row staging caches (prefill / insert / generate, as in JetStream), in the settings'
+     admission order (cache/scheduler/admission.py: the longest stored prefix first, bounded, or
+     by arrival); the chosen request waits, and none other goes before it, while it does not fit;
   2. prefill: their prompts' next chunks, exact (a prompt state has a cold prefill's bits), chunks
      of one length side by side in one forward (see `_prefill_newcomers`); or else one chunk of an
      answer being stored for the next turn. A complete prompt's first tokens are sampled and its
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.scheduler.admission import admitted, next_index
 from cache.scheduler.answers import AnswerQueue
 from cache.scheduler.settings import BatchSettings
 from cache.scheduler.compile_ahead import compile_batched, empty_batch
@@ -150,17 +153,18 @@ class Scheduler:
 
     # ---- admission and prefill ---------------------------------------------------------------------
     def _admit(self) -> None:
-        """Begin the waiting requests in order while decode rows (and memory) will be free for them
-        and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
+        """Begin waiting requests, in the admission order (cache/scheduler/admission.py), while decode
+        rows (and memory) will be free for them and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
+        if any(r.sink.cancelled() for r in self.pending):
+            self.pending = collections.deque(r for r in self.pending if not r.sink.cancelled())
         while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
-            req = self.pending[0]
-            if req.sink.cancelled():
-                self.pending.popleft()
-                continue
+            i = next_index(self.pending, self.settings, self.cache)
+            req = self.pending[i]
             if not self._room_for(req) or (not req.bypass and self.saves.wanted_by(
                     req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first
                 return
-            self.pending.popleft()
+            admitted(self.pending, i)
+            del self.pending[i]
             try:
                 self._begin(req)
             except JaxsmolError as e:
@@ -191,6 +195,8 @@ class Scheduler:
         slots = max(req.capacity, self.batch.capacity if self.batch is not None else 0)
         n, reused = len(lk.prompt), lk.report.reused
         try:
+            if req.pin:
+                self.cache.pins.check(lk)  # before any work: a prompt that cannot be pinned is refused
             if reused and (reused < n or req.decode_rows):
                 kv = self.engine.restore(lk.prefix, slots, reused, self.cache.exact_state(lk.prompt))
             else:
@@ -253,10 +259,14 @@ class Scheduler:
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
         # of a 700-token prompt: ~70 ms), and before a finished choice's answer extends it
         self.cache.save_prompt(lk, p.kv, logits)
+        refused = self._pin(req, lk)
         prefilled = len(lk.prompt) - lk.report.reused
         self.cache.finish(lk, prefilled)
         self.cache.release(lk)
         self.stats.prefilled_tokens += prefilled
+        if refused is not None:
+            req.sink.error(refused)
+            rows = []
         going_on = []
         for row, sp in zip(rows, req.samplings):
             if row.stream.done or sp.max_tokens == 0:
@@ -267,6 +277,16 @@ class Scheduler:
             self._insert(going_on, p.kv)
         self.engine.recycle(p.kv, lk.prompt if self._exact(p) else ())  # exact: the prompt's state, reusable
         self.prefills.remove(p)
+
+    def _pin(self, req: Request, lk) -> JaxsmolError | None:
+        """Pin a pin request's prompt, stored just now (cache/pins.py); the error if it cannot be."""
+        if not req.pin:
+            return None
+        try:
+            self.cache.pins.pin(lk.ns, lk.prompt)
+        except JaxsmolError as e:
+            return e
+        return None
 
     # ---- decode rows ---------------------------------------------------------------------------------
     def _insert(self, rows: list[Row], kv: KVCache) -> None:

@@ -1,5 +1,6 @@
 """How a Scheduler batches: its settings (the daemon's --max-batch, --kv-cache-bytes,
---batch-invariant, --prefill-chunk), the ladder of batch widths, and the prompt rows a step may run."""
+--batch-invariant, --prefill-chunk, --admission, --admission-bound), the ladder of batch widths, and
+the prompt rows a step may run."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decod
 # while 1000-token prompts arrive, the rest alike).
 CHUNK_ROWS_CHOICES = (32, 48) + PREFILL_BUCKETS
 IDLE_STEP_ROWS = 128  # the least prompt rows a step runs when no row decodes (see step_rows)
+# The order waiting requests are admitted in: "lpm" the longest prefix stored in the prefix cache first
+# (SGLang's longest-prefix-match), a request overtaken `admission_bound` times next; "fifo" by arrival.
+ADMISSION_ORDERS = ("lpm", "fifo")
 
 
 def widths_for(max_batch: int) -> tuple[int, ...]:
@@ -34,10 +38,16 @@ class BatchSettings:
     kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
     batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler/scheduler.py)
     chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
+    admission: str = "lpm"  # one of ADMISSION_ORDERS
+    admission_bound: int = 8  # lpm: later requests that may be admitted before a waiting one
 
     def __post_init__(self):
         if self.max_batch < 1:
             raise JaxsmolError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.admission not in ADMISSION_ORDERS:
+            raise JaxsmolError(f"admission must be one of {', '.join(ADMISSION_ORDERS)}, got {self.admission!r}")
+        if self.admission_bound < 0:
+            raise JaxsmolError(f"admission_bound must be >= 0, got {self.admission_bound}")
         if self.chunk_rows not in CHUNK_ROWS_CHOICES:
             raise JaxsmolError(f"chunk_rows must be one of {CHUNK_ROWS_CHOICES}, got {self.chunk_rows}")
 

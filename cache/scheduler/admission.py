@@ -1,0 +1,31 @@
+"""The order waiting requests are admitted in (BatchSettings.admission, the daemon's --admission).
+
+"lpm" (SGLang's longest-prefix-match order): first the request whose prompt has the longest prefix
+stored in the prefix cache, the oldest among equals. Such a request prefills only the rest of its
+prompt, so it reaches its first token soonest and frees its turn sooner; requests sharing a few-shot
+block or a system prompt then go while it is in the cache. The length comes from a walk of the
+store (`PrefixCache.cached_prefix`: nothing gathered, held or touched; the disk tier not consulted),
+and the order only decides when a request starts, never which bits it gets.
+
+Bounded: a request that `admission_bound` later requests have overtaken is admitted next (the
+scheduler counts `Request.overtaken`); the oldest waiting request has always been overtaken at least
+as often as any other, so it is the one to check. "fifo": by arrival.
+"""
+
+from __future__ import annotations
+
+from cache.scheduler.settings import BatchSettings
+
+
+def next_index(pending, settings: BatchSettings, cache) -> int:
+    """The index in `pending` (oldest first) of the request to admit next."""
+    if settings.admission == "fifo" or len(pending) == 1 or pending[0].overtaken >= settings.admission_bound:
+        return 0
+    stored = [cache.cached_prefix(r.prompt_ids, salt=r.salt, bypass=r.bypass) for r in pending]
+    return max(range(len(stored)), key=lambda i: (stored[i], -i))
+
+
+def admitted(pending, index: int) -> None:
+    """Count the overtaking: the request at `index` is admitted before every older one."""
+    for j in range(index):
+        pending[j].overtaken += 1
