@@ -1,4 +1,4 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, cluster, bench, import-gguf, info."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, cluster, cache, bench, import-gguf, info."""
 
 from __future__ import annotations
 
@@ -118,6 +118,8 @@ def _serve(args) -> int:
         raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, CHUNK_ROWS_CHOICES))}, got {args.prefill_chunk}")
     if args.kv_cache_bytes <= 0:
         raise JaxsmolError(f"--kv-cache-bytes must be > 0, got {args.kv_cache_bytes}")
+    if args.pinned_bytes < 0 or args.admission_bound < 0:
+        raise JaxsmolError("--pinned-bytes and --admission-bound must be >= 0")
     if not tenants.enabled and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
@@ -125,9 +127,10 @@ def _serve(args) -> int:
     serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
-          write_timeout_s=args.write_timeout, warmup=args.warmup,
+          write_timeout_s=args.write_timeout, warmup=args.warmup, pinned_bytes=args.pinned_bytes,
           batch=BatchSettings(max_batch=args.max_batch, kv_bytes=args.kv_cache_bytes,
-                              batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk))
+                              batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk,
+                              admission=args.admission, admission_bound=args.admission_bound))
     return 0
 
 
@@ -290,11 +293,17 @@ def _add_import_gguf(sub) -> None:
     i.set_defaults(func=_import_gguf)
 
 
+def _add_cache(sub) -> None:
+    from cli.cache_tool import add_cache_parser
+
+    add_cache_parser(sub)
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
-    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_cluster, _add_score, _add_bench,
-                _add_import_gguf, _add_info):
+    for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_cluster, _add_cache, _add_score,
+                _add_bench, _add_import_gguf, _add_info):
         add(sub)
     return parser
 

@@ -19,6 +19,9 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
                    "memory, and all of them at shutdown; loaded back at start and on a memory miss")
     s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
+    s.add_argument("--pinned-bytes", type=int, default=512 << 20, metavar="BYTES",
+                   help="budget of the prefixes pinned with POST /v1/cache/pin, apart from --cache-bytes: they are "
+                        "never evicted; a pin beyond it is refused (default 512 MiB)")
     s.add_argument("--api-key", action="append", metavar="KEY",
                    help="require Authorization: Bearer KEY (repeatable; these are admin keys, each with its own "
                         "cache namespace)")
@@ -41,6 +44,12 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                         "or 512 (default 48; a long prompt gets half of it, at least 32 rows, per step, a prompt "
                         "it finishes all of it; smaller keeps their inter-token latency lower while long prompts "
                         "arrive, larger gives a burst of newcomers their first tokens sooner)")
+    s.add_argument("--admission", choices=["lpm", "fifo"], default="lpm",
+                   help="the order waiting requests start in: lpm = the longest prefix stored in the prefix cache "
+                        "first (default; never one passed over more than --admission-bound times), fifo = by arrival")
+    s.add_argument("--admission-bound", type=int, default=8, metavar="N",
+                   help="with --admission lpm, a waiting request that N later ones have overtaken starts next "
+                        "(default 8)")
     s.add_argument("--warmup", choices=["block", "background", "none"], default="background",
                    help="when the programs requests run are compiled: block = before the port opens; background "
                         "(default) = the port opens at once, /health and /ready answer 503 'warming' until they are "

@@ -88,7 +88,7 @@ def test_every_metric_is_on_the_serving_page():
     names = {"jaxsmol_requests_total", "jaxsmol_prompt_tokens_total", "jaxsmol_completion_tokens_total",
              "jaxsmol_time_to_first_token_seconds", "jaxsmol_cancelled_total", "jaxsmol_rejected_total",
              "jaxsmol_queue_depth", "jaxsmol_pool_bytes", "jaxsmol_cache_bypasses_total", "jaxsmol_cache_bytes",
-             "jaxsmol_cache_disk_bytes"}
+             "jaxsmol_cache_disk_bytes", "jaxsmol_cache_pinned_bytes"}
     names |= {f"jaxsmol_cache_{k}_total" for k, _ in M.CACHE_COUNTERS}
     names |= {f"jaxsmol_batch_{k}" for k, _ in M.BATCH_GAUGES} | {f"jaxsmol_batch_{k}_total" for k, _ in M.BATCH_COUNTERS}
     names |= {f"jaxsmol_{k}" for k, _ in M.MEMORY_GAUGES}

@@ -93,13 +93,15 @@ class Job:
     """One HTTP request: its choices (one per prompt x n), where its cache entries live, and its events.
 
     salt: the cache namespace within the model (tenant namespace + cache_salt), None for the default;
-    bypass: this request does not use the prefix cache; loop: the event loop that owns `events`.
+    bypass: this request does not use the prefix cache; loop: the event loop that owns `events`;
+    pin: pin each prompt in the prefix cache once it is stored (POST /v1/cache/pin).
     """
     choices: list[ChoiceSpec]
     salt: str | None
     bypass: bool
     loop: asyncio.AbstractEventLoop
     return_token_ids: bool = False
+    pin: bool = False
     max_events: int = DEFAULT_MAX_EVENTS
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)

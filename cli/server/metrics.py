@@ -152,4 +152,6 @@ class _ScrapeTime:
             bypasses.add_metric([reason], n)
         yield bypasses
         yield GaugeMetricFamily("jaxsmol_cache_bytes", "Bytes held by the prefix cache.", value=stats["bytes_held"])
+        yield GaugeMetricFamily("jaxsmol_cache_pinned_bytes", "Bytes of pinned prefixes (part of jaxsmol_cache_bytes; "
+                                "bounded by --pinned-bytes).", value=stats.get("pinned_bytes", 0))
         yield GaugeMetricFamily("jaxsmol_cache_disk_bytes", "Bytes held by the disk tier.", value=stats["disk_bytes"])

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cache.prefix_cache import PrefixCache
 from cache.scheduler.settings import BatchSettings
 from cli.api import protocol as P
+from cli.server.cache_routes import CacheRoutes, install_cache_routes
 from cli.server.completions import Completions
 from cli.api.events import DEFAULT_WRITE_TIMEOUT_S
 from cli.server.memory import MemoryAccount
@@ -37,7 +38,7 @@ from jaxsmol.errors import JaxsmolError
 
 MAX_BODY_BYTES = 4 << 20
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
-          "/tokenize", "/detokenize")
+          "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin")
 # what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
 REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
@@ -110,7 +111,10 @@ class Daemon:
         self.memory.start(pool=self.engine.pool_bytes)
         if cache.disk is not None:
             n = await asyncio.to_thread(cache.warm_from_disk)
-            print(f"prefix cache: {n} entries loaded from {cache.disk.dir}", file=sys.stderr, flush=True)
+            print(f"prefix cache: {n} entries loaded from {cache.disk.dir} ({cache.pins.restored} pinned)",
+                  file=sys.stderr, flush=True)
+            for warning in cache.pins.warnings:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         worker.start()
         self.warmup.start()  # background mode only: block has run, none runs nothing
         yield
@@ -231,7 +235,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
                write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
-               warmup: str = "none") -> FastAPI:
+               warmup: str = "none", pinned_bytes: int = 512 << 20) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from cache.store.disk import DiskStore, identity
@@ -239,7 +243,8 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes)
         for name, reason in disk.skipped:
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
-    cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk)
+    cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk,
+                        pinned_bytes=pinned_bytes)
     metrics = Metrics(ROUTES + REPLICA_ROUTES)
     worker = Worker(cache, max_queue, metrics, batch)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
@@ -255,6 +260,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.get("/metrics")(d.prometheus)
     app.post("/v1/cache/flush")(d.flush)
     app.post("/flush_cache")(d.flush)  # SGLang's name, which sglang-router calls on every worker
+    install_cache_routes(app, CacheRoutes(engine, cache, worker, d._auth, d._locked))  # pins, GET /v1/cache
     app.get("/get_load")(d.load)
     for path in ("/server_info", "/get_server_info"):
         app.get(path)(d.server_info)

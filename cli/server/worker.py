@@ -117,11 +117,12 @@ class Worker(threading.Thread):
 
     def _take_jobs(self, wait: bool) -> None:
         """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle, then for more while
-        they arrive at most ARRIVAL_GAP_S apart) while the scheduler has fewer waiting for admission
-        than it has free rows (one at least): a burst is admitted and prefilled together. Jobs beyond
-        that wait in the bounded queue (--max-queue), so a full batch and a full queue answer 503."""
+        they arrive at most ARRIVAL_GAP_S apart) while the scheduler has fewer than max_batch waiting
+        for admission: a burst is admitted and prefilled together, and admission chooses among them
+        (--admission). Jobs beyond that wait in the bounded queue (--max-queue) in arrival order, so a
+        full batch and a full queue answer 503."""
         timeout = 0.1 if wait else None
-        while len(self.scheduler.pending) < max(1, self.scheduler.free_rows):
+        while len(self.scheduler.pending) < self.scheduler.max_batch:
             try:
                 job = self.jobs.get(timeout=timeout) if timeout else self.jobs.get_nowait()
             except queue.Empty:
@@ -152,7 +153,8 @@ class Worker(threading.Thread):
         sink = JobSink(job, self.metrics, len(job.choices), prompt_lp)
         for prompt, specs in groups.items():
             self.scheduler.submit(Request(list(prompt), [s.sampling for s in specs], sink,
-                                          indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass))
+                                          indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass,
+                                          pin=job.pin))
 
     def _prompt_logprobs(self, choices: list[ChoiceSpec]) -> dict:
         """ChoiceSpec.index -> prompt log-probabilities (jaxsmol/runtime/scoring.py: one cold forward per
