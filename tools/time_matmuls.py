@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -137,20 +139,30 @@ def main() -> None:
 
 
 def against_float32(args, rng) -> None:
-    """--format: the quantized stack (with the unembedding) against float32 on the same values."""
+    """--format: the quantized stack (with the unembedding) against float32 on the same values, the
+    two alternating call by call (each first half the time). Printed per row count: the medians and
+    their ratio, and the ratio of the fastest calls (steadier where other work shares the machine)."""
     layers = [[quantized(s, args.format, rng) for s in SHAPES] for _ in range(LAYERS)]
     unembed = quantized((D, VOCAB), args.format, rng)
     weights = tuple([*([pair[i] for pair in layer] for layer in layers), unembed[i]] for i in (0, 1))  # quantized, float32
     count = sum(k * n for k, n in SHAPES) * LAYERS + D * VOCAB  # weights in the stack, unembedding included
     qbytes = sum(a.nbytes for a in jax.tree.leaves(weights[0]))
-    programs = {"now": stack(cpu_kernels.matmul, 0), "float32": stack(cpu_kernels.matmul, 1)}
+    programs = (stack(cpu_kernels.matmul, 0), stack(cpu_kernels.matmul, 1))
     print(f"{args.format}: {qbytes / 1e6:.0f} MB of weights ({qbytes / count:.3f} bytes a weight), "
           f"float32 {4 * count / 1e6:.0f} MB", flush=True)
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
-        t, versus = kernel_revision.side_by_side(programs, (weights, x), args.runs, "float32")
-        print(f"{M:4d} rows  {args.format} {1e3 * t:7.2f} ms  {qbytes / t / 1e9:5.1f} GB/s of weights" + versus,
-              flush=True)
+        same = np.array_equal(*(np.asarray(f(weights, x)) for f in programs))
+        times = ([], [])
+        for run in range(args.runs):
+            for i in ((0, 1) if run % 2 else (1, 0)):
+                t0 = time.perf_counter()
+                jax.block_until_ready(programs[i](weights, x))
+                times[i].append(time.perf_counter() - t0)
+        (tq, tf), (bq, bf) = (statistics.median(t) for t in times), (min(t) for t in times)
+        print(f"{M:4d} rows  {args.format} {1e3 * tq:7.2f} ms  {qbytes / tq / 1e9:5.1f} GB/s of weights  "
+              f"float32 {1e3 * tf:7.2f} ms  {args.format}/float32 {tq / tf:.3f} (fastest calls {bq / bf:.3f}), "
+              f"bitwise {'equal' if same else 'DIFFERENT'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ FULL = dict(
     burst_idle=25.0, burst_clients=8, burst_tokens=32, burst_rounds=2, burst_max_batch=16,
     ready_tokens=64, ready_settled=5, ready_max_batch=16,
     cluster_replicas=2, cluster_tenants=6, cluster_per_tenant=12, cluster_prefix=800, cluster_suffix=30,
-    cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=1, cluster_max_batch=8,
+    cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=2, cluster_max_batch=8,
     cluster_variants=("completions", "chat"),
 )
 QUICK = dict(
