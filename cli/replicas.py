@@ -57,19 +57,21 @@ def split_cpus(n: int, cpus: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
-
-
-def _prctl():
-    """libc's prctl, loaded here (not in a forked child), or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
+# Run first in the child, then replaced by the command (exec keeps both): the CPUs in argv[1] (none:
+# unchanged) and SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG). A launcher and not
+# Popen's preexec_fn: that makes Python fork with its fork hooks run in a process full of JAX's threads.
+LAUNCHER = """import os, sys
+cpus = [int(c) for c in sys.argv[1].split(",") if c]
+if cpus:
+    os.sched_setaffinity(0, cpus)
+if sys.platform.startswith("linux"):
+    import ctypes, signal
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
     except (OSError, AttributeError):
-        return None
+        pass
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,20 +85,14 @@ class Process:
     proc: subprocess.Popen | None = None
 
     def start(self) -> "Process":
-        """Its own session (a Ctrl-C at the terminal reaches only this process, which stops the children
-        with one SIGTERM each: a second signal makes a daemon drop its requests), SIGTERM if this process
-        dies (Linux), and its CPUs."""
-        cpus, prctl = self.cpus, _prctl()
-
-        def in_child():  # before it runs anything: every thread it starts inherits the affinity
-            if prctl is not None:
-                prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
+        """In its own session (a Ctrl-C at the terminal reaches only this process, which stops the
+        children with one SIGTERM each: a second signal makes a daemon drop its requests), on its CPUs,
+        sent SIGTERM if this process dies."""
+        cpus = ",".join(map(str, self.cpus or ()))
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=in_child, start_new_session=True,
+            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, cpus, *self.cmd], cwd=PACKAGE_ROOT,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True,
                                          env=None if self.env is None else {**os.environ, **self.env})
         return self
 

@@ -26,7 +26,7 @@ FULL = dict(
     ready_tokens=64, ready_settled=5, ready_max_batch=16,
     cluster_replicas=2, cluster_tenants=6, cluster_per_tenant=12, cluster_prefix=800, cluster_suffix=30,
     cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=2, cluster_max_batch=8,
-    cluster_variants=("completions", "chat"),
+    cluster_variants=("completions", "chat"), cluster_first_together=False, cluster_batch_invariant=False,
 )
 QUICK = dict(
     FULL,
