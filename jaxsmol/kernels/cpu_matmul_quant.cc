@@ -11,9 +11,15 @@
 // - 2-16 rows: each weight row dequantized once in the registers for a group of rows (Rows).
 // - Many rows: each block of a panel dequantized into L1 scratch once for all the row groups, then
 //   the float32 kernel's tiles over it (cpu_matmul.h's ManyPanelsWith).
-// Measured (tools/time_matmuls.py --format, the 30-layer stack with the unembedding, quantized /
-// float32 time side by side): see the commit that made these paths; the figures by each choice
-// below were taken side by side on a 2-core AVX-512 machine (Zen 4) shared with other work.
+// Quantized / float32 time, the model's 30-layer stack with the unembedding side by side
+// (tools/time_matmuls.py --format; 2-core Zen 4, AVX-512, at load 4-8 from other work: 4 runs):
+//   rows      1          4          16         64         512
+//   Q8_0   0.31-0.50  0.48-0.80  0.97-1.12  1.02-1.17  0.94-0.99    (weight bytes 0.28)
+//   Q4_1   0.33-0.48  0.53-0.74  0.93-1.03  0.82-1.02  0.97-1.14    (weight bytes 0.19)
+// At one row the arithmetic binds as much as the bytes (Q4_1, 2/3 of Q8_0's bytes, is no faster):
+// per 16 weights a widen, a convert, a multiply (Q4_1: an FMA) and the FMA, against float32's load
+// and FMA; the bits allow no less. An AVX2 build on the same CPU: Q8_0 0.49 / 0.64 / 0.94 at 1 / 4 /
+// 16 rows, Q4_1 0.50 / 0.94 / 1.03. The figures by each choice below were taken side by side too.
 #include "cpu_matmul.h"
 
 #include <immintrin.h>
