@@ -27,7 +27,7 @@ from jaxsmol.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxsmol", "cache", "cli")
-KERNEL_FILES = (*cpu_kernels.SOURCES, cpu_kernels.HEADER)
+KERNEL_FILES = (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS)
 
 
 def checkout_files() -> set[str]:

@@ -54,7 +54,7 @@ from jaxsmol.system.data_dirs import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc"))
-HEADER = Path(__file__).with_name("cpu_kernels.h")
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_matmul.h"))
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
@@ -135,12 +135,12 @@ def _build() -> tuple[Path, bool]:
     """Compile the kernel sources into one shared library under the data directory (once per key)
     -> (its path, whether this call compiled it)."""
 
-    missing = [f.name for f in (*SOURCES, HEADER) if not f.is_file()]
+    missing = [f.name for f in (*SOURCES, *HEADERS) if not f.is_file()]
     if missing:  # a broken install (a wheel without a source)
-        raise RuntimeError(f"kernel sources missing from {HEADER.parent}: {', '.join(missing)}")
+        raise RuntimeError(f"kernel sources missing from {SOURCES[0].parent}: {', '.join(missing)}")
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.blake2b(digest_size=12)
-    for part in (*(f.read_bytes() for f in (*SOURCES, HEADER)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
                  _cpu_signature().encode()):
         key.update(part)
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"

@@ -93,7 +93,7 @@ def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
 # relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
 NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
                     "kernels/cpu_matmul_quant.cc", "kernels/formats.py", "kernels/cpu_attention.cc",
-                    "kernels/cpu_kernels.h")
+                    "kernels/cpu_kernels.h", "kernels/cpu_matmul.h")
 
 
 @functools.cache
