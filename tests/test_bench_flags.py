@@ -22,7 +22,7 @@ def test_only_takes_every_section_and_the_peer_flags():
     args = build_parser().parse_args(["bench", "--only", *SECTIONS, *EXTRA_SECTIONS, "--peer-url", "http://h:1",
                                       "--clients", "1", "8", "--no-long"])
     assert args.only == list(SECTIONS + EXTRA_SECTIONS) and args.peer_url == "http://h:1"
-    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready"}
+    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster"}
     assert not set(EXTRA_SECTIONS) & set(SECTIONS)  # the default run does not grow
 
 
@@ -37,7 +37,7 @@ def test_flags_override_the_plan_and_nothing_else():
     assert plan["serve_batch_invariant"] and plan["serve_long"]
     untouched = {k for k in QUICK if plan[k] == QUICK[k]}
     assert untouched >= set(QUICK) - {"serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "serve_clients",
-                                      "burst_clients",
+                                      "burst_clients", "cluster_clients",
                                       "forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "pc_prefix",
                                       "peer_prefix", "forks_n", "serve_batch_invariant"}
     assert with_flags(FULL, build_parser().parse_args(["bench"])) == FULL
