@@ -63,6 +63,12 @@ def fake_results(sections, plan, peer_name: str | None = None, date: str = "2026
         res["ready"] = {"rows": [{"start": start, "listening_s": 5.0, "ready_s": t, "at_ready_tok_s": 40.0,
                                   "settled_tok_s": 42.0, "share": 40 / 42} for start, t in (("first", 280.0),
                                                                                           ("second", 60.0))]}
+    if "cluster" in sections:
+        runs = [{"variant": v, "policy": p, "hit_rate": h, "prefilled": f, "req_s": q, "ttft_p50_ms": t}
+                for v in plan["cluster_variants"]
+                for p, h, f, q, t in (("round_robin", 0.43, 34792, 0.31, 5559.0), ("cache_aware", 0.85, 9000, 0.9, 700.0))]
+        res["cluster"] = {"replicas": plan["cluster_replicas"], "tenants": plan["cluster_tenants"],
+                          "per_tenant": plan["cluster_per_tenant"], "clients": plan["cluster_clients"], "rows": runs}
     return res
 
 

@@ -164,3 +164,21 @@ def _prefixes(plan, seed, engine) -> list[str]:
     tok = engine.tokenizer
     return build_workload(seed, plan["cluster_tenants"], plan["cluster_per_tenant"], plan["cluster_prefix"],
                           plan["cluster_suffix"], plan["cluster_turns"], lambda t: len(tok.encode(t))).prefixes
+
+
+def test_the_report_gives_a_row_a_workload_against_round_robin():
+    from cli.bench.performance import markdown
+
+    runs = [{"variant": v, "policy": p, "hit_rate": h, "prefilled": f, "req_s": q, "ttft_p50_ms": t}
+            for v in ("completions", "chat")
+            for p, h, f, q, t in (("round_robin", 0.4, 30000, 0.5, 900.0), ("cache_aware", 0.8, 10000, 1.0, 450.0))]
+    res = {"meta": {"cpu": "Test CPU", "cpus": 2, "date": "2026-12-04", "command": "jaxsmol bench --only cluster"},
+           "cluster": {"replicas": 2, "tenants": 6, "per_tenant": 12, "clients": 4, "rows": runs}}
+    rows = [line for line in markdown([res]).splitlines() if "sglang-router" in line]
+    assert rows == [
+        "| 2 replicas behind sglang-router, 6 tenants x 12 requests, 4 clients | cache_aware: hit rate 0.80, 10000 "
+        "tokens prefilled, 1.00 req/s, TTFT p50 450 ms | round_robin: hit rate 0.40, 30000 tokens prefilled, 0.50 "
+        "req/s, TTFT p50 900 ms | 2.00x req/s, 0.33x the tokens prefilled | `jaxsmol bench --only cluster` |",
+        "| 2 replicas behind sglang-router, 6 tenants x 12 chat turns, 4 clients | cache_aware: hit rate 0.80, 10000 "
+        "tokens prefilled, 1.00 req/s, TTFT p50 450 ms | round_robin: hit rate 0.40, 30000 tokens prefilled, 0.50 "
+        "req/s, TTFT p50 900 ms | 2.00x req/s, 0.33x the tokens prefilled | `jaxsmol bench --only cluster` |"]

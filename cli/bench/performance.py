@@ -3,9 +3,10 @@
 From this run's results, or from earlier runs' JSON files (`--report a.json b.json`: nothing runs,
 no model loads). One row per measurement: jaxsmol, the peer measured in the same run (transformers
 with `--compare hf`; the `--peer-url` server, named by `--peer-name`, in ttft-peer and serve;
-jaxsmol's own one-at-a-time runs in forks), jaxsmol's speed against that peer (above 1: faster) and
-the command. A measurement found in several runs (or repeated in one, as `--clients 1 8 1 8`) shows
-the range over them. One table per machine (CPU model and cores), with the dates of its runs.
+jaxsmol's own one-at-a-time runs in forks, round_robin's run in cluster), jaxsmol's speed against that
+peer (above 1: faster) and the command. A measurement found in several runs (or repeated in one, as
+`--clients 1 8 1 8`) shows the range over them. One table per machine (CPU model and cores), with the
+dates of its runs.
 """
 
 from __future__ import annotations
@@ -125,6 +126,22 @@ def _ready(r: dict, _peer: str):
                   (row["ready_s"], row["listening_s"], row["at_ready_tok_s"], row["share"]))
 
 
+def _cluster(c: dict, _peer: str):
+    """Per workload: cache_aware's run against round_robin's, on the same replicas in the same run."""
+    rows = {(r["variant"], r["policy"]): r for r in c["rows"]}
+    for variant in dict.fromkeys(r["variant"] for r in c["rows"]):
+        ca, rr = rows.get((variant, "cache_aware")), rows.get((variant, "round_robin"))
+        if ca is None or rr is None:
+            continue
+        cell = "hit rate {%d:.2f}, {%d:.0f} tokens prefilled, {%d:.2f} req/s, TTFT p50 {%d:.0f} ms"
+        yield Row(f"{c['replicas']} replicas behind sglang-router, {c['tenants']} tenants x {c['per_tenant']} "
+                  f"{'chat turns' if variant == 'chat' else 'requests'}, {c['clients']} clients",
+                  "cache_aware: " + cell % (0, 1, 2, 3), "round_robin: " + cell % (4, 5, 6, 7),
+                  "{8:.2f}x req/s, {9:.2f}x the tokens prefilled",
+                  (ca["hit_rate"], ca["prefilled"], ca["req_s"], ca["ttft_p50_ms"], rr["hit_rate"], rr["prefilled"],
+                   rr["req_s"], rr["ttft_p50_ms"], ca["req_s"] / rr["req_s"], ca["prefilled"] / rr["prefilled"]))
+
+
 def _alone(res: dict):
     """The default run's prefill and decode (jaxsmol alone) when transformers was not measured beside them."""
     if "hf" in res:
@@ -135,7 +152,8 @@ def _alone(res: dict):
         yield Row(f"decode at position {r['position']}", "{0:.1f} tok/s", values=(r["tok_s"],))
 
 
-SECTIONS = {"hf": _hf, "ttft-peer": _ttft_peer, "serve": _serve, "forks": _forks, "ready": _ready}
+SECTIONS = {"hf": _hf, "ttft-peer": _ttft_peer, "serve": _serve, "forks": _forks, "ready": _ready,
+            "cluster": _cluster}
 
 
 def rows_of(res: dict) -> list[Row]:
