@@ -159,6 +159,11 @@ def test_pins_survive_a_restart_through_the_disk_tier_and_the_cache_command(make
     by_key = {e["key"]: e for e in listed["entries"]}
     assert by_key[pin["key"]]["pinned"] and by_key[pin["key"]]["cache_salt"] == "s1"
     assert sum(e["pinned"] for e in listed["entries"]) == 1 and len(listed["entries"]) >= 2
+    assert jaxsmol(["cache", "ls", str(d)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith(f"{d}: {len(listed['entries'])} entries")
+    [row] = [line for line in table if line.startswith(pin["key"])]
+    assert row.split()[1:3] == ["default", "s1"] and row.rstrip().endswith("yes")
     c2 = make_client(cache_dir=d)  # a restart: pinned again
     listing = entries(c2)
     [pinned] = [e for e in listing["entries"] if e["pinned"]]

@@ -17,12 +17,15 @@ from __future__ import annotations
 from cache.scheduler.settings import BatchSettings
 
 
-def next_index(pending, settings: BatchSettings, cache) -> int:
-    """The index in `pending` (oldest first) of the request to admit next."""
+def next_index(pending, settings: BatchSettings, cache, stored: dict) -> int:
+    """The index in `pending` (oldest first) of the request to admit next. `stored` memoizes each
+    request's stored prefix (id(request) -> tokens) for the caller's admission round."""
     if settings.admission == "fifo" or len(pending) == 1 or pending[0].overtaken >= settings.admission_bound:
         return 0
-    stored = [cache.cached_prefix(r.prompt_ids, salt=r.salt, bypass=r.bypass) for r in pending]
-    return max(range(len(stored)), key=lambda i: (stored[i], -i))
+    for r in pending:
+        if id(r) not in stored:
+            stored[id(r)] = cache.cached_prefix(r.prompt_ids, salt=r.salt, bypass=r.bypass)
+    return max(range(len(pending)), key=lambda i: (stored[id(pending[i])], -i))
 
 
 def admitted(pending, index: int) -> None:

@@ -157,8 +157,11 @@ class Scheduler:
         rows (and memory) will be free for them and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
         if any(r.sink.cancelled() for r in self.pending):
             self.pending = collections.deque(r for r in self.pending if not r.sink.cancelled())
+        if self.free_rows <= 0 and all(r.decode_rows for r in self.pending):
+            return  # every row taken: nothing to choose yet
+        stored: dict = {}  # id(request) -> its stored prefix, looked up once a step
         while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
-            i = next_index(self.pending, self.settings, self.cache)
+            i = next_index(self.pending, self.settings, self.cache, stored)
             req = self.pending[i]
             if not self._room_for(req) or (not req.bypass and self.saves.wanted_by(
                     req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first

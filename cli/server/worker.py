@@ -85,6 +85,7 @@ class Worker(threading.Thread):
         self.cache, self.metrics = cache, metrics
         self._settings = dataclasses.asdict(batch)
         self.scheduler = Scheduler(cache, **self._settings)
+        self.max_queue = max_queue
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)
         self.stopping = threading.Event()
@@ -94,6 +95,9 @@ class Worker(threading.Thread):
         return self.scheduler.has_work
 
     def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull when max_queue requests already wait, here or in the scheduler."""
+        if self.jobs.qsize() + len(self.scheduler.pending) >= self.max_queue:
+            raise QueueFull
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -117,12 +121,11 @@ class Worker(threading.Thread):
 
     def _take_jobs(self, wait: bool) -> None:
         """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle, then for more while
-        they arrive at most ARRIVAL_GAP_S apart) while the scheduler has fewer than max_batch waiting
-        for admission: a burst is admitted and prefilled together, and admission chooses among them
-        (--admission). Jobs beyond that wait in the bounded queue (--max-queue) in arrival order, so a
-        full batch and a full queue answer 503."""
+        they arrive at most ARRIVAL_GAP_S apart) to the scheduler, whose admission order (--admission)
+        chooses among every waiting request: a burst is admitted and prefilled together. `submit`
+        answers 503 once --max-queue requests wait, here or in the scheduler."""
         timeout = 0.1 if wait else None
-        while len(self.scheduler.pending) < self.scheduler.max_batch:
+        while len(self.scheduler.pending) < max(self.max_queue, 1):
             try:
                 job = self.jobs.get(timeout=timeout) if timeout else self.jobs.get_nowait()
             except queue.Empty:
