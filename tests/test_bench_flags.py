@@ -22,7 +22,8 @@ def test_only_takes_every_section_and_the_peer_flags():
     args = build_parser().parse_args(["bench", "--only", *SECTIONS, *EXTRA_SECTIONS, "--peer-url", "http://h:1",
                                       "--clients", "1", "8", "--no-long"])
     assert args.only == list(SECTIONS + EXTRA_SECTIONS) and args.peer_url == "http://h:1"
-    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster"}
+    assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster",
+                                   "admission"}
     assert not set(EXTRA_SECTIONS) & set(SECTIONS)  # the default run does not grow
 
 
@@ -35,11 +36,12 @@ def test_flags_override_the_plan_and_nothing_else():
     assert plan["forks_rounds"] == plan["pc_repeats"] == plan["peer_rounds"] == plan["burst_rounds"] == 4
     assert plan["pc_prefix"] == plan["peer_prefix"] == 64 and plan["forks_n"] == 2
     assert plan["serve_batch_invariant"] and plan["serve_long"]
+    assert (plan["admission_tokens"], plan["admission_clients"], plan["admission_rounds"]) == (3, 5, 4)
     untouched = {k for k in QUICK if plan[k] == QUICK[k]}
     assert untouched >= set(QUICK) - {"serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "serve_clients",
-                                      "burst_clients", "cluster_clients",
+                                      "burst_clients", "cluster_clients", "admission_tokens", "admission_clients",
                                       "forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "pc_prefix",
-                                      "peer_prefix", "forks_n", "serve_batch_invariant"}
+                                      "admission_rounds", "peer_prefix", "forks_n", "serve_batch_invariant"}
     assert with_flags(FULL, build_parser().parse_args(["bench"])) == FULL
     assert with_flags(FULL, argparse.Namespace()) == FULL  # a caller without the flags
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")  # the default run, in this order
 # run only when named in --only (each takes minutes at its full sizes, or starts daemons), after the above
-EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster")
+EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster", "admission")
 HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
@@ -27,6 +27,9 @@ FULL = dict(
     cluster_replicas=2, cluster_tenants=6, cluster_per_tenant=12, cluster_prefix=800, cluster_suffix=30,
     cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=2, cluster_max_batch=8,
     cluster_variants=("completions", "chat"), cluster_first_together=False, cluster_batch_invariant=False,
+    admission_workloads=("bursts", "churn"), admission_blocks=2, admission_hot=0.75, admission_churn_blocks=6,
+    admission_block_tokens=400, admission_question=20, admission_clients=12, admission_requests=4,
+    admission_max_batch=4, admission_cache_blocks=2.5, admission_rounds=1, admission_tokens=16,
 )
 QUICK = dict(
     FULL,
@@ -43,17 +46,19 @@ QUICK = dict(
     burst_idle=5.0, burst_clients=4, burst_tokens=8, burst_rounds=1,
     ready_tokens=16, ready_settled=2,
     cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400, cluster_tokens=4,
+    admission_churn_blocks=3, admission_block_tokens=64, admission_question=8, admission_clients=4,
+    admission_requests=2, admission_max_batch=2, admission_cache_blocks=1.5, admission_tokens=4,
 )
 
 # the flags of the extra sections (cli/main.py _add_bench) -> the plan entries each one sets
 FLAG_KEYS = {
-    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens"),
-    "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds"),
+    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "admission_tokens"),
+    "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "admission_rounds"),
     "prefix": ("pc_prefix", "peer_prefix"),
     "suffix": ("pc_suffix", "peer_suffix"),
     "prompt_tokens": ("forks_prompt",),
     "samples": ("forks_n",),
-    "max_batch": ("serve_max_batch", "burst_max_batch", "ready_max_batch"),
+    "max_batch": ("serve_max_batch", "burst_max_batch", "ready_max_batch", "admission_max_batch"),
     "prefill_chunk": ("serve_prefill_chunk",),
     "idle": ("burst_idle",),
     "replicas": ("cluster_replicas",),
@@ -64,15 +69,17 @@ def add_section_flags(parser) -> None:
     """The flags of FLAG_KEYS and with_flags, and the report's, on `jaxsmol bench`'s parser."""
     e = parser.add_argument_group("sizes of the sections named in --only (default: the full or --quick plan's)")
     e.add_argument("--clients", type=int, nargs="+", metavar="N", help="serve: concurrent streaming clients, a row "
-                   "each (full plan 1 2 4 8 16); first-burst: the largest")
-    e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst, ready)")
+                   "each (full plan 1 2 4 8 16); first-burst, admission: the largest")
+    e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst, ready, "
+                   "admission)")
     e.add_argument("--rounds", type=int, metavar="N", help="rounds, medians over them (forks, prompt-cache, "
-                   "ttft-peer, first-burst)")
+                   "ttft-peer, first-burst, admission)")
     e.add_argument("--prefix", type=int, metavar="N", help="stored prefix tokens (ttft-peer, prompt-cache; 1008)")
     e.add_argument("--suffix", type=int, metavar="N", help="new tokens after it (ttft-peer, prompt-cache; 16)")
     e.add_argument("--prompt-tokens", type=int, metavar="N", help="forks: the question's tokens (500)")
     e.add_argument("--samples", type=int, metavar="N", help="forks: samples of the question (8)")
-    e.add_argument("--max-batch", type=int, metavar="N", help="serve, first-burst, ready: the daemon's --max-batch (16)")
+    e.add_argument("--max-batch", type=int, metavar="N", help="serve, first-burst, ready: the daemon's --max-batch "
+                   "(16); admission: (4)")
     e.add_argument("--prefill-chunk", type=int, metavar="ROWS", help="serve: the daemon's --prefill-chunk (48)")
     e.add_argument("--batch-invariant", action="store_true", help="serve: the daemon's --batch-invariant")
     e.add_argument("--no-long", action="store_true", help="serve: skip the rows with long prompts arriving")
@@ -94,6 +101,7 @@ def with_flags(plan: dict, args) -> dict:
             out.update(dict.fromkeys(keys, value))
     if getattr(args, "clients", None):
         out["serve_clients"], out["burst_clients"] = tuple(args.clients), max(args.clients)
+        out["admission_clients"] = max(args.clients)
     if getattr(args, "no_long", False):
         out["serve_long"] = False
     if getattr(args, "batch_invariant", False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cli.bench.admission import format_admission
 from cli.bench.cluster import format_cluster
 from cli.bench.first_burst import format_first_burst
 from cli.bench.ready import format_ready
@@ -94,7 +95,7 @@ def _hf(h: dict) -> list[str]:
 _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", _decode), ("ttft", _ttft),
              ("snapshot", _snapshot), ("cli", _cli), ("forks", format_forks), ("prompt-cache", format_prompt_cache),
              ("ttft-peer", format_ttft_peer), ("serve", format_serve), ("first-burst", format_first_burst),
-             ("ready", format_ready), ("cluster", format_cluster), ("hf", _hf))
+             ("ready", format_ready), ("cluster", format_cluster), ("admission", format_admission), ("hf", _hf))
 
 
 def format_results(res: dict) -> str:

@@ -63,6 +63,7 @@ def _meta(args, engine, plan, sections, load0) -> dict:
 def _calls(args, engine, plan, rng) -> dict:
     """Each section's function and its arguments."""
     from cli.bench import sections as s
+    from cli.bench.admission import section_admission
     from cli.bench.cluster import section_cluster
     from cli.bench.first_burst import section_first_burst
     from cli.bench.forks import section_forks
@@ -86,6 +87,7 @@ def _calls(args, engine, plan, rng) -> dict:
             "first-burst": (section_first_burst, args, plan),
             "ready": (section_ready, args, plan),
             "cluster": (section_cluster, args, engine, plan),
+            "admission": (section_admission, args, engine, plan),
             "hf": (section_hf, engine, plan, rng, warm)}
 
 
