@@ -131,7 +131,6 @@ def section_cluster(args, engine, plan) -> dict:
     prefix_tokens = max(len(tok.encode(p)) for p in work.prefixes)
     cache_bytes = cache_bytes_for(plan, prefix_tokens, engine.kv_bytes_per_token, 4 * engine.cfg.vocab_size)
     flags = model_flags(args) + ["--cache-bytes", str(cache_bytes), "--max-batch", str(plan["cluster_max_batch"])]
-    flags += ["--kv-dtype", args.kv_dtype] if getattr(args, "kv_dtype", None) else []
     flags += ["--batch-invariant"] if plan["cluster_batch_invariant"] else []
     log_dir = Path(tempfile.mkdtemp(prefix="jaxsmol-bench-cluster-"))
     log(f"cluster: {n} replicas of `jaxsmol serve {' '.join(flags)}`, logs in {log_dir}")
