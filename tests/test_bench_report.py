@@ -69,6 +69,13 @@ def fake_results(sections, plan, peer_name: str | None = None, date: str = "2026
                 for p, h, f, q, t in (("round_robin", 0.43, 34792, 0.31, 5559.0), ("cache_aware", 0.85, 9000, 0.9, 700.0))]
         res["cluster"] = {"replicas": plan["cluster_replicas"], "tenants": plan["cluster_tenants"],
                           "per_tenant": plan["cluster_per_tenant"], "clients": plan["cluster_clients"], "rows": runs}
+    if "admission" in sections:
+        runs = [{"workload": w, "admission": o, "ttft_p50_ms": t50, "ttft_p99_ms": t99}
+                for w in plan["admission_workloads"] for o, t50, t99 in (("lpm", 2000.0, 9000.0), ("fifo", 4000.0, 12000.0))]
+        res["admission"] = {"clients": plan["admission_clients"], "requests": plan["admission_requests"],
+                            "blocks": plan["admission_blocks"], "churn_blocks": plan["admission_churn_blocks"],
+                            "hot": plan["admission_hot"], "block_tokens": plan["admission_block_tokens"],
+                            "cache_blocks": plan["admission_cache_blocks"], "rows": runs}
     return res
 
 

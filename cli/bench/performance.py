@@ -142,6 +142,28 @@ def _cluster(c: dict, _peer: str):
                    rr["req_s"], rr["ttft_p50_ms"], ca["req_s"] / rr["req_s"], ca["prefilled"] / rr["prefilled"]))
 
 
+def _admission(a: dict, _peer: str):
+    """Per workload: admission lpm against fifo, medians over the rounds (daemons of the same run)."""
+    import statistics
+
+    for kind in dict.fromkeys(r["workload"] for r in a["rows"]):
+        by = {o: [r for r in a["rows"] if r["workload"] == kind and r["admission"] == o] for o in ("lpm", "fifo")}
+        if not all(by.values()):
+            continue
+        med = {(o, k): statistics.median(r[k] for r in by[o]) for o in by for k in ("ttft_p50_ms", "ttft_p99_ms")}
+        if kind == "bursts":
+            name = (f"few-shot bursts: {a['clients']} requests at once, {a['hot']:.0%} sharing {a['blocks']} blocks "
+                    f"of {a['block_tokens']} tokens")
+        else:
+            name = (f"few-shot churn: {a['clients']} clients x {a['requests']} requests over {a['churn_blocks']} "
+                    f"blocks, a cache of {a['cache_blocks']}")
+        cell = "TTFT p50 {%d:.0f} ms, p99 {%d:.0f} ms"
+        values = [med["lpm", "ttft_p50_ms"], med["lpm", "ttft_p99_ms"], med["fifo", "ttft_p50_ms"],
+                  med["fifo", "ttft_p99_ms"]]
+        yield Row(name, "admission lpm: " + cell % (0, 1), "fifo: " + cell % (2, 3), "{4:.2f}x / {5:.2f}x the TTFT",
+                  tuple(values) + (values[0] / values[2], values[1] / values[3]))
+
+
 def _alone(res: dict):
     """The default run's prefill and decode (jaxsmol alone) when transformers was not measured beside them."""
     if "hf" in res:
@@ -153,7 +175,7 @@ def _alone(res: dict):
 
 
 SECTIONS = {"hf": _hf, "ttft-peer": _ttft_peer, "serve": _serve, "forks": _forks, "ready": _ready,
-            "cluster": _cluster}
+            "cluster": _cluster, "admission": _admission}
 
 
 def rows_of(res: dict) -> list[Row]:
