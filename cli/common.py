@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the weights' dtype (the CPU kernels widen bfloat16 exactly and compute in float32)")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_1"],
                    help="run every matrix quantized, dequantized inside the matmul (GGUF's Q8_0: ~1.1 bytes a "
-                        "weight; Q4_1: ~0.6, the unembedding at Q8_0). On the bundled model q4_1 is the GGUF "
+                        "weight; Q4_1: ~0.75, the unembedding at Q8_0). On the bundled model q4_1 is the GGUF "
                         "file's own weights: the same logits as the float32 default, at 1/6 of its memory")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16"],
                    help="the KV cache's dtype (default: float32, or bfloat16 with --dtype bfloat16 on XLA's path): "
