@@ -149,17 +149,8 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
 def set_pinned(path, pinned: bool) -> None:
     """Mark the snapshot file `path` pinned or not (its data verified first, the file rewritten
     atomically); SnapshotError for a file that is not an intact snapshot."""
-    from safetensors import safe_open
-
     path = Path(path)
-    manifest = read_manifest(path)
-    try:
-        with safe_open(path, framework="np") as f:
-            stored = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:
-        raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
-    if manifest.get("checksum") != checksum(manifest, stored):
-        raise SnapshotError(f"{path} is corrupted (checksum mismatch)")
+    manifest, stored = _read_verified(path)
     manifest.pop("pinned", None)
     if pinned:
         manifest["pinned"] = True
@@ -274,13 +265,10 @@ def _check_identity(path, manifest: dict, ident: dict) -> None:
                             f"({str(manifest.get('tokenizer'))[:12]}, this one {ident['tokenizer'][:12]})")
 
 
-def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
-    """Read and verify a snapshot file (see the module docstring); with `prompt`, also refuse a
-    snapshot that shares no prefix with it. Raises SnapshotError naming the reason."""
+def _read_verified(path: Path) -> tuple[dict, dict]:
+    """(manifest, stored tensors) of a snapshot file whose checksum holds; SnapshotError otherwise."""
     from safetensors import safe_open
 
-    path = Path(path)
-    _check_size(path, ident)  # before anything is read
     manifest = read_manifest(path)
     try:
         with safe_open(path, framework="np") as f:
@@ -289,6 +277,15 @@ def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
         raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
     if manifest.get("checksum") != checksum(manifest, stored):
         raise SnapshotError(f"{path} is corrupted (checksum mismatch)")
+    return manifest, stored
+
+
+def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
+    """Read and verify a snapshot file (see the module docstring); with `prompt`, also refuse a
+    snapshot that shares no prefix with it. Raises SnapshotError naming the reason."""
+    path = Path(path)
+    _check_size(path, ident)  # before anything is read
+    manifest, stored = _read_verified(path)
     _check_identity(path, manifest, ident)  # after the checksum: a flipped byte reads as corruption
     try:
         tensors = {name: stored[name].view(_dtype(manifest["dtypes"][name])) for name in stored}
