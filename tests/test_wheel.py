@@ -45,9 +45,9 @@ def test_pyproject_packages_every_folder_and_kernel_source():
     folders = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for pkg in PACKAGES
                for p in (ROOT / pkg).rglob("__init__.py")}
     assert set(config["packages"]) == folders
-    patterns = config["package-data"]["jaxsmol"]
+    patterns = config["package-data"]["jaxsmol.kernels"]
     assert [f.name for f in KERNEL_FILES if not any(fnmatch(f.name, pat) for pat in patterns)] == []
-    assert {f.name for f in cpu_kernels.SOURCES} == {p.name for p in (ROOT / "jaxsmol").glob("*.cc")}
+    assert {f.name for f in cpu_kernels.SOURCES} == {p.name for p in (ROOT / "jaxsmol" / "kernels").glob("*.cc")}
 
 
 def run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def test_the_sdist_and_the_wheel_hold_every_module_and_kernel_source(archives):
     with zipfile.ZipFile(wheel) as whl:
         in_wheel = set(whl.namelist())
     expected = checkout_files()
-    assert {f"jaxsmol/{f.name}" for f in KERNEL_FILES} <= expected
+    assert {f"jaxsmol/kernels/{f.name}" for f in KERNEL_FILES} <= expected
     assert expected - in_sdist == set() and {"pyproject.toml", "README.md"} <= in_sdist
     assert expected - in_wheel == set()
 
