@@ -23,7 +23,12 @@ _BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18}  # float16 d (and m), then 3
 
 
 def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf" or (Path(path).is_file() and Path(path).read_bytes()[:4] == b"GGUF")
+    """A .gguf name, or GGUF's magic in the first four bytes (only those are read)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def imported_dir(gguf_path: Path, progress: bool = True) -> Path:
