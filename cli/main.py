@@ -1,4 +1,4 @@
-"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, cluster, cache, bench, import-gguf, info."""
+"""`jaxsmol`: generate, tokenize, cacheprobe, score, serve, cluster, cache, bench, import-gguf, quantize, info."""
 
 from __future__ import annotations
 
@@ -83,6 +83,15 @@ def _import_gguf(args) -> int:
 
     out = import_gguf(args.file, args.outdir, progress=sys.stderr.isatty())
     print(f"imported {args.file} -> {out}")
+    return 0
+
+
+def _quantize(args) -> int:
+    from jaxsmol.checkpoint.gguf_export import export_gguf
+
+    t0 = time.perf_counter()
+    out = export_gguf(args.model, args.out, args.type, force=args.force, progress=sys.stderr.isatty())
+    print(f"wrote {out} ({args.type}, {out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -293,6 +302,19 @@ def _add_import_gguf(sub) -> None:
     i.set_defaults(func=_import_gguf)
 
 
+def _add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="save a checkpoint as a GGUF file (Q8_0, Q4_1 or F32) that jaxsmol runs "
+                       "as it is (the weights of --quantize TYPE) and llama.cpp loads")
+    q.add_argument("model", metavar="DIR", help="a Hugging Face Llama checkpoint directory (or a GGUF file: "
+                   "requantized from its float values, as --quantize does)")
+    q.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write (written beside it, then renamed)")
+    q.add_argument("--type", default="q8_0", metavar="q8_0|q4_1|f32",
+                   help="q8_0 or q4_1: the layers' matrices quantized as --quantize does (the token table at "
+                        "Q8_0, the norms F32); f32: every tensor float32 (default q8_0)")
+    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    q.set_defaults(func=_quantize)
+
+
 def _add_cache(sub) -> None:
     from cli.cache_tool import add_cache_parser
 
@@ -303,7 +325,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_cluster, _add_cache, _add_score,
-                _add_bench, _add_import_gguf, _add_info):
+                _add_bench, _add_import_gguf, _add_quantize, _add_info):
         add(sub)
     return parser
 
