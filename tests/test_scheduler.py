@@ -338,10 +338,10 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
 
     sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
     if ahead:
-        # decode and insert per width, 3 x 2 relayouts, sampling; with the kernels, 2..8 prompts side by
-        # side at 8, 16 and 32 rows, in the 128-slot window and over the whole 512 slots (without them
-        # prompts are prefilled alone: JAXSMOL_KERNELS=off in CI)
-        side_by_side = 7 * 3 * 2 if sched.engine.side_by_side else 0
+        # decode and insert per width, 3 x 2 relayouts, sampling; with the kernels, 2 and 4 prompts side
+        # by side (groups of 2, 4 or 8, at most max_batch) at 8, 16 and 32 rows, in the 128-slot window
+        # and over the whole 512 slots (without them prompts are prefilled alone: JAXSMOL_KERNELS=off in CI)
+        side_by_side = 2 * 3 * 2 if sched.engine.side_by_side else 0
         assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + side_by_side
     sinks = [Collector() for _ in range(4)]
     caplog.clear()

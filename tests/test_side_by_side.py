@@ -10,7 +10,7 @@ import pytest
 from cache.prefix_cache import PrefixCache
 from cache.scheduler.requests import Collector, Request
 from cache.scheduler.scheduler import Scheduler
-from cache.scheduler.side_by_side import MAX_ROWS, group_chunks
+from cache.scheduler.side_by_side import GROUP_SIZES, MAX_ROWS, group_chunks, group_sizes
 from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
@@ -80,6 +80,19 @@ def test_chunks_are_grouped_by_shape_up_to_most():
     assert MAX_ROWS == 32
 
 
+def test_groups_are_2_4_or_8_chunks_the_rest_alone():
+    """Only groups of GROUP_SIZES run side by side (the programs compiled ahead): 7 chunks of one
+    shape run as 4 + 2 + 1, 5 as 4 + 1, 6 under most=6 as 4 + 2; never more than `most` together."""
+    def sizes(n, most):
+        return [len(g) for g in group_chunks([(i, 16, 512) for i in range(n)], lambda c: (c[1], c[2]), most)]
+
+    assert sizes(7, 8) == [4, 2, 1] and sizes(5, 8) == [4, 1] and sizes(8, 8) == [8] and sizes(3, 8) == [2, 1]
+    assert sizes(6, 6) == [4, 2] and sizes(9, 8) == [8, 1] and sizes(3, 2) == [2, 1]
+    assert group_sizes(8) == GROUP_SIZES == (2, 4, 8) and group_sizes(3) == (2,) and group_sizes(1) == ()
+    order = [c[0] for g in group_chunks([(i, 16, 512) for i in range(7)], lambda c: (c[1], c[2]), 8) for c in g]
+    assert order == list(range(7))
+
+
 def test_a_burst_is_prefilled_side_by_side_and_answers_as_alone(tiny_engine):
     """Six short prompts arriving at once are all admitted in the first step and prefilled in a few
     forwards (chunks of one length side by side), not one or more each; every answer (tokens and
@@ -93,9 +106,10 @@ def test_a_burst_is_prefilled_side_by_side_and_answers_as_alone(tiny_engine):
     sched.step()
     assert sched.live_rows == 6 and all(s.steps for s in sinks)
     # 10, 20, 30 tokens: one 16-, 32-, 32-row chunk; 40, 50, 60: 32 + 16, 64, 64 rows. First round:
-    # the 16, the three 32s side by side, the two 64s each alone (64-row chunks gain nothing side
-    # by side); then 40's 16: 5 forwards for 6 prompts (alone: 7)
-    assert sched.stats.prefill_calls == 5
+    # the 16, the three 32s as two side by side and one alone (groups of 2, 4 or 8), the two 64s
+    # each alone (64-row chunks gain nothing side by side); then 40's 16: 6 forwards for 6 prompts
+    # (alone: 7)
+    assert sched.stats.prefill_calls == 6
     sched.run()
     for p, sink in zip(ps, sinks):
         alone = run_alone(tiny_engine, p, sp)[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache.scheduler.side_by_side import MAX_ROWS
+from cache.scheduler.side_by_side import MAX_ROWS, group_sizes
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.chunks import capacity_for
@@ -60,7 +60,7 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
 
 
 def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
-    """Compile prefill_rows for 2..`most` prompts side by side at each exact chunk length up to
+    """Compile prefill_rows for group_sizes(`most`) prompts side by side at each exact chunk length up to
     side_by_side.MAX_ROWS, at one capacity, for each window it may use (a burst of short prompts:
     the 128 leading slots; longer ones the whole capacity). Returns how many."""
     if not engine.side_by_side:
@@ -68,7 +68,7 @@ def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
     row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.cache_dtype))
     n = 0
     windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
-    for P in range(2, most + 1):
+    for P in group_sizes(most):
         for T in (T for T in engine.buckets(True) if T <= MAX_ROWS):
             for window in windows:
                 if stop is not None and stop.is_set():

@@ -110,7 +110,7 @@ class Scheduler:
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py); returns how many."""
-        return compile_batched(self.engine, self.widths, slots, stop, side_by_side=PREFILLS_AT_ONCE)
+        return compile_batched(self.engine, self.widths, slots, stop, side_by_side=self.side_by_side_most)
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
@@ -136,13 +136,19 @@ class Scheduler:
         budget = max(self.settings.step_rows(decoding), self.engine.buckets(True)[0])
         plans = {p: self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
                                          budget, decoding) for p in sorted(self.prefills, key=self._rows_left)}
-        most = PREFILLS_AT_ONCE if self.engine.side_by_side else 1  # without the kernels: each alone
+        most = self.side_by_side_most
         for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk, padded rows T
             todo = [(p, self.engine.chunk_rows(self._rows_left(p), rows[j], self._exact(p)))
                     for p, rows in plans.items() if j < len(rows) and p in self.prefills]
             for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), most):
                 self._prefill_group(group)
         return True
+
+    @property
+    def side_by_side_most(self) -> int:
+        """The most prompt chunks in one forward: PREFILLS_AT_ONCE, no more than the batch's rows
+        (a daemon of --max-batch 2 compiles no group of 4 or 8); 1 without the kernels (each alone)."""
+        return min(PREFILLS_AT_ONCE, self.max_batch) if self.engine.side_by_side else 1
 
     def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p.kv
         return len(p.lookup.prompt) - int(p.kv.pos)
