@@ -19,15 +19,18 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR|FILE.gguf", help="a Hugging Face SmolLM checkpoint directory, or a "
                    "GGUF file run as it is (F32, F16, BF16, Q8_0, Q4_1, Q4_0) (default: the bundled "
-                   "SmolLM2-135M-Instruct, imported on first use)")
+                   "SmolLM2-135M-Instruct: its Q4_1 file as it is where the CPU kernels run, else its float32 "
+                   "values; imported on first use)")
     p.add_argument("--ctx", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the weights' dtype (the CPU kernels widen bfloat16 exactly and compute in float32)")
-    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_1"],
+    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_1", "none"],
                    help="run every matrix quantized, dequantized inside the matmul (GGUF's Q8_0: ~1.1 bytes a "
-                        "weight; Q4_1: ~0.75, the unembedding at Q8_0). On the bundled model q4_1 is the GGUF "
-                        "file's own weights: the same logits as the float32 default, at 1/6 of its memory")
+                        "weight; Q4_1: ~0.75, the unembedding at Q8_0); none: the float values (a GGUF's "
+                        "dequantized). Default: as the model is; the bundled model runs its Q4_1 file as it is "
+                        "where the CPU kernels run (the same logits as its float32 values, 1/6 of the memory), "
+                        "float32 elsewhere")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16"],
                    help="the KV cache's dtype (default: float32, or bfloat16 with --dtype bfloat16 on XLA's path): "
                         "bfloat16 halves the cache and its snapshots, so the prefix cache holds twice the tokens")

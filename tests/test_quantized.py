@@ -152,6 +152,24 @@ def test_the_bundled_q4_1_file_runs_as_it_is(real_engine, model_dir):
 
 
 @pytest.mark.real
+def test_the_default_model_is_its_q4_1_file_where_the_kernels_run(real_engine, model_dir):
+    """Engine.load() with no model runs the bundled file's Q4_1 matrices as they are where the CPU
+    kernels run (the same logits as the float32 values, 1/6 of the memory), float32 elsewhere
+    (XLA dequantizes at every step there); quantize="none" asks for the float32 values, of the
+    default model or of any GGUF file."""
+    from jaxsmol.checkpoint.default_model import bundled_gguf_path
+    from jaxsmol.kernels import cpu_kernels
+
+    default = Engine.load(progress=False)
+    assert default.cfg.quant == ("q4_1" if cpu_kernels.available() else None)
+    assert np.array_equal(_logprobs(default), _logprobs(real_engine))
+    for source in (None, bundled_gguf_path()):
+        plain = Engine.load(source, quantize="none", progress=False)
+        assert plain.cfg.quant is None and plain.params.nbytes == real_engine.params.nbytes
+    assert Engine.load(dtype="bfloat16", progress=False).cfg.quant is None  # quantized weights compute in float32
+
+
+@pytest.mark.real
 def test_q8_0_stays_close_to_the_float32_weights(real_engine, model_dir):
     q8 = Engine.load(model_dir, quantize="q8_0", progress=False)
     diff = np.abs(_logprobs(q8) - _logprobs(real_engine))

@@ -149,8 +149,10 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
              quantize: str | None = None, kv_dtype: str | None = None, progress: bool = True, mesh=None,
              on_config: Callable | None = None) -> "Engine":
-        """Load a Hugging Face checkpoint directory, or the bundled default model when None.
-        quantize "q8_0" or "q4_1": every matrix quantized at load (kernels/formats.py), run as it is.
+        """Load a Hugging Face checkpoint directory, a GGUF file (its matrices as they are), or the bundled
+        default model when None (its Q4_1 file as it is where the CPU kernels run, float32 elsewhere:
+        checkpoint/default_model.py). quantize "q8_0" or "q4_1": every matrix quantized at load
+        (kernels/formats.py), run as it is; "none": the float values (a GGUF's dequantized).
         kv_dtype "bfloat16" or "float32": the KV cache's dtype (default: the matrix products' input dtype).
         on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
         Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
@@ -158,12 +160,16 @@ class Engine:
 
         enable_compilation_cache(unless_set=True)
 
+        float_weights = quantize == "none"  # the float values, a GGUF's dequantized
+        quantize = None if float_weights else quantize
         if model_dir is None:
-            from jaxsmol.checkpoint.default_model import default_model_dir
-            model_dir = default_model_dir(progress=progress)
+            from jaxsmol.checkpoint.default_model import default_model_source
+            native = quantize is None and not float_weights and dtype == "float32" and mesh is None \
+                and cpu_kernels.available()
+            model_dir = default_model_source(native, progress=progress)
         gguf = None
         if Path(model_dir).is_file():  # a GGUF file: its matrices as they are (gguf_weights.py)
-            gguf = GGUFFile(Path(model_dir), progress, requantize=quantize is not None)
+            gguf = GGUFFile(Path(model_dir), progress, requantize=quantize is not None or float_weights)
             model_dir, quantize = gguf.model_dir, quantize or gguf.format
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
