@@ -50,14 +50,20 @@ def test_the_account_explains_what_it_is_shown(params):
     memory nobody reports is (the same 96 MB, unreported)."""
     account = MemoryAccount(params)
     assert account.weights == sum(x.nbytes for x in jax.tree.leaves(params))
+    freed = np.ones(128 << 20, np.uint8)  # a block freed before, as a long process has (kept or returned)
+    del freed
     account.start()
+    before = account.figures(cache=0, pool=0, batch_kv=0)
     held = np.ones(96 << 20, np.uint8)
     told = account.figures(cache=held.nbytes, pool=0, batch_kv=0)
     untold = account.figures(cache=0, pool=0, batch_kv=0)
     assert abs(told["unaccounted_bytes"]) < 32 << 20, told
     # the two readings are moments apart: another thread may allocate a little in between
     assert untold["unaccounted_bytes"] - told["unaccounted_bytes"] == pytest.approx(held.nbytes, abs=4 << 20)
-    assert told["resident_bytes"] - told["resident_at_start_bytes"] >= 64 << 20
+    # the 96 MB are new resident pages, or free memory malloc kept for reuse (host_memory.py keeps big
+    # blocks: in a process that freed one before, the resident set need not grow at all)
+    grown = told["resident_bytes"] - before["resident_bytes"] + before["heap_free_bytes"] - told["heap_free_bytes"]
+    assert grown >= 64 << 20, (before, told)
     del held
 
 
