@@ -17,7 +17,8 @@ process, on the same matrices: random ones quantized, the float32 kernel given t
 values (so the two outputs must be bitwise equal). The stack then ends with the unembedding
 [576, 49152], as the model's step does: of every row up to 16 (a batched decode step), of the last
 row beyond (a prompt chunk). Printed: each kernel's time and weight bytes per second, and the ratio
-quantized / float32.
+quantized / float32. With `--against REV` too, the quantized kernel alternates instead with REV's
+cpu_matmul_quant.cc on the same quantized matrices (the outputs again bitwise equal).
 """
 
 from __future__ import annotations
@@ -112,18 +113,21 @@ def main() -> None:
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not available")
-    if args.format and (args.against or args.dtype != "float32"):
-        raise SystemExit("--format compares against float32 itself: no --against, no --dtype")
+    if args.format and (args.dtype != "float32" or (args.against and args.per_shape)):
+        raise SystemExit("--format: no --dtype, and no --per-shape with --against")
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(args.dtype)
     target = None
-    if args.against:
+    if args.format and args.against:
+        symbol = {"q8_0": "JaxsmolMatmulQ8_0", "q4_1": "JaxsmolMatmulQ4_1"}[args.format]
+        target = kernel_revision.register(args.against, "cpu_matmul_quant.cc", symbol)
+    elif args.against:
         handler = "JaxsmolMatmulBf16" if dtype == jnp.bfloat16 else "JaxsmolMatmul"
         target = kernel_revision.register(args.against, "cpu_matmul.cc", handler)
     if args.per_shape:
         return per_shape(args, rng, dtype, target)
     if args.format:
-        return against_float32(args, rng)
+        return against_float32(args, rng, target)
     weights = [[cpu_kernels.pack(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.02, dtype)) for s in SHAPES]
                for _ in range(LAYERS)]
     nbytes = sum(k * n for k, n in SHAPES) * LAYERS * dtype.itemsize
@@ -138,16 +142,29 @@ def main() -> None:
         print(line, flush=True)
 
 
-def against_float32(args, rng) -> None:
+def quantized_matmul(target):
+    """cpu_kernels.matmul on a QuantizedMatrix, through another build's registered target."""
+    def matmul(x, w):
+        P, K, _ = w.shape
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, P * formats.PANEL), jnp.float32))
+        return call(x.reshape(-1, K), w.q, *((w.d,) if w.m is None else (w.d, w.m))).reshape(*x.shape[:-1], -1)
+    return matmul
+
+
+def against_float32(args, rng, target=None) -> None:
     """--format: the quantized stack (with the unembedding) against float32 on the same values, the
     two alternating call by call (each first half the time). Printed per row count: the medians and
-    their ratio, and the ratio of the fastest calls (steadier where other work shares the machine)."""
+    their ratio, and the ratio of the fastest calls (steadier where other work shares the machine).
+    target (--against REV): REV's quantized kernel in float32's place, on the quantized matrices."""
     layers = [[quantized(s, args.format, rng) for s in SHAPES] for _ in range(LAYERS)]
     unembed = quantized((D, VOCAB), args.format, rng)
     weights = tuple([*([pair[i] for pair in layer] for layer in layers), unembed[i]] for i in (0, 1))  # quantized, float32
     count = sum(k * n for k, n in SHAPES) * LAYERS + D * VOCAB  # weights in the stack, unembedding included
     qbytes = sum(a.nbytes for a in jax.tree.leaves(weights[0]))
     programs = (stack(cpu_kernels.matmul, 0), stack(cpu_kernels.matmul, 1))
+    other = "float32"
+    if target:
+        programs, other = (programs[0], stack(quantized_matmul(target), 0)), args.against
     print(f"{args.format}: {qbytes / 1e6:.0f} MB of weights ({qbytes / count:.3f} bytes a weight), "
           f"float32 {4 * count / 1e6:.0f} MB", flush=True)
     for M in args.rows:
@@ -161,7 +178,7 @@ def against_float32(args, rng) -> None:
                 times[i].append(time.perf_counter() - t0)
         (tq, tf), (bq, bf) = (statistics.median(t) for t in times), (min(t) for t in times)
         print(f"{M:4d} rows  {args.format} {1e3 * tq:7.2f} ms  {qbytes / tq / 1e9:5.1f} GB/s of weights  "
-              f"float32 {1e3 * tf:7.2f} ms  {args.format}/float32 {tq / tf:.3f} (fastest calls {bq / bf:.3f}), "
+              f"{other} {1e3 * tf:7.2f} ms  {args.format}/{other} {tq / tf:.3f} (fastest calls {bq / bf:.3f}), "
               f"bitwise {'equal' if same else 'DIFFERENT'}", flush=True)
 
 
