@@ -36,7 +36,8 @@ class MemoryAccount:
     """The daemon's memory parts; `start` takes the baseline (call it before the first request)."""
 
     def __init__(self, params):
-        self.weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+        # a quantized tied model's token table is one array in two fields: counted once (Params.nbytes)
+        self.weights = sum(leaf.nbytes for leaf in {id(leaf): leaf for leaf in jax.tree.leaves(params)}.values())
         self.baseline: int | None = None
         self.resident_at_start = 0
         program_memory.watch()  # before the daemon compiles anything ahead
