@@ -87,7 +87,7 @@ def test_real_model_tensor_parallel_over_3_devices():
     from jaxsmol.model.sharding import make_mesh
     from jaxsmol.runtime.sampling import SamplingParams
     from cache.prefix_cache import PrefixCache
-    single = Engine.load(ctx=2048, progress=False)
+    single = Engine.load(ctx=2048, quantize="none", progress=False)  # float32: a mesh splits float matrices
     tp = Engine(single.cfg, single.params, single.tokenizer, ctx=2048, mesh=make_mesh(tp=3))
     tok = single.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
