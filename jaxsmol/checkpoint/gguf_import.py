@@ -2,7 +2,8 @@
 
 The output (`config.json`, float32 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`,
 `generation_config.json`) is what `transformers` would save for a `LlamaForCausalLM`, so the rest of
-jaxsmol only ever reads one format. Quantized tensors are dequantized to float32 with `gguf`.
+jaxsmol only ever reads one format. Quantized tensors are dequantized to float32 with `gguf`; with
+`floats_only` (a file run as it is, gguf_weights.py) they are left out, the file itself read instead.
 
 A GGUF file is untrusted input: every size in its metadata is checked against the tensors the file
 really holds before anything is sized from it (`_check_sizes`). The output is written into a temporary
@@ -30,6 +31,7 @@ from jaxsmol.errors import JaxsmolError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types registered as added tokens
 _MAX_CONTEXT = 1 << 21  # context_length backs no tensor: a sanity bound (Llama 3.1 has 131,072)
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # Per-layer GGUF tensor name -> HF name.
 _LAYER_NAMES = {
@@ -188,9 +190,10 @@ def _dequantize(t, cfg: dict) -> np.ndarray:
     return np.ascontiguousarray(w)
 
 
-def _write_safetensors(reader, cfg: dict, path: Path, progress: bool) -> None:
+def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_only: bool = False) -> None:
     """Stream float32 tensors to a safetensors file one at a time (the header is known from shapes up front),
-    so peak memory is one tensor rather than the whole model."""
+    so peak memory is one tensor rather than the whole model. floats_only: only the tensors the file
+    stores as F32, F16 or BF16 (a file run as it is reads the others from itself: gguf_weights.py)."""
     from tqdm import tqdm
 
     expected = _expected_shapes(cfg)
@@ -199,6 +202,8 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool) -> None:
     if found != set(expected):
         missing, extra = sorted(set(expected) - found), sorted(found - set(expected))
         raise JaxsmolError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    if floats_only:
+        tensors = [(t, name) for t, name in tensors if t.tensor_type.name in FLOAT_TYPES]
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for t, name in tensors:
         size = 4 * int(np.prod(expected[name]))
@@ -289,8 +294,10 @@ def _remove_stale_temporaries(out_dir: Path, max_age_s: float = 3600) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
-    """Convert `gguf_path` into an HF model directory `out_dir` and return it.
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True,
+                floats_only: bool = False) -> Path:
+    """Convert `gguf_path` into an HF model directory `out_dir` and return it (floats_only: its
+    model.safetensors holds only the tensors stored as F32, F16 or BF16, for a file run as it is).
 
     All files are written into a temporary sibling directory which is then renamed into place, so
     `out_dir` either does not exist or is complete. Raises JaxsmolError for a missing, unreadable or
@@ -313,7 +320,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
                                                                           "pad_token_id")})
         _write_json(tmp / "tokenizer.json", tokenizer)
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(tok, cfg))
-        _write_safetensors(reader, cfg, tmp / "model.safetensors", progress)
+        _write_safetensors(reader, cfg, tmp / "model.safetensors", progress, floats_only)
         fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)  # atomic; fails if another process completed out_dir meanwhile

@@ -1,7 +1,10 @@
 """A GGUF file run as it is: its Q8_0, Q4_1 and Q4_0 matrices read block by block into the kernels'
 formats (kernels/formats.py: Q4_0's d (q - 8) is Q4_1 with m = -8 d, exactly), its float tensors
 (F32, F16, BF16) as float32, and the directory beside it that holds its config and tokenizer
-(gguf_import.py, once per file, under the data directory)."""
+(gguf_import.py, once per file, under the data directory). A file run as it is gets a lean import,
+NAME-KEY.lean: config, tokenizer, and only its float tensors (the norms: 0.4 MB on a 1.7B model); its
+quantized tensors are read from the file. The full import, NAME-KEY (every tensor as float32: 6.4 GB
+on a 1.7B), is made only for what needs every float value: --quantize none|q8_0|q4_1 and float files."""
 
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxsmol.checkpoint.gguf_import import _hf_name, _open, import_gguf, unpermute_qk
+from jaxsmol.checkpoint.gguf_import import FLOAT_TYPES as FLOAT
+from jaxsmol.checkpoint.gguf_import import _dequantize, _hf_name, _open, import_gguf, unpermute_qk
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kernels import formats
 from jaxsmol.model.params import Checkpoint
 from jaxsmol.system.data_dirs import models_dir
 
 NATIVE = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1"}  # GGUF type -> the format it runs in
-FLOAT = ("F32", "F16", "BF16")
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18}  # float16 d (and m), then 32 codes
 
@@ -31,9 +34,11 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def imported_dir(gguf_path: Path, progress: bool = True) -> Path:
+def imported_dir(gguf_path: Path, progress: bool = True, lean: bool = False) -> Path:
     """The HF directory of this file (config, tokenizer, float32 tensors), imported on first use (the
-    bundled model's file: the default model's directory)."""
+    bundled model's file: the default model's directory). lean: only the tensors the file stores as
+    floats, in a directory of its own (NAME-KEY.lean), so that it is never taken for the full import
+    (NAME-KEY, named as before: one made before lean imports existed is the full import still)."""
     from jaxsmol.checkpoint import default_model
 
     try:
@@ -43,9 +48,13 @@ def imported_dir(gguf_path: Path, progress: bool = True) -> Path:
         pass
     st = gguf_path.stat()
     key = hashlib.blake2b(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=6).hexdigest()
-    out = models_dir() / f"{gguf_path.stem}-{key}"
-    if not (out / "model.safetensors").is_file():
-        import_gguf(gguf_path, out, progress=progress)
+    out = models_dir() / f"{gguf_path.stem}-{key}{'.lean' if lean else ''}"
+    if not (out / "model.safetensors").is_file():  # a directory there is complete (renamed into place)
+        try:
+            import_gguf(gguf_path, out, progress=progress, floats_only=lean)
+        except JaxsmolError:
+            if not (out / "model.safetensors").is_file():  # else another process finished first
+                raise
     return out
 
 
@@ -93,7 +102,7 @@ class GGUFFile:
         self.path, self.reader = path, _open(path)
         # refuses what it cannot run before importing
         self.format = None if requantize else file_format(self.reader, path)
-        self.model_dir = imported_dir(path, progress)
+        self.model_dir = imported_dir(path, progress, lean=self.format is not None)
 
     def tensors(self, cfg) -> "GGUFTensors":
         import json
@@ -103,24 +112,31 @@ class GGUFFile:
 
 
 class GGUFTensors:
-    """The tensors params_from_hf reads, by HF name: a quantized matrix as its file's blocks, every
-    other tensor from the imported directory (float32)."""
+    """The tensors params_from_hf reads, by HF name: a quantized matrix as its file's blocks, any
+    other quantized tensor (an untied model's token table, a Q6_K one) dequantized from the file as
+    the full import would (gguf_import._dequantize: the same float32 values), and the float tensors
+    from the imported directory (lean or full). Names and shapes of the file's quantized tensors come
+    from its header (HF's [out, in]: GGUF lists dims fastest first)."""
 
     def __init__(self, reader, model_dir: Path, cfg_hf: dict, tied: bool):
         self.floats = Checkpoint(model_dir)
         self.cfg_hf, self.tied = cfg_hf, tied
-        self.quantized = {_hf_name(t.name): t for t in reader.tensors if t.tensor_type.name in NATIVE
+        self.in_file = {_hf_name(t.name): t for t in reader.tensors if t.tensor_type.name not in FLOAT}
+        self.quantized = {name: t for name, t in self.in_file.items() if t.tensor_type.name in NATIVE
                           and (t.name.startswith("blk.") or tied or t.name == "output.weight")}
 
     def keys(self):
-        return self.floats.keys()
+        return self.floats.keys() | self.in_file.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.floats.shape(name)
+        t = self.in_file.get(name)
+        return self.floats.shape(name) if t is None else tuple(int(d) for d in reversed(t.shape))
 
     def __getitem__(self, name: str):
-        t = self.quantized.get(name)
-        if t is None or not t.name.endswith("weight") or len(t.shape) != 2:
+        t = self.in_file.get(name)
+        if t is None:
             return self.floats[name]
+        if name not in self.quantized or not t.name.endswith("weight") or len(t.shape) != 2:
+            return _dequantize(t, self.cfg_hf)
         heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(t.name.split(".")[-2])
         return blocks(t, self.cfg_hf[heads] if heads else None)
