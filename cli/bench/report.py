@@ -101,7 +101,7 @@ _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", 
 def format_results(res: dict) -> str:
     """Every section present in `res` as tables, between a line about the machine and the wall times."""
     m = res["meta"]
-    out = [f"jaxsmol bench ({'quick' if m['quick'] else 'full'}): {m['model']}, {m['dtype']}, ctx {m['ctx']}, "
+    out = [f"jaxsmol bench ({'quick' if m['quick'] else 'full'}): {m['model']}, {m.get('weights', m['dtype'])} weights, ctx {m['ctx']}, "
            f"{m['cpus']} CPUs, jax {m['jax']} on {m['backend']}, load avg {m['loadavg_start']} -> {m['loadavg_end']}"]
     for name, fmt in _SECTIONS:
         if name in res:

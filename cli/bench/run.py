@@ -48,7 +48,7 @@ def _meta(args, engine, plan, sections, load0) -> dict:
     from jaxsmol.runtime.chunks import compile_bound
 
     return {
-        "model": str(engine.model_dir), "dtype": args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
+        "model": str(engine.model_dir), "dtype": args.dtype, "weights": engine.cfg.quant or args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
         "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "peer_name": getattr(args, "peer_name", None),
