@@ -48,11 +48,11 @@ def test_default_model_dir_lost_race(tiny_gguf, tmp_path, monkeypatch):
     final = tmp_path / "home" / "models" / default_model.DEFAULT_MODEL_NAME
     real_write = gguf_import._write_safetensors
 
-    def racing_write(reader, cfg, path, progress):
+    def racing_write(reader, cfg, path, *rest):
         monkeypatch.setattr(gguf_import, "_write_safetensors", real_write)
         import_gguf(tiny_gguf[0], final, progress=False)  # the "other process" wins
         (final / "winner").write_text("yes")
-        real_write(reader, cfg, path, progress)
+        real_write(reader, cfg, path, *rest)
 
     monkeypatch.setattr(gguf_import, "_write_safetensors", racing_write)
     assert default_model.default_model_dir(progress=False) == final
