@@ -49,9 +49,12 @@ def format_probe(result: dict) -> str:
     else:
         title = f"cache probe (mode {result['mode']}, predict {result['max_tokens']})"
     rows = [[label, show(cold[key]), show(warm[key])] for label, key, show in _PROBE_ROWS if key in cold]
+    # a bypassed warm run reused nothing: its lower time is the cold run's one-time costs, not the cache
+    why = " (no reuse: the prompt bypassed the cache; the cold run paid the process's first-run costs)" \
+        if warm.get("bypass") else ""
     lines = [format_table(["", "cold", "warm"], rows, title=title, numbers=False, rule=False),
              f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
-             f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x"]
+             f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x{why}"]
     pc = result.get("prompt_cache")
     if pc:
         used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"

@@ -394,3 +394,28 @@ def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):
     with pytest.raises(JaxsmolError, match=r"600 positions does not fit a cache of 512 slots"):
         tiny_engine.restore(KVCache(k=good, v=good, pos=np.int32(600)), 512)
     assert int(tiny_engine.restore(KVCache(k=good, v=good, pos=np.int32(600)), 512, 500).pos) == 500
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_warmup_for_a_prompt_compiles_what_its_probe_runs(caplog, n):
+    """engine.warmup(slots, prompt_len) compiles every forward a prompt of that length runs, the exact
+    path's chunk too (a one-token prompt runs an 8-row chunk with the kernels: it was left out, and the
+    lab's one-token probe paid ~0.5 s in its cold run). Its own shapes, so no earlier test compiled them."""
+    import logging
+
+    import jax
+
+    from cache.probe import run_probe
+    from jaxsmol.model.config import Config
+    from jaxsmol.model.params import init_random
+    from jaxsmol.runtime.engine import Engine
+
+    cfg = Config.tiny(n_layers=5, vocab_size=352 + 32 * n)
+    engine = Engine(cfg, init_random(cfg), None, ctx=256)
+    engine._fingerprint = f"warmup-{n}"
+    engine.warmup(n + 1, prompt_len=n)
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        result = run_probe(engine, list(range(3, 3 + n)), max_tokens=1, warmup=False)
+    assert result["identical"]
+    assert not [r for r in caplog.records if "forward" in r.getMessage()], [r.getMessage() for r in caplog.records]

@@ -341,7 +341,9 @@ class Engine:
         4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs ~1.5 s
         of tracing and lowering even when the persistent cache holds its compiled code).
         Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
-        top = FAST_BUCKETS[-1] if prompt_len is None else chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS)
+        # the exact path's chunks too: a one-token prompt runs an 8-row chunk with the kernels (64 without)
+        top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
+                                                               chunk_length(prompt_len, buckets=self.buckets(True)))
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
             kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
             for T in FAST_BUCKETS:
