@@ -55,16 +55,6 @@ def _source_dir(src: Path, progress: bool) -> Path:
     return GGUFFile(src, progress, requantize=True).model_dir
 
 
-def _check_quantizable(cfg: Config, qtype: str) -> None:
-    """The refusal Engine.load gives (runtime.engine.with_quantization) a model whose matrices do not
-    split into 32-wide blocks and panels."""
-    sizes = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
-             "heads x head_dim": cfg.n_heads * cfg.head_dim, "kv heads x head_dim": cfg.n_kv_heads * cfg.head_dim}
-    odd = [f"{k}={v}" for k, v in sizes.items() if v % formats.BLOCK]
-    if qtype != "f32" and odd:
-        raise JaxsmolError(f"{qtype} needs every matrix size to be a multiple of {formats.BLOCK}: {', '.join(odd)}")
-
-
 def tensor_plan(cfg: Config, qtype: str) -> list[tuple[str, str, str, int | None]]:
     """(GGUF name, HF name, type in TYPES, heads whose rows to permute or None), in the file's order."""
     table = "f32" if qtype == "f32" else formats.UNEMBED_FORMAT
@@ -223,7 +213,8 @@ def export_gguf(src: str | Path, out: str | Path, qtype: str = "q8_0", *, force:
         raise JaxsmolError(f"{out} already exists" + ("" if out.is_dir() else " (pass --force to replace it)"))
     model_dir = _source_dir(src, progress)
     cfg = Config.load(model_dir)  # refuses a missing config.json and every architecture but LlamaForCausalLM
-    _check_quantizable(cfg, qtype)
+    if qtype != "f32":
+        cfg.check_blocks(qtype, formats.BLOCK)  # Engine.load's refusal for --quantize
     ckpt = Checkpoint(model_dir)
     for hf_name, shape in expected_shapes(cfg).items():
         if hf_name not in ckpt.keys():

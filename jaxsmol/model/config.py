@@ -51,6 +51,15 @@ class Config:
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}"
             )
 
+    def check_blocks(self, fmt: str, block: int) -> None:
+        """A JaxsmolError naming every matrix size that does not split into `fmt`'s blocks of `block`
+        (a quantized format: --quantize, jaxsmol quantize)."""
+        sizes = {"hidden_size": self.dim, "intermediate_size": self.ffn_dim, "vocab_size": self.vocab_size,
+                 "heads x head_dim": self.n_heads * self.head_dim, "kv heads x head_dim": self.n_kv_heads * self.head_dim}
+        odd = [f"{k}={v}" for k, v in sizes.items() if v % block]
+        if odd:
+            raise JaxsmolError(f"{fmt} needs every matrix size to be a multiple of {block}: {', '.join(odd)}")
+
     @property
     def q_per_kv(self) -> int:  # G, query heads sharing one key/value head
         return self.n_heads // self.n_kv_heads

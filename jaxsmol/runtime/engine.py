@@ -117,11 +117,7 @@ def with_quantization(cfg: Config, quantize: str | None, dtype: str, mesh) -> Co
         raise JaxsmolError(f"quantized weights compute in float32: --quantize {quantize} takes --dtype float32")
     if mesh is not None:
         raise JaxsmolError("quantized weights run on one device: --quantize takes no mesh")
-    sizes = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
-             "heads x head_dim": cfg.n_heads * cfg.head_dim, "kv heads x head_dim": cfg.n_kv_heads * cfg.head_dim}
-    odd = [f"{k}={v}" for k, v in sizes.items() if v % formats.BLOCK]
-    if odd:
-        raise JaxsmolError(f"{quantize} needs every matrix size to be a multiple of {formats.BLOCK}: {', '.join(odd)}")
+    cfg.check_blocks(quantize, formats.BLOCK)
     return dataclasses.replace(cfg, quant=quantize)
 
 
