@@ -59,23 +59,14 @@ def is_imported() -> bool:
 
 
 def default_model_dir(progress: bool = True) -> Path:
-    """The default model as an HF directory, importing the bundled GGUF on first use.
-
-    Safe when processes race: each imports into its own temporary directory and renames it into place;
-    the loser's rename fails, its temporary directory is discarded, and it returns the winner's.
-    """
-    from jaxsmol.checkpoint.gguf_import import import_gguf
+    """The default model as an HF directory, importing the bundled GGUF on first use (safe when
+    processes race: gguf_import.import_once)."""
+    from jaxsmol.checkpoint.gguf_import import import_once
 
     model_dir = default_model_path()
     if _is_complete(model_dir):
         return model_dir
-    gguf_path = bundled_gguf_path()
-    try:
-        return import_gguf(gguf_path, model_dir, progress=progress)
-    except JaxsmolError:
-        if _is_complete(model_dir):  # another process finished first
-            return model_dir
-        raise
+    return import_once(bundled_gguf_path(), model_dir, progress=progress)
 
 
 def default_model_source(native: bool, progress: bool = True) -> Path:

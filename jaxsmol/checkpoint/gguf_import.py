@@ -331,3 +331,19 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
         raise
     fsync_dir(out_dir.parent)
     return out_dir
+
+
+def import_once(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True,
+                floats_only: bool = False) -> Path:
+    """`out_dir`, importing `gguf_path` there first unless an import is there already (a directory
+    there is complete: import_gguf renames it into place whole). Safe when processes race: each
+    imports into its own temporary directory; the loser's rename fails and it returns the winner's."""
+    out_dir = Path(out_dir)
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    try:
+        return import_gguf(gguf_path, out_dir, progress=progress, floats_only=floats_only)
+    except JaxsmolError:
+        if (out_dir / "model.safetensors").is_file():  # another process finished first
+            return out_dir
+        raise

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxsmol.checkpoint.gguf_import import FLOAT_TYPES as FLOAT
-from jaxsmol.checkpoint.gguf_import import _dequantize, _hf_name, _open, import_gguf, unpermute_qk
+from jaxsmol.checkpoint.gguf_import import _dequantize, _hf_name, _open, import_once, unpermute_qk
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kernels import formats
 from jaxsmol.model.params import Checkpoint
@@ -49,13 +49,7 @@ def imported_dir(gguf_path: Path, progress: bool = True, lean: bool = False) -> 
     st = gguf_path.stat()
     key = hashlib.blake2b(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=6).hexdigest()
     out = models_dir() / f"{gguf_path.stem}-{key}{'.lean' if lean else ''}"
-    if not (out / "model.safetensors").is_file():  # a directory there is complete (renamed into place)
-        try:
-            import_gguf(gguf_path, out, progress=progress, floats_only=lean)
-        except JaxsmolError:
-            if not (out / "model.safetensors").is_file():  # else another process finished first
-                raise
-    return out
+    return import_once(gguf_path, out, progress=progress, floats_only=lean)
 
 
 def file_format(reader, path: Path) -> str | None:
