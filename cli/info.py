@@ -22,9 +22,11 @@ def collect() -> dict:
 
     backend = jax.default_backend()
     cache_dir = compilation_cache_dir()
+    from jaxsmol.checkpoint.default_model import runs_natively
+
     kernels = dataclasses.asdict(kernel_state(backend))
-    # what Engine.load runs when no model is named (checkpoint/default_model.py: default_model_source)
-    runs = "q4_1 (the bundled file as it is)" if kernels["in_use"] else "float32 (XLA's path: the file's values)"
+    # what Engine.load runs when no model is named
+    runs = "q4_1 (the bundled file as it is)" if runs_natively() else "float32 (XLA's path: the file's values)"
     return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
             "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": backend, "devices": [str(d) for d in jax.devices()],

@@ -69,6 +69,18 @@ def default_model_dir(progress: bool = True) -> Path:
     return import_once(bundled_gguf_path(), model_dir, progress=progress)
 
 
+def runs_natively(dtype: str = "float32", quantize: str | None = None, mesh=None) -> bool:
+    """Whether the default model runs its Q4_1 file as it is for these load options: only where the
+    CPU kernels would run it (float32 compute, one CPU device, the kernels loaded); XLA's path would
+    dequantize every matrix at every step."""
+    import jax
+
+    from jaxsmol.kernels import cpu_kernels
+
+    return (quantize is None and dtype == "float32" and mesh is None and jax.default_backend() == "cpu"
+            and cpu_kernels.available())
+
+
 def default_model_source(native: bool, progress: bool = True) -> Path:
     """What Engine.load runs when no model is named: the bundled GGUF file (its Q4_1 matrices as they
     are) when `native`, else the float32 import's directory."""

@@ -159,10 +159,8 @@ class Engine:
         float_weights = quantize == "none"  # the float values, a GGUF's dequantized
         quantize = None if float_weights else quantize
         if model_dir is None:
-            from jaxsmol.checkpoint.default_model import default_model_source
-            native = quantize is None and not float_weights and dtype == "float32" and mesh is None \
-                and cpu_kernels.available()
-            model_dir = default_model_source(native, progress=progress)
+            from jaxsmol.checkpoint.default_model import default_model_source, runs_natively
+            model_dir = default_model_source(not float_weights and runs_natively(dtype, quantize, mesh), progress)
         gguf = None
         if Path(model_dir).is_file():  # a GGUF file: its matrices as they are (gguf_weights.py)
             gguf = GGUFFile(Path(model_dir), progress, requantize=quantize is not None or float_weights)
