@@ -66,6 +66,9 @@ class Scheduler:
         self.cache, self.engine = cache, cache.engine
         self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
         self.widths = s.widths
+        # the most prompt chunks in one forward, no more than the batch's rows (--max-batch 2 compiles no
+        # group of 4 or 8); 1 without the kernels (each alone)
+        self.side_by_side_most = min(PREFILLS_AT_ONCE, s.max_batch) if self.engine.side_by_side else 1
         self.pending: collections.deque[Request] = collections.deque()
         self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
@@ -136,19 +139,12 @@ class Scheduler:
         budget = max(self.settings.step_rows(decoding), self.engine.buckets(True)[0])
         plans = {p: self.settings.chunks(tight_plan(self._rows_left(p), self.engine.buckets(self._exact(p))),
                                          budget, decoding) for p in sorted(self.prefills, key=self._rows_left)}
-        most = self.side_by_side_most
         for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk, padded rows T
             todo = [(p, self.engine.chunk_rows(self._rows_left(p), rows[j], self._exact(p)))
                     for p, rows in plans.items() if j < len(rows) and p in self.prefills]
-            for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), most):
+            for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), self.side_by_side_most):
                 self._prefill_group(group)
         return True
-
-    @property
-    def side_by_side_most(self) -> int:
-        """The most prompt chunks in one forward: PREFILLS_AT_ONCE, no more than the batch's rows
-        (a daemon of --max-batch 2 compiles no group of 4 or 8); 1 without the kernels (each alone)."""
-        return min(PREFILLS_AT_ONCE, self.max_batch) if self.engine.side_by_side else 1
 
     def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p.kv
         return len(p.lookup.prompt) - int(p.kv.pos)
