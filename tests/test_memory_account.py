@@ -78,14 +78,3 @@ def test_metrics_render_the_memory_gauges(params):
     names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert {f"jaxsmol_{key}" for key, _ in MEMORY_GAUGES} <= names
 
-
-def test_a_shared_token_table_is_counted_once(tiny_model_dir):
-    """A quantized tied model's token table is one array in two fields of the params: the weights
-    gauge counts it once, as Params.nbytes and `jaxsmol info` do (it was counted twice: 53 MB too
-    many on a 360M at Q8_0)."""
-    from jaxsmol.runtime.engine import Engine
-
-    engine = Engine.load(tiny_model_dir, quantize="q8_0", progress=False)
-    leaves = jax.tree.leaves(engine.params)
-    assert len({id(x) for x in leaves}) < len(leaves)
-    assert MemoryAccount(engine.params).weights == engine.params.nbytes

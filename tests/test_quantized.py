@@ -205,3 +205,15 @@ def test_a_gguf_of_another_type_is_refused_with_what_to_do(tmp_path, monkeypatch
     with pytest.raises(JaxsmolError, match=r"tiny-q5.gguf holds matrices of type Q5_0: .* llama-quantize"):
         Engine.load(path, progress=False)
     assert Engine.load(path, quantize="q8_0", progress=False).cfg.quant == "q8_0"  # requantized when asked
+
+
+def test_a_shared_token_table_is_counted_once(tiny_model_dir):
+    """A quantized tied model's token table is one array in two fields of the params: the weights
+    gauge counts it once, as Params.nbytes and `jaxsmol info` do (it was counted twice: 53 MB too
+    many on a 360M at Q8_0). Here, not in test_memory_account.py: it needs no glibc."""
+    from cli.server.memory import MemoryAccount
+
+    engine = Engine.load(tiny_model_dir, quantize="q8_0", progress=False)
+    leaves = jax.tree.leaves(engine.params)
+    assert len({id(x) for x in leaves}) < len(leaves)
+    assert MemoryAccount(engine.params).weights == engine.params.nbytes
