@@ -68,7 +68,7 @@ def _tokenize(args) -> int:
     from jaxsmol.checkpoint.default_model import default_model_dir
     from jaxsmol.checkpoint.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(args.model or default_model_dir(progress=sys.stderr.isatty()))
+    tok = Tokenizer.load(args.model or default_model_dir(progress=sys.stderr.isatty(), lean=True))
     text = tok.apply_chat_template([{"role": "user", "content": args.text}]) if args.chat else args.text
     ids = tok.encode(text)
     if args.json:

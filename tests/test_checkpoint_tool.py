@@ -31,7 +31,7 @@ def test_written_checkpoint_loads_with_the_expected_shapes(tiny_dir):
     ckpt = Checkpoint(tiny_dir)
     assert {n: ckpt.shape(n) for n in ckpt.keys()} == expected_shapes(cfg)
     eng = Engine.load(tiny_dir, progress=False)
-    assert len(eng.params.layers) == 2 and eng.params.layers[0].wqkv.shape == (4, 64, 32) and eng.tokenizer is not None
+    assert eng.params.layers.wqkv.shape == (2, 4, 64, 32) and eng.tokenizer is not None
     norm = np.asarray(eng.params.final_norm)
     assert np.all(np.abs(norm - 1) < 1)  # norms near 1, stored as bfloat16, read back as float32
 

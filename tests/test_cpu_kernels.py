@@ -156,11 +156,12 @@ def test_fused_products_change_no_bit(tiny_cfg, params):
     """q, k, v (and gate, up) as one packed product each give the bits of three (two) separate
     products: each output column is its own sum over k, whatever the columns beside it."""
     on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
-    separate = params.replace(layers=tuple(layer.replace(**{f: cpu_kernels.pack(getattr(layer, f))
-                                                          for f in cpu_kernels.MATRICES}) for layer in params.layers),
-                              unembed=cpu_kernels.pack(params.unembed))
+    layers = cpu_kernels.unstack_layers(params.layers)
+    separate = params.replace(layers=cpu_kernels.stack_layers(
+        lambda i: layers[i].replace(**{f: cpu_kernels.pack(getattr(layers[i], f)) for f in cpu_kernels.MATRICES}),
+        len(layers)), unembed=cpu_kernels.pack(params.unembed))
     fused = cpu_kernels.pack_params(params)
-    assert separate.layers[0].wqkv is None and fused.layers[0].wqkv is not None
+    assert separate.layers.wqkv is None and fused.layers.wqkv is not None
     prompt = jnp.asarray(np.random.default_rng(6).integers(0, tiny_cfg.vocab_size, (3, 32)), jnp.int32)
     outs = [programs.forward(p, prompt, jnp.int32(32), KVCache.zeros(on, 64, batch=3), on, all_logits=True)
             for p in (separate, fused)]
@@ -180,12 +181,12 @@ def test_packed_weights_round_trip_and_are_required(tiny_cfg, params):
         cpu_kernels.pack(w[:, :48])
     on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
     packed = cpu_kernels.pack_params(params)
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed.layers[1].w_down)), np.asarray(params.layers[1].w_down))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed.layers.w_down[1])), np.asarray(params.layers.w_down[1]))
     assert jax.tree.map(lambda a: a.shape, abstract_params(on)) == jax.tree.map(lambda a: a.shape, packed)
     assert packed.embed.shape == params.embed.shape  # gathered by row: never packed
     unpacked = cpu_kernels.pack_params(packed, packed=False)  # the fused products split back too
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), unpacked, params))
-    assert packed.layers[0].wq is None and packed.layers[0].wqkv.shape == (4, 64, 32)
+    assert packed.layers.wq is None and packed.layers.wqkv.shape == (2, 4, 64, 32)  # stacked: [L, ...]
     with pytest.raises(ValueError, match="pack_params"):
         programs.forward(params, jnp.zeros((1, 16), jnp.int32), jnp.int32(16), KVCache.zeros(on, 256), on)
     assert not cpu_kernels.fits(dataclasses.replace(tiny_cfg, ffn_dim=144))  # 144 % 32: kernels off
@@ -246,8 +247,8 @@ def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tin
     e16 = Engine(tiny_cfg, narrow, None, ctx=512)
     e32 = Engine(tiny_cfg, jax.tree.map(lambda a: a.astype(jnp.float32), narrow), None, ctx=512)
     assert e16.cfg.cpu_kernels and e32.cfg.cpu_kernels
-    assert {w.dtype for w in jax.tree.leaves(e16.params.layers[0]) if w.ndim == 3} == {jnp.dtype(jnp.bfloat16)}
-    assert e16.params.unembed.dtype == e16.params.embed.dtype == e16.params.layers[0].attn_norm.dtype == jnp.bfloat16
+    assert {w.dtype for w in jax.tree.leaves(e16.params.layers) if w.ndim == 4} == {jnp.dtype(jnp.bfloat16)}
+    assert e16.params.unembed.dtype == e16.params.embed.dtype == e16.params.layers.attn_norm.dtype == jnp.bfloat16
     assert e16.params.compute_dtype == jnp.float32 and e16.new_cache(64).k.dtype == jnp.float32
     assert e16.params.nbytes * 2 == e32.params.nbytes
     ids = [int(t) for t in np.random.default_rng(4).integers(3, tiny_cfg.vocab_size, 100)]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from jaxsmol.kernels import cpu_kernels
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.params import expected_shapes, load_params, params_from_hf, read_hf_tensors
@@ -49,8 +50,8 @@ def test_params_layout_and_values(tiny_cfg):
     t = _tensors(tiny_cfg)
     p = params_from_hf(tiny_cfg, t)
     L = tiny_cfg.n_layers
-    assert len(p.layers) == L
-    for i, layer in enumerate(p.layers):  # one LayerParams per layer, matrices transposed to [in, out]
+    assert p.layers.wq.shape == (L, 64, 64)  # one LayerParams, every layer's stacked
+    for i, layer in enumerate(cpu_kernels.unstack_layers(p.layers)):  # matrices transposed to [in, out]
         assert layer.wq.shape == (64, 64) and layer.wk.shape == (64, 32) and layer.wo.shape == (64, 64)
         assert layer.w_down.shape == (128, 64) and layer.attn_norm.shape == (64,)
         np.testing.assert_array_equal(np.asarray(layer.wq), t[f"model.layers.{i}.self_attn.q_proj.weight"].T)

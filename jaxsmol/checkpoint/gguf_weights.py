@@ -43,7 +43,7 @@ def imported_dir(gguf_path: Path, progress: bool = True, lean: bool = False) -> 
 
     try:
         if gguf_path.resolve() == default_model.bundled_gguf_path().resolve():
-            return default_model.default_model_dir(progress)
+            return default_model.default_model_dir(progress, lean)
     except JaxsmolError:  # the bundled model is not installed: this is another file
         pass
     st = gguf_path.stat()
@@ -93,7 +93,7 @@ class GGUFFile:
         """requantize: the caller quantizes the float import itself (--quantize), whatever the file's types."""
         if not is_gguf(path):
             raise JaxsmolError(f"{path} is a file, not a model directory or a .gguf file")
-        self.path, self.reader = path, _open(path)
+        self.path, self.reader = path, _open(path, values=False)  # config and tokenizer: from the import
         # refuses what it cannot run before importing
         self.format = None if requantize else file_format(self.reader, path)
         self.model_dir = imported_dir(path, progress, lean=self.format is not None)

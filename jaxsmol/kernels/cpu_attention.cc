@@ -384,30 +384,45 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* v
     const int64_t slots = ((layer * B + b) * K + kh) * S * H;
     const int64_t offset = (b * T + t0) * row_stride + (kh * G + g) * H;
     const int64_t rows = std::min<int64_t>(kTileRows, T - t0), first = std::max<int64_t>(ps[b], 0) + t0;
-    if (together) {  // as few row vectors as hold them
-      const int64_t vecs = (G * rows + kLanes - 1) / kLanes;
-      (vecs == 1   ? &AttendRows<KV, HV, 1, true>
-       : vecs == 2 ? &AttendRows<KV, HV, 2, true>
-                   : &AttendRows<KV, HV, kCombinedVecs, true>)(
-          qs + offset, row_stride, ks + slots, vs + slots, os + offset, G, G, rows, first, S);
-    } else  // AVX2: 16-row tiles, as measured
-      (rows <= kLanes && kVecRegs == 32 ? &AttendRows<KV, HV, 1> : &AttendRows<KV, HV, kRowVecs>)(
-          qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task, 1, rows, first, S);
+    if constexpr (kVecRegs == 32) {  // (AVX2 never takes these: not compiled there)
+      if (together) {  // as few row vectors as hold them
+        const int64_t vecs = (G * rows + kLanes - 1) / kLanes;
+        (vecs == 1   ? &AttendRows<KV, HV, 1, true>
+         : vecs == 2 ? &AttendRows<KV, HV, 2, true>
+                     : &AttendRows<KV, HV, kCombinedVecs, true>)(
+            qs + offset, row_stride, ks + slots, vs + slots, os + offset, G, G, rows, first, S);
+        return;
+      }
+    }
+    // AVX2: 16-row tiles, as measured
+    (rows <= kLanes && kVecRegs == 32 ? &AttendRows<KV, HV, 1> : &AttendRows<KV, HV, kRowVecs>)(
+        qs + offset, row_stride, ks + slots, vs + slots, os + offset, per_task, 1, rows, first, S);
   });
+}
+
+// AttendAll for a head of hv vectors, nullptr for another size. Only the sizes a head of 16-128 floats
+// takes are compiled (1-8 vectors of 16 lanes, 2-16 of 8): each costs seconds of the first start.
+constexpr int kMinHV = 16 / kLanes, kMaxHV = 128 / kLanes;
+template <typename KV>
+using AttendFn = decltype(&AttendAll<KV, kMinHV>);
+template <typename KV, int HV = kMinHV>
+AttendFn<KV> AttendFor(int64_t hv) {
+  if constexpr (HV > kMaxHV)
+    return nullptr;
+  else
+    return hv == HV ? &AttendAll<KV, HV> : AttendFor<KV, 2 * HV>(hv);
 }
 
 // The cache's element type names the kernel: F32 (float) or BF16 (uint16_t, widened as it loads).
 template <ffi::DataType CacheType>
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, CacheOf<CacheType> v_all,
-                     Positions pos, OutQueries out, int64_t layer) {
+                     Positions pos, LayerIndex layer_index, OutQueries out) {
   using KV = ffi::NativeType<CacheType>;
   const auto qd = q.dimensions(), cd = k_all.dimensions();
-  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], L = cd[0], S = cd[3];
-  if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0 || layer >= L)
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], S = cd[3], layer = LayerOf(layer_index, cd[0]);
+  if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0)
     return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
-  const int64_t hv = H == 16 || H == 32 || H == 64 || H == 128 ? H / kLanes : 0;  // 1-8 or 2-16 vectors
-  auto* attend = hv == 1 ? &AttendAll<KV, 1> : hv == 2 ? &AttendAll<KV, 2> : hv == 4 ? &AttendAll<KV, 4>
-               : hv == 8 ? &AttendAll<KV, 8> : hv == 16 ? &AttendAll<KV, 16> : nullptr;
+  auto* attend = H == 16 || H == 32 || H == 64 || H == 128 ? AttendFor<KV>(H / kLanes) : nullptr;
   if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
          B, T, K, G, S);
@@ -416,6 +431,11 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, 
 
 }  // namespace
 
+// Built as two objects, one a cache type (cpu_kernels.py UNITS: JAXSMOL_ATTENTION_CACHE=F32 or BF16), so
+// that two cores compile them at once: this file was 14 of a cold start's 18 s of compiling kernels.
+#define JAXSMOL_F32 1
+#define JAXSMOL_BF16 2
+#if !defined(JAXSMOL_ATTENTION_CACHE) || JAXSMOL_ATTENTION_CACHE == JAXSMOL_F32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -423,9 +443,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention<ffi::F32>,
                                   .Arg<Cache>()
                                   .Arg<Cache>()
                                   .Arg<Positions>()
-                                  .Ret<Queries>()
-                                  .Attr<int64_t>("layer"));
+                                  .Arg<LayerIndex>()
+                                  .Ret<Queries>());
+#endif
 
+#if !defined(JAXSMOL_ATTENTION_CACHE) || JAXSMOL_ATTENTION_CACHE == JAXSMOL_BF16
 // The same over a bfloat16 cache (`--kv-dtype bfloat16`): the bits of JaxsmolAttention on a float32
 // cache holding the same values.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttentionBf16, Attention<ffi::BF16>,
@@ -435,5 +457,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttentionBf16, Attention<ffi::BF16>,
                                   .Arg<CacheBf16>()
                                   .Arg<CacheBf16>()
                                   .Arg<Positions>()
-                                  .Ret<Queries>()
-                                  .Attr<int64_t>("layer"));
+                                  .Arg<LayerIndex>()
+                                  .Ret<Queries>());
+#endif

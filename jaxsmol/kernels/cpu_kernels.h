@@ -84,4 +84,14 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// The layer a call reads: a scalar operand, so that one compiled loop body serves every layer and
+// the kernels read that layer's weights and cache in place (a traced slice would be copied first).
+using LayerIndex = ffi::Buffer<ffi::S32, 0>;
+
+// The layer index, or -1 where it lies outside 0..L-1.
+inline int64_t LayerOf(const LayerIndex& layer, int64_t L) {
+  const int64_t l = *layer.typed_data();
+  return l >= 0 && l < L ? l : -1;
+}
+
 }  // namespace

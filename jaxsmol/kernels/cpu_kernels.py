@@ -55,6 +55,10 @@ from jaxsmol.system.data_dirs import kernels_dir
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_matmul.h"))
+# What one compiler process builds: a source, with its own flags. The attention source once per cache
+# type, so that two cores share its compile (a cold start's longest step).
+UNITS = tuple((src, ()) for src in SOURCES if src.name != "cpu_attention.cc") + tuple(
+    (SOURCES[2], (f"-DJAXSMOL_ATTENTION_CACHE={t}",)) for t in ("JAXSMOL_F32", "JAXSMOL_BF16"))
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
@@ -140,7 +144,8 @@ def _build() -> tuple[Path, bool]:
         raise RuntimeError(f"kernel sources missing from {SOURCES[0].parent}: {', '.join(missing)}")
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.blake2b(digest_size=12)
-    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(),
+                 repr([(src.name, defines) for src, defines in UNITS]).encode(), cxx.encode(), jax.__version__.encode(),
                  _cpu_signature().encode()):
         key.update(part)
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
@@ -159,11 +164,11 @@ def _compile_each(cxx: str, work: Path) -> list[Path]:
     """Each source to an object file in `work`, all at once (one compiler per source: ~2x faster on
     two cores than one command compiling them in turn; the same translation units, so the same code)."""
     flags = [f for f in FLAGS if f != "-shared"]
-    objects = [work / f"{src.stem}.o" for src in SOURCES]
+    objects = [work / f"{src.stem}-{i}.o" for i, (src, _) in enumerate(UNITS)]
     try:
-        running = [subprocess.Popen([cxx, *flags, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
+        running = [subprocess.Popen([cxx, *flags, *defines, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                   for src, obj in zip(SOURCES, objects)]
+                   for (src, defines), obj in zip(UNITS, objects)]
     except OSError as e:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
     failures = []
@@ -290,11 +295,43 @@ def is_packed(w) -> bool:
 def pack_params(params, packed: bool = True):
     """params with every matmul weight packed (the layers' matrices, see pack_layer, and the
     unembedding; not the embedding table, whose rows are gathered), or with packed=False every one
-    unpacked: the layout a cfg with the kernels on, or off, needs. Weights already in it are kept."""
+    unpacked: the layout a cfg with the kernels on, or off, needs. Weights already in it are kept.
+    params.layers is stacked ([L, ...] leaves); a change of layout goes a layer at a time."""
     unembed = params.unembed
     if not isinstance(unembed, QuantizedMatrix) and is_packed(unembed) != packed:
         unembed = (pack if packed else unpack)(unembed)
-    return params.replace(layers=tuple(pack_layer(layer, packed) for layer in params.layers), unembed=unembed)
+    layers = params.layers
+    if not (_quantized(layers) or (layers.wqkv is not None) == packed):
+        per_layer = unstack_layers(layers)
+        layers = stack_layers(lambda i: pack_layer(per_layer[i], packed), len(per_layer))
+    return params.replace(layers=layers, unembed=unembed)
+
+
+def stack_layers(layer_at, n: int):
+    """One pytree whose leaves are the n layers' stacked ([L, ...]), from layer_at(i), the pytree of layer
+    i: each layer is copied into 64-byte aligned host buffers as it comes, which the device arrays then
+    alias on the CPU (a load's peak is the weights once, plus one layer, not twice the weights)."""
+    buffers, treedef = None, None
+    for i in range(n):
+        leaves, treedef = jax.tree.flatten(layer_at(i))
+        if buffers is None:
+            buffers = [_aligned_empty((n, *np.shape(a)), a.dtype) for a in leaves]
+        for buffer, a in zip(buffers, leaves):
+            buffer[i] = np.asarray(a)
+    return jax.tree.unflatten(treedef, [jax.device_put(b, may_alias=True) for b in buffers])
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized array at a 64-byte boundary: what XLA's CPU client takes without a copy."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def unstack_layers(stacked) -> list:
+    """stack_layers' inverse: the pytree of layer i for each i (copies)."""
+    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(jax.tree.leaves(stacked)[0].shape[0])]
 
 
 def pack_layer(layer, packed: bool = True):
@@ -324,27 +361,32 @@ def _quantized(layer) -> bool:
     return isinstance(layer.wo, QuantizedMatrix)
 
 
-def matmul(x: jax.Array, panels, target: str | None = None) -> jax.Array:
+def matmul(x: jax.Array, panels, target: str | None = None, layer: jax.Array | None = None) -> jax.Array:
     """x [..., K] float32 @ w -> [..., N] float32 through the kernel, w given packed as [N / 32, K, 32]
-    in float32 or bfloat16 (available() must be True). `target`: another build's registered name
-    (tools/kernel_revision.py); by default the project's own for the weight's dtype. A QuantizedMatrix
-    (formats.py) goes to its format's kernel: the same bits as the float32 kernel on its dequantized values."""
+    in float32 or bfloat16 (available() must be True), or stacked over the layers as [L, N / 32, K, 32]
+    with `layer` (an int32 scalar, traced or not) naming the one to read in place. `target`: another
+    build's registered name (tools/kernel_revision.py); by default the project's own for the weight's
+    dtype. A QuantizedMatrix (formats.py) goes to its format's kernel: the same bits as the float32
+    kernel on its dequantized values."""
+    if layer is None:  # one matrix: a stack of one
+        panels, layer = jax.tree.map(lambda a: a[None], panels), 0
+    layer = jnp.asarray(layer, jnp.int32)
     if isinstance(panels, QuantizedMatrix):
-        return _matmul_quantized(x, panels)
+        return _matmul_quantized(x, panels, layer)
     if target is None:
         target = "jaxsmol_matmul_bf16" if panels.dtype == jnp.bfloat16 else "jaxsmol_matmul"
-    P, K, _ = panels.shape
+    _, P, K, _ = panels.shape
     lead, N = x.shape[:-1], P * PANEL
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
-    return call(x.reshape(-1, K), panels).reshape(*lead, N)
+    return call(x.reshape(-1, K), panels, layer).reshape(*lead, N)
 
 
-def _matmul_quantized(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    P, K, _ = w.shape
+def _matmul_quantized(x: jax.Array, w: QuantizedMatrix, layer: jax.Array) -> jax.Array:
+    P, K = w.q.shape[-3:-1]
     lead, N = x.shape[:-1], P * PANEL
     call = jax.ffi.ffi_call(f"jaxsmol_matmul_{w.fmt}", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     scales = (w.d,) if w.m is None else (w.d, w.m)
-    return call(x.reshape(-1, K), w.q, *scales).reshape(*lead, N)
+    return call(x.reshape(-1, K), w.q, *scales, layer).reshape(*lead, N)
 
 
 def attention_applies(q: jax.Array, k_all: jax.Array) -> bool:
@@ -359,10 +401,11 @@ def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
     return cache_dtype in (jnp.float32, jnp.bfloat16) and head_dim in HEAD_DIMS
 
 
-def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos: jax.Array,
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.Array,
               target: str | None = None) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
-    [B]) over cache layer `layer` of k_all, v_all [L, B, K, S, H] (the chunk's keys already written)
+    [B]) over cache layer `layer` (an int32 scalar, traced or not) of k_all, v_all [L, B, K, S, H] (the
+    chunk's keys already written)
     -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
     A bfloat16 cache is read in place and widened exactly: the bits of a float32 cache of its values.
     `target`: another build's registered name (tools/kernel_revision.py); by default the project's own
@@ -371,7 +414,7 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int, pos:
         target = "jaxsmol_attention_bf16" if k_all.dtype == jnp.bfloat16 else "jaxsmol_attention"
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_all, v_all, pos, layer=np.int64(layer))
+    return call(q, k_all, v_all, pos, jnp.asarray(layer, jnp.int32))
 
 
 def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:

@@ -178,19 +178,22 @@ void ManyRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // aliases: a template's comma would split the macro's arguments
 using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
 
-// x float32, w packed float32 or bfloat16 (WeightType), y float32.
+// x float32, w packed float32 or bfloat16 (WeightType) as [L, N / 32, K, 32], of which layer `layer`
+// is read in place; y float32.
 template <ffi::DataType WeightType>
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WeightType, 3> w, OutMatrix y) {
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, ffi::Buffer<WeightType, 4> w, LayerIndex layer, OutMatrix y) {
   using W = ffi::NativeType<WeightType>;
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0] * kPanel;
-  if (K < 1 || w.dimensions()[1] != K || w.dimensions()[2] != kPanel || y->dimensions()[0] != M || y->dimensions()[1] != N)
-    return ffi::Error::InvalidArgument("matmul: needs x [M, K], w packed [N / 32, K, 32], y [M, N]");
-  (M < kManyFrom ? FewRows<W> : ManyRows<W>)(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
+  const auto wd = w.dimensions();
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = wd[1] * kPanel, l = LayerOf(layer, wd[0]);
+  if (K < 1 || l < 0 || wd[2] != K || wd[3] != kPanel || y->dimensions()[0] != M || y->dimensions()[1] != N)
+    return ffi::Error::InvalidArgument("matmul: needs x [M, K], w packed [L, N / 32, K, 32], layer in 0..L-1, y [M, N]");
+  (M < kManyFrom ? FewRows<W> : ManyRows<W>)(pool, x.typed_data(), w.typed_data() + l * N * K, y->typed_data(), M, K,
+                                             N);
   return ffi::Error::Success();
 }
 
-using Panels = ffi::Buffer<ffi::F32, 3>;
-using PanelsBf16 = ffi::Buffer<ffi::BF16, 3>;
+using Panels = ffi::Buffer<ffi::F32, 4>;
+using PanelsBf16 = ffi::Buffer<ffi::BF16, 4>;
 
 }  // namespace
 
@@ -199,6 +202,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmul, Matmul<ffi::F32>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Panels>()
+                                  .Arg<LayerIndex>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulBf16, Matmul<ffi::BF16>,
@@ -206,6 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulBf16, Matmul<ffi::BF16>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<PanelsBf16>()
+                                  .Arg<LayerIndex>()
                                   .Ret<Matrix>());
 
 // The build's vector width (cpu_kernels.h), part of the engine's fingerprint.

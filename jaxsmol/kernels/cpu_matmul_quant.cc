@@ -20,6 +20,8 @@
 // per 16 weights a widen, a convert, a multiply (Q4_1: an FMA) and the FMA, against float32's load
 // and FMA; the bits allow no less. An AVX2 build on the same CPU: Q8_0 0.49 / 0.64 / 0.94 at 1 / 4 /
 // 16 rows, Q4_1 0.50 / 0.94 / 1.03. The figures by each choice below were taken side by side too.
+#include <array>
+
 #include "cpu_matmul.h"
 
 #include <immintrin.h>
@@ -228,32 +230,41 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
-using Scales = ffi::Buffer<ffi::F32, 3>;
-using CodesQ8 = ffi::Buffer<ffi::S8, 3>;  // aliases: a template's comma would split the macro's arguments
-using CodesQ4 = ffi::Buffer<ffi::U8, 3>;
+using Scales = ffi::Buffer<ffi::F32, 4>;
+using CodesQ8 = ffi::Buffer<ffi::S8, 4>;  // aliases: a template's comma would split the macro's arguments
+using CodesQ4 = ffi::Buffer<ffi::U8, 4>;
 
-bool Shapes(const Matrix& x, int64_t P, int64_t K, int64_t q_cols, const ffi::Span<const int64_t> q, const Scales& d,
-            OutMatrix& y) {
-  return K >= kBlock && K % kBlock == 0 && q[1] == K && q[2] == q_cols && d.dimensions()[0] == P &&
-         d.dimensions()[1] == K / kBlock && d.dimensions()[2] == kPanel && y->dimensions()[0] == x.dimensions()[0] &&
-         y->dimensions()[1] == P * kPanel;
+// Every operand stacked over the layers ([L, ...]), of which layer l is read in place: -> (l, P, K),
+// l = -1 where a shape disagrees.
+std::array<int64_t, 3> Shapes(const Matrix& x, const LayerIndex& layer, int64_t q_cols, const ffi::Span<const int64_t> q,
+                              const Scales& d, const Scales* m, OutMatrix& y) {
+  const int64_t L = q[0], P = q[1], K = x.dimensions()[1];
+  const auto dd = d.dimensions();
+  const bool scales = dd[0] == L && dd[1] == P && dd[2] == K / kBlock && dd[3] == kPanel &&
+                      (m == nullptr || std::equal(dd.begin(), dd.end(), m->dimensions().begin()));
+  const bool ok = K >= kBlock && K % kBlock == 0 && q[2] == K && q[3] == q_cols && scales &&
+                  y->dimensions()[0] == x.dimensions()[0] && y->dimensions()[1] == P * kPanel;
+  return {ok ? LayerOf(layer, L) : -1, P, K};
 }
 
-ffi::Error MatmulQ8_0(ffi::ThreadPool pool, Matrix x, CodesQ8 q, Scales d, OutMatrix y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], P = q.dimensions()[0];
-  if (!Shapes(x, P, K, kPanel, q.dimensions(), d, y))
-    return ffi::Error::InvalidArgument("matmul_q8_0: needs x [M, K], q [N / 32, K, 32], d [N / 32, K / 32, 32]");
-  Matmul(pool, x.typed_data(), Q8_0{q.typed_data(), d.typed_data(), K}, y->typed_data(), M, K, P * kPanel);
+ffi::Error MatmulQ8_0(ffi::ThreadPool pool, Matrix x, CodesQ8 q, Scales d, LayerIndex layer, OutMatrix y) {
+  const auto [l, P, K] = Shapes(x, layer, kPanel, q.dimensions(), d, nullptr, y);
+  if (l < 0)
+    return ffi::Error::InvalidArgument(
+        "matmul_q8_0: needs x [M, K], q [L, N / 32, K, 32], d [L, N / 32, K / 32, 32], layer in 0..L-1");
+  Matmul(pool, x.typed_data(), Q8_0{q.typed_data() + l * P * K * kPanel, d.typed_data() + l * P * K, K},
+         y->typed_data(), x.dimensions()[0], K, P * kPanel);
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulQ4_1(ffi::ThreadPool pool, Matrix x, CodesQ4 q, Scales d, Scales m, OutMatrix y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], P = q.dimensions()[0];
-  if (!Shapes(x, P, K, kHalf, q.dimensions(), d, y) || m.dimensions()[0] != P || m.dimensions()[1] != K / kBlock ||
-      m.dimensions()[2] != kPanel)
-    return ffi::Error::InvalidArgument("matmul_q4_1: needs x [M, K], q [N / 32, K, 16], d and m [N / 32, K / 32, 32]");
-  Matmul(pool, x.typed_data(), Q4_1{q.typed_data(), d.typed_data(), m.typed_data(), K}, y->typed_data(), M, K,
-         P * kPanel);
+ffi::Error MatmulQ4_1(ffi::ThreadPool pool, Matrix x, CodesQ4 q, Scales d, Scales m, LayerIndex layer, OutMatrix y) {
+  const auto [l, P, K] = Shapes(x, layer, kHalf, q.dimensions(), d, &m, y);
+  if (l < 0)
+    return ffi::Error::InvalidArgument(
+        "matmul_q4_1: needs x [M, K], q [L, N / 32, K, 16], d and m [L, N / 32, K / 32, 32], layer in 0..L-1");
+  Matmul(pool, x.typed_data(),
+         Q4_1{q.typed_data() + l * P * K * kHalf, d.typed_data() + l * P * K, m.typed_data() + l * P * K, K},
+         y->typed_data(), x.dimensions()[0], K, P * kPanel);
   return ffi::Error::Success();
 }
 
@@ -265,6 +276,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ8_0, MatmulQ8_0,
                                   .Arg<Matrix>()
                                   .Arg<CodesQ8>()
                                   .Arg<Scales>()
+                                  .Arg<LayerIndex>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ4_1, MatmulQ4_1,
@@ -274,4 +286,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ4_1, MatmulQ4_1,
                                   .Arg<CodesQ4>()
                                   .Arg<Scales>()
                                   .Arg<Scales>()
+                                  .Arg<LayerIndex>()
                                   .Ret<Matrix>());

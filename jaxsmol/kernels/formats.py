@@ -42,13 +42,13 @@ class QuantizedMatrix:
     fmt: str = flax.struct.field(pytree_node=False, default="q8_0")
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The packed float weight's shape it stands for: [N / 32, K, 32]."""
-        return (self.q.shape[0], self.q.shape[1], PANEL)
+    def shape(self) -> tuple[int, ...]:
+        """The packed float weight's shape it stands for: [N / 32, K, 32] ([L, N / 32, K, 32] stacked)."""
+        return (*self.q.shape[:-1], PANEL)
 
     @property
     def ndim(self) -> int:
-        return 3
+        return self.q.ndim
 
     @property
     def dtype(self):

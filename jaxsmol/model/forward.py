@@ -35,6 +35,7 @@ from jaxsmol.kernels import cpu_kernels
 from jaxsmol.kernels.formats import QuantizedMatrix, columns, dequantize
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
+LAYER_UNROLL = 1  # layers per loop iteration in the compiled forward (see `forward`)
 NEG_INF = -1e30  # a large finite negative: masked scores give exp(.) == 0 and never NaN
 
 
@@ -71,26 +72,35 @@ def _fold(a: jax.Array, axis: int) -> jax.Array:
     return a
 
 
-def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, cfg: Config, out_dtype=None, layer: jax.Array | None = None) -> jax.Array:
     """x [..., Din] @ w [Din, Dout] -> [..., Dout]: through the C++ matmul when cfg.cpu_kernels (its
     rows' bits do not depend on the row count: see cpu_kernels.py; w then comes packed,
-    [Dout / 32, Din, 32]), XLA's dot otherwise. w may be a QuantizedMatrix (cfg.quant) on either path."""
+    [Dout / 32, Din, 32]), XLA's dot otherwise. w may be a QuantizedMatrix (cfg.quant) on either path.
+    With `layer`, w is stacked over the layers ([L, ...]) and layer `layer` is the one multiplied: the
+    kernels read it in place, XLA's path slices it out."""
     quantized = isinstance(w, QuantizedMatrix)
     if cfg.cpu_kernels:
-        if not (quantized or cpu_kernels.is_packed(w)):
+        if not (quantized or w.ndim == 3 + (layer is not None)):
             raise ValueError("cfg.cpu_kernels needs its params packed: cpu_kernels.pack_params(params)")
-        return cpu_kernels.matmul(x, w)  # a quantized matrix: dequantized in registers, same bits
+        return cpu_kernels.matmul(x, w, layer=layer)  # a quantized matrix: dequantized in registers, same bits
+    if layer is not None:
+        w = _layer_of(w, layer)
     if quantized:  # XLA's path (no kernels, GPU, TPU): the same float32 values, made inside the program
         w = cpu_kernels.unpack(dequantize(w))
     return jnp.einsum("...d,dn->...n", x, w, preferred_element_type=out_dtype)
 
 
-def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, pos: jax.Array, cfg: Config) -> jax.Array:
-    """Causal attention of q [B, T, K, G, H] over layer i of the cache: the C++ kernel when
+def _layer_of(stacked, layer: jax.Array):
+    """Layer `layer` of a stacked array (or QuantizedMatrix) [L, ...] -> [...]."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, keepdims=False), stacked)
+
+
+def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array, cfg: Config) -> jax.Array:
+    """Causal attention of q [B, T, K, G, H] over layer `layer` of the cache: the C++ kernel when
     cfg.cpu_kernels, `attention` (XLA) otherwise."""
     if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
-        return cpu_kernels.attention(q, k_all, v_all, i, pos)
-    return attention(q, k_all, v_all, jnp.int32(i), pos)
+        return cpu_kernels.attention(q, k_all, v_all, layer, pos)
+    return attention(q, k_all, v_all, layer, pos)
 
 
 ATTN_TILE = 64  # queries are processed in tiles of this many rows (see `attention`)
@@ -158,37 +168,37 @@ def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -
     return lax.fori_loop(0, new.shape[0], row, cache)
 
 
-def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, i: int, pos: jax.Array,
+def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
                   sin: jax.Array, cos: jax.Array, cfg: Config, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer: x [B, T, D] float32 (the residual stream) with layer i's keys/values written
-    into k_all, v_all [L, B, K, S, H] at slots pos.. -> (x, k_all, v_all); dt: the matrix products' inputs."""
+    """Decoder layer `layer` (an int32 scalar, traced: one compiled body serves every layer): x [B, T, D]
+    float32 (the residual stream) with its keys/values written into k_all, v_all [L, B, K, S, H] at
+    slots pos.. -> (x, k_all, v_all); w: every layer's weights, stacked; dt: the matrix products' inputs."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
-    layer = jnp.int32(i)
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
+    mm = lambda a, m, out_dtype=None: linear(a, m, cfg, out_dtype, layer)  # noqa: E731
+    h = rms_norm(x, _layer_of(w.attn_norm, layer), cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     # q's and k's heads rotated together, in one tensor that attention and the cache write both read:
     # XLA:CPU then computes the rotation once, as its own loop, whatever the batch. (k's rotation
     # alone was fused into a lone chunk's cache write and compiled otherwise than a batch's: a
     # prompt prefilled beside others got keys differing from its lone chunk's in the last bits.)
     if w.wqkv is not None:  # the kernels' layout: one product (see LayerParams)
-        qkv = linear(h, w.wqkv, cfg).reshape(B, T, K * G + 2 * K, H)
+        qkv = mm(h, w.wqkv).reshape(B, T, K * G + 2 * K, H)
         qk, v = qkv[:, :, :K * G + K], qkv[:, :, K * G + K:]
     else:
-        qk = jnp.concatenate([linear(h, w.wq, cfg).reshape(B, T, K * G, H),
-                              linear(h, w.wk, cfg).reshape(B, T, K, H)], axis=2)
-        v = linear(h, w.wv, cfg).reshape(B, T, K, H)
+        qk = jnp.concatenate([mm(h, w.wq).reshape(B, T, K * G, H), mm(h, w.wk).reshape(B, T, K, H)], axis=2)
+        v = mm(h, w.wv).reshape(B, T, K, H)
     qk = apply_rope(qk, sin, cos)  # [B, T, K * G + K, H]
     q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
-    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, i, pos, cfg).reshape(B, T, K * G * H)
-    x = x + linear(a.astype(dt), w.wo, cfg, jnp.float32)
-    h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
+    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg).reshape(B, T, K * G * H)
+    x = x + mm(a.astype(dt), w.wo, jnp.float32)
+    h = rms_norm(x, _layer_of(w.mlp_norm, layer), cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     if w.w_gate_up is not None:
-        gate, up = jnp.split(linear(h, w.w_gate_up, cfg), 2, axis=-1)  # [B, T, F] each
+        gate, up = jnp.split(mm(h, w.w_gate_up), 2, axis=-1)  # [B, T, F] each
     else:
-        gate, up = linear(h, w.w_gate, cfg), linear(h, w.w_up, cfg)  # [B, T, F] each
-    x = x + linear(jax.nn.silu(gate) * up, w.w_down, cfg, jnp.float32)
+        gate, up = mm(h, w.w_gate), mm(h, w.w_up)  # [B, T, F] each
+    x = x + mm(jax.nn.silu(gate) * up, w.w_down, jnp.float32)
     return x, k_all, v_all
 
 
@@ -223,14 +233,13 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     dt = params.compute_dtype  # the matrix products' inputs (see the module docstring)
     sin, cos = rope_tables(pos[..., None] + jnp.arange(T), cfg.head_dim, cfg.rope_theta)  # [T, H] or [B, T, H]
     x = embed(params.embed, tokens)  # [B, T, D], the residual stream
-    k_all, v_all = kv.k, kv.v
-    # A Python loop, not a lax.scan over stacked [L, ...] weights: XLA:CPU copies a traced slice of a
-    # stacked array into a buffer of its own before a matmul, so a scanned decode step moved every
-    # weight three times (measured: a one-row step 0.61x the time unrolled, 8 rows 0.88x, prefill 512
-    # the same). The price is compile time (L copies of the layer: ~4x), paid once per shape and kept
-    # by the persistent compilation cache.
-    for i, w in enumerate(params.layers):
-        x, k_all, v_all = decoder_layer(w, x, k_all, v_all, i, pos, sin, cos, cfg, dt)
+    # One compiled layer in a loop over the layer index, not L unrolled copies: a program is then
+    # ~1/L the size and compile time (docs/design.md, "One layer, looped"). The kernels read layer i
+    # of the stacked weights and cache in place, so the loop copies no weight.
+    def layer(i, carry):
+        return decoder_layer(params.layers, *carry, i, pos, sin, cos, cfg, dt)
+
+    x, k_all, v_all = lax.fori_loop(0, cfg.n_layers, layer, (x, kv.k, kv.v), unroll=LAYER_UNROLL)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others
         x = _last_real(x, length)  # [B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)

@@ -1,10 +1,10 @@
 """Model parameters as a registered pytree, loaded from Hugging Face safetensors.
 
-Each layer's weights are their own arrays (`Params.layers` is a tuple of `LayerParams`), not slices of
-stacked [L, ...] arrays: the forward runs the layers in a Python loop and each matmul reads its
-matrix in place, where XLA:CPU would copy a traced slice of a stacked array first (see
-`model.forward`). Matrices are stored input-major ([in, out]) so that
-the forward reads `x @ W`; HF stores `nn.Linear` weights as [out, in], so the loader transposes.
+The layers' weights are stacked: `Params.layers` is one `LayerParams` whose every array has a leading
+[L] axis, so that the forward runs one compiled layer in a loop over the layer index (see
+`model.forward`); the C++ kernels read layer i of a stacked matrix in place. Matrices are stored
+input-major ([in, out]) so that the forward reads `x @ W`; HF stores `nn.Linear` weights as
+[out, in], so the loader transposes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from jaxsmol.errors import JaxsmolError
 
 @flax.struct.dataclass
 class LayerParams:
-    """One decoder layer. Matrices are [in, out], or packed [out / 32, in, 32] when the config runs
-    the CPU kernels (cpu_kernels.pack)."""
+    """One decoder layer, or all of them stacked ([L, ...] before each shape below: Params.layers).
+    Matrices are [in, out], or packed [out / 32, in, 32] when the config runs the CPU kernels
+    (cpu_kernels.pack)."""
     attn_norm: jax.Array  # [D]
     wq: jax.Array | None  # [D, N*H]
     wk: jax.Array | None  # [D, K*H]
@@ -45,7 +46,7 @@ class LayerParams:
 @flax.struct.dataclass
 class Params:
     embed: jax.Array  # [V, D], rows gathered by token id; a quantized tied model: unembed itself (read by column)
-    layers: tuple[LayerParams, ...]  # L of them
+    layers: LayerParams  # every layer's, stacked: each array [L, ...]
     final_norm: jax.Array  # [D]
     unembed: jax.Array  # [D, V]: lm_head.weight transposed (embed transposed when tied)
     # Why a transposed copy even when tied: XLA:CPU computes x @ [D, V] 2.5x faster than
@@ -187,7 +188,7 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         fields = LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
         return cpu_kernels.pack_layer(fields) if cfg.cpu_kernels or cfg.quant else fields
 
-    layers = tuple(layer(i) for i in range(cfg.n_layers))
+    layers = cpu_kernels.stack_layers(layer, cfg.n_layers)
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     unembed = matrix(head, cfg.quant and formats.UNEMBED_FORMAT)
@@ -215,9 +216,12 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
         return sds(shape)
 
     layer = LayerParams(**{field: spec(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
+    if cfg.cpu_kernels or cfg.quant:
+        layer = jax.eval_shape(cpu_kernels.pack_layer, layer)
+    layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((cfg.n_layers, *a.shape), a.dtype), layer)
     unembed = formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT) if cfg.quant else sds((cfg.dim, cfg.vocab_size))
     embed = unembed if cfg.quant and cfg.tie_embeddings else sds((cfg.vocab_size, cfg.dim))
-    params = Params(embed=embed, layers=(layer,) * cfg.n_layers, final_norm=sds((cfg.dim,)), unembed=unembed)
+    params = Params(embed=embed, layers=layers, final_norm=sds((cfg.dim,)), unembed=unembed)
     return jax.eval_shape(cpu_kernels.pack_params, params) if cfg.cpu_kernels or cfg.quant else params
 
 

@@ -38,21 +38,21 @@ def _spec(mesh: Mesh, shape, axes) -> NamedSharding:
     return NamedSharding(mesh, P(*fitted))
 
 
-# per LayerParams field: mesh axis of each dim
+# per LayerParams field: mesh axis of each dim (the stacked layers' [L] first)
 _LAYER_AXES = {
-    "attn_norm": (None,), "mlp_norm": (None,),
-    "wq": (None, "model"), "wk": (None, "model"), "wv": (None, "model"),
-    "wo": ("model", None),
-    "w_gate": (None, "model"), "w_up": (None, "model"),
-    "w_down": ("model", None),
+    "attn_norm": (None, None), "mlp_norm": (None, None),
+    "wq": (None, None, "model"), "wk": (None, None, "model"), "wv": (None, None, "model"),
+    "wo": (None, "model", None),
+    "w_gate": (None, None, "model"), "w_up": (None, None, "model"),
+    "w_down": (None, "model", None),
 }
 
 
 def shard_params(params, mesh: Mesh):
     """Place params on the mesh (see the module docstring)."""
-    layers = tuple(layer.replace(**{
-        name: jax.device_put(getattr(layer, name), _spec(mesh, getattr(layer, name).shape, axes))
-        for name, axes in _LAYER_AXES.items()}) for layer in params.layers)
+    stacked = params.layers
+    layers = stacked.replace(**{name: jax.device_put(getattr(stacked, name), _spec(mesh, getattr(stacked, name).shape, axes))
+                                for name, axes in _LAYER_AXES.items()})
     return params.replace(
         embed=jax.device_put(params.embed, _spec(mesh, params.embed.shape, (None, None))),
         final_norm=jax.device_put(params.final_norm, _spec(mesh, params.final_norm.shape, (None,))),
