@@ -34,11 +34,11 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
     checked before each program, so a shutting-down daemon waits for the ones compiling at most."""
     if engine.mesh is not None:
         return 0
-    return programs.compile_all(batched_lowerings(engine, widths, slots, side_by_side), stop)
+    return programs.compile_all(batched_calls(engine, widths, slots, side_by_side), stop)
 
 
-def batched_lowerings(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:
-    """compile_batched's programs, each as a callable that lowers it (programs.compile_all)."""
+def batched_calls(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:
+    """compile_batched's programs, each as a (program, args, kwargs) call (programs.compile_all)."""
     cfg = engine.cfg
     capacity = capacity_for(slots)
     row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.cache_dtype))
@@ -47,30 +47,28 @@ def batched_lowerings(engine, widths: tuple[int, ...], slots: int, side_by_side:
         return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
                             all_allowed(width, cfg.vocab_size))
 
-    jobs = []
+    calls = []
     for i, width in enumerate(widths):
         batch = jax.eval_shape(lambda width=width: empty_batch(engine, width, capacity))
-        jobs.append(lambda width=width, batch=batch: programs.decode_step.lower(
-            engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch, jax.ShapeDtypeStruct((width,), bool),
-            free_settings(width), cfg, logprobs=False))
-        jobs.append(lambda batch=batch: programs.insert_row.lower(batch, row, jax.ShapeDtypeStruct((), jnp.int32)))
-        for other in widths[:i] + widths[i + 1:]:  # growing and shrinking
-            jobs.append(lambda batch=batch, other=other: programs.relayout.lower(
-                batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity))
+        calls.append((programs.decode_step, (engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
+                                             jax.ShapeDtypeStruct((width,), bool), free_settings(width), cfg),
+                      {"logprobs": False}))
+        calls.append((programs.insert_row, (batch, row, jax.ShapeDtypeStruct((), jnp.int32)), {}))
+        calls += [(programs.relayout, (batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity), {})
+                  for other in widths[:i] + widths[i + 1:]]  # growing and shrinking
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-    jobs.append(lambda: programs.sample_first.lower(logits, free_settings(1), logprobs=False))
-    return jobs + side_by_side_lowerings(engine, side_by_side, capacity)
+    calls.append((programs.sample_first, (logits, free_settings(1)), {"logprobs": False}))
+    return calls + side_by_side_calls(engine, side_by_side, capacity)
 
 
-def side_by_side_lowerings(engine, most: int, capacity: int) -> list:
+def side_by_side_calls(engine, most: int, capacity: int) -> list:
     """prefill_rows for group_sizes(`most`) prompts side by side at each exact chunk length up to
     side_by_side.MAX_ROWS, at one capacity, for each window it may use (a burst of short prompts:
-    the 128 leading slots; longer ones the whole capacity), each as a callable that lowers it."""
+    the 128 leading slots; longer ones the whole capacity), each as a (program, args, kwargs) call."""
     if not engine.side_by_side:
         return []
     row = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, capacity, dtype=engine.cache_dtype))
     windows = dict.fromkeys(engine.side_by_side_window(s, capacity) for s in (1, capacity))
-    return [lambda P=P, T=T, window=window: programs.prefill_rows.lower(
-                engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32),
-                (row,) * P, engine.cfg, window=window)
+    return [(programs.prefill_rows, (engine.params, jax.ShapeDtypeStruct((P, T), jnp.int32),
+                                     jax.ShapeDtypeStruct((P,), jnp.int32), (row,) * P, engine.cfg), {"window": window})
             for P in group_sizes(most) for T in engine.buckets(True) if T <= MAX_ROWS for window in windows]

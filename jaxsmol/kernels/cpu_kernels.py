@@ -125,7 +125,7 @@ def _cpu_flags() -> set[str] | None:
     return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """The CPU model and feature flags (a library built with -march=native runs only where they match)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -146,7 +146,7 @@ def _build() -> tuple[Path, bool]:
     key = hashlib.blake2b(digest_size=12)
     for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(),
                  repr([(src.name, defines) for src, defines in UNITS]).encode(), cxx.encode(), jax.__version__.encode(),
-                 _cpu_signature().encode()):
+                 cpu_signature().encode()):
         key.update(part)
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():

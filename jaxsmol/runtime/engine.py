@@ -338,17 +338,17 @@ class Engine:
         # the exact path's chunks too: a one-token prompt runs an 8-row chunk with the kernels (64 without)
         top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
                                                                chunk_length(prompt_len, buckets=self.buckets(True)))
-        jobs = []
+        calls = []
         for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
-            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
-            jobs += [lambda T=T, kv=kv: programs.forward.lower(self.params, jnp.zeros((1, T), jnp.int32), jnp.int32(T),
-                                                              kv, self.cfg)
-                     for T in FAST_BUCKETS if T <= min(top, cap)]
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)  # laid out as a request's
+            calls += [(programs.forward, (self.params, jax.ShapeDtypeStruct((1, T), jnp.int32),
+                                          jax.ShapeDtypeStruct((), jnp.int32), kv, self.cfg), {})
+                      for T in FAST_BUCKETS if T <= min(top, cap)]
+        logits = jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32)
+        scalars = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
         for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
-            jobs.append(lambda allowed=allowed: programs.sample.lower(
-                jnp.zeros((1, self.cfg.vocab_size)), jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1),
-                allowed))
-        programs.compile_all(jobs)
+            calls.append((programs.sample, (logits, *scalars, allowed), {}))
+        programs.compile_all(calls)
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""

@@ -13,44 +13,53 @@ touch a stored prefix.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import Iterable
 
 import jax
 
 from jaxsmol.runtime import batch, sampling
+from jaxsmol.runtime.program_store import Program
 from jaxsmol.model import forward as model, kv
 
-forward = jax.jit(model.forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
-sample = jax.jit(sampling.sample)
-step_key = jax.jit(jax.random.fold_in)  # a request's key for step i: 0.63 ms a token run op by op
-load_prefix = jax.jit(kv.load_prefix, static_argnames=("kernel",), donate_argnames=("kv",))
-top_logprobs = jax.jit(sampling.top_logprobs, static_argnames=("k",))
 
-decode_step = jax.jit(batch.decode_step, static_argnames=("cfg", "logprobs"), donate_argnames=("kv",))
-sample_first = jax.jit(batch.sample_and_score, static_argnames=("logprobs",))
-insert_row = jax.jit(batch.insert_row, donate_argnames=("batch",))
-relayout = jax.jit(batch.relayout, static_argnames=("width", "capacity"))
-prefill_rows = jax.jit(batch.prefill_rows, static_argnames=("cfg", "window"), donate_argnames=("rows",))
-
-ALL = {"forward": forward, "sample": sample, "step_key": step_key, "load_prefix": load_prefix, "top_logprobs": top_logprobs,
-       "decode_step": decode_step, "sample_first": sample_first, "insert_row": insert_row,
-       "relayout": relayout, "prefill_rows": prefill_rows}
+def _program(name: str, fn, static: tuple[str, ...] = (), donate: tuple[str, ...] = ()) -> Program:
+    return Program(name, jax.jit(fn, static_argnames=static, donate_argnames=donate), static)
 
 
-def compile_all(lowerings: Iterable[Callable[[], jax.stages.Lowered]], stop: threading.Event | None = None) -> int:
-    """Compile programs ahead, each lowered by one zero-argument callable (`lambda: forward.lower(...)`),
-    one after another: XLA's compiler runs threads of its own, and two compiles at once were slower
-    under the command line's single malloc arena (system/host_memory.py: 35.6 s against 30.6 s for the
-    daemon's 49 batched programs). `stop` (an Event) is checked before each. Returns how many."""
+forward = _program("forward", model.forward, ("cfg", "all_logits"), ("kv",))
+sample = _program("sample", sampling.sample)
+step_key = _program("step_key", jax.random.fold_in)  # a request's key for step i: 0.63 ms a token run op by op
+load_prefix = _program("load_prefix", kv.load_prefix, ("kernel",), ("kv",))
+top_logprobs = _program("top_logprobs", sampling.top_logprobs, ("k",))
+
+decode_step = _program("decode_step", batch.decode_step, ("cfg", "logprobs"), ("kv",))
+sample_first = _program("sample_first", batch.sample_and_score, ("logprobs",))
+insert_row = _program("insert_row", batch.insert_row, donate=("batch",))
+relayout = _program("relayout", batch.relayout, ("width", "capacity"))
+prefill_rows = _program("prefill_rows", batch.prefill_rows, ("cfg", "window"), ("rows",))
+
+ALL = {p.name: p for p in (forward, sample, step_key, load_prefix, top_logprobs, decode_step, sample_first, insert_row,
+                           relayout, prefill_rows)}
+
+
+def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Event | None = None) -> int:
+    """Make ready the executables of `calls`, each (program, args, kwargs) as the program will be
+    called (arguments may be ShapeDtypeStructs): loaded from the program store, else compiled and
+    stored (program_store.py). One after another: XLA's compiler runs threads of its own, and two
+    compiles at once were slower under the command line's single malloc arena (system/host_memory.py:
+    35.6 s against 30.6 s for the daemon's 49 batched programs). `stop` (an Event) is checked before
+    each. Returns how many."""
     n = 0
-    for lower in lowerings:
+    for program, args, kwargs in calls:
         if stop is not None and stop.is_set():
             break
-        lower().compile()
+        program.prepare(*args, **kwargs)
         n += 1
     return n
 
 
 def compiled_count(name: str = "forward") -> int:
-    """How many programs the jitted function `name` has compiled in this process so far."""
-    return ALL[name]._cache_size()
+    """How many executables the program `name` holds in this process: made ready ahead, or compiled
+    when first called."""
+    program = ALL[name]
+    return program.prepared + program.jitted._cache_size()

@@ -1,14 +1,14 @@
 """The host memory the compiled programs hold, measured as each one is made.
 
-An XLA:CPU executable of the whole forward, with JAX's trace and lowering caches beside it, holds
-~50 MB of heap (SmolLM2-135M, 30 layers: a decode step 55 MB, a prompt chunk of several rows 53 MB,
-a batch relayout 1.7 MB), and JAX reports none of it (`memory_analysis()` gives no code size on
-CPU). The daemon compiles dozens of them ahead (cache/scheduler/compile_ahead.py): they are most of what it
+An XLA:CPU executable of the forward (one decoder layer in a loop), with JAX's trace and lowering
+caches beside it, holds ~3-6 MB of heap (SmolLM2-135M: a decode step or a prompt chunk; a batch
+relayout ~1.7 MB), and JAX reports none of it (`memory_analysis()` gives no code size on CPU). The daemon compiles dozens of them ahead (cache/scheduler/compile_ahead.py): they are most of what it
 holds beyond the weights and its caches. `watch()` measures them through JAX's monitoring events:
 the memory held (host_memory.held_bytes: anonymous resident memory less malloc's free bytes, so
 Python's own arenas, where jaxprs live, count too) when a thread starts tracing (or lowering) a
 program, and again when its executable is compiled or loaded from the persistent cache; the
-difference is that program's.
+difference is that program's. An executable loaded from the program store (runtime/program_store.py)
+makes no such event: `loading()` measures it.
 Other threads' allocations meanwhile count too, so serve traffic after the programs compiled ahead
 (the daemon's readiness); a program found in JAX's in-memory caches makes no event and no bytes.
 """
@@ -54,6 +54,25 @@ def watch() -> bool:
 def held() -> Programs:
     with _lock:
         return Programs(_count, _bytes)
+
+
+def loading():
+    """A context in which this thread loads a stored executable (runtime/program_store.py), which
+    makes no compile event: counted here as one program with the memory it added, where watched."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def measure():
+        global _count, _bytes
+        start = held_bytes() if _watching else None
+        yield
+        end = held_bytes() if start is not None else None
+        if start is not None and end is not None:
+            with _lock:
+                _count += 1
+                _bytes += max(0, end - start)
+
+    return measure()
 
 
 def _on_start(event: str, value: float, **kwargs) -> None:

@@ -1,0 +1,178 @@
+"""Programs compiled ahead, kept on disk as XLA executables and loaded back without tracing.
+
+A later process finds a program in JAX's persistent compilation cache only after tracing and
+lowering it again to compute the cache key: ~65 ms a program, 4.5 of a daemon's 6 s of warm-up on a
+second start. A `Program` (one jitted function, see programs.py) keeps the executables compiled ahead
+(`prepare`) by their call signature, the static arguments' values and the other arguments' pytree
+and avals, and a call with that signature runs its executable at once; any other call runs the
+jitted function as before. `prepare` reads the executable from `<compile cache>/programs/` (loading
+one: ~10 ms) or compiles it and writes it there (`jax.experimental.serialize_executable`).
+
+A file is read only by the environment that wrote it: its name and header carry a hash of the jax
+and jaxlib versions, the backend and devices, the CPU, the C++ kernels' build, XLA_FLAGS and every
+source file of jaxsmol; anything unreadable or of another environment is refused (compiled afresh).
+What is written was compiled with JAX's persistent cache off: an executable JAX loaded from its
+cache serializes without its machine code (a later load fails when it runs), so none is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import pickle
+import platform
+import threading
+from pathlib import Path
+
+import jax
+
+from jaxsmol.system import program_memory
+
+FORMAT = 1
+_switch_lock = threading.Lock()  # JAX's cache switch is process-wide: one fresh compile at a time turns it
+
+
+class Program:
+    """A jitted function plus the executables prepared for some of its call signatures."""
+
+    def __init__(self, name: str, jitted, static: tuple[str, ...] = ()):
+        self.name, self.jitted, self.static = name, jitted, static
+        self.signature = inspect.signature(jitted)
+        self._ready: dict = {}  # signature key -> a Compiled
+        self.prepared = 0  # executables made ready by `prepare` (compiled or loaded)
+
+    def _split(self, args, kwargs):
+        """(static values, dynamic arguments in signature order): the form every executable is called in."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        static = tuple((k, bound.arguments[k]) for k in self.static)
+        return static, tuple(v for k, v in bound.arguments.items() if k not in self.static)
+
+    @staticmethod
+    def _key(static, dynamic):
+        """static values, the pytree, and each leaf's (shape, dtype, weak type, sharding over several
+        devices or None): what picks an executable, for arrays and ShapeDtypeStructs alike."""
+        leaves, tree = jax.tree.flatten(dynamic)
+        return static, tree, tuple(_aval(x) for x in leaves)
+
+    def __call__(self, *args, **kwargs):
+        if self._ready:
+            static, dynamic = self._split(args, kwargs)
+            compiled = self._ready.get(self._key(static, dynamic))
+            if compiled is not None:
+                try:
+                    return compiled(*dynamic)
+                except (TypeError, ValueError):  # refused before running (an argument's layout): traced as before
+                    pass
+        return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+    def prepare(self, *args, **kwargs) -> None:
+        """Make the executable of this call ready (arguments may be ShapeDtypeStructs): loaded from the
+        store where it is there, else compiled (and written there where a store is set)."""
+        static, dynamic = self._split(args, kwargs)
+        key = self._key(static, dynamic)
+        if key in self._ready:
+            return
+        directory = store_dir()
+        persist = directory is not None and all(a[-1] is None for a in key[2])
+        path = directory / f"{self.name}-{_digest(repr(key))}.xla" if persist else None
+        with program_memory.loading():
+            compiled = _load(path) if path is not None else None
+        if compiled is None:
+            lowered = self.jitted.lower(*dynamic, **dict(static))
+            if path is None:
+                compiled = lowered.compile()
+            else:
+                with _switch_lock:
+                    was = jax.config.jax_enable_compilation_cache
+                    jax.config.update("jax_enable_compilation_cache", False)
+                    try:
+                        compiled = lowered.compile()
+                    finally:
+                        jax.config.update("jax_enable_compilation_cache", was)
+                _write(path, compiled)
+        self._ready[key] = compiled
+        self.prepared += 1
+
+
+def _aval(x) -> tuple:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        shape, dtype, weak, sharding = x.shape, x.dtype, x.weak_type, x.sharding
+    else:
+        a = jax.typeof(x)
+        shape, dtype, weak, sharding = a.shape, a.dtype, a.weak_type, getattr(x, "sharding", None)
+    several = sharding is not None and len(sharding.device_set) > 1
+    return tuple(shape), str(dtype), weak, sharding if several else None
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def store_dir() -> Path | None:
+    """Where executables are kept: `programs/` in the compile cache's directory, under a folder named
+    by the environment's hash; None where the compile cache is off, or where JAX's own is set elsewhere
+    (its programs could not be written: see the module docstring)."""
+    from jaxsmol.runtime.compile_cache import compilation_cache_dir
+
+    root = compilation_cache_dir()
+    if root is None or jax.config.jax_compilation_cache_dir not in (None, str(root)):
+        return None
+    return root / "programs" / environment()
+
+
+@functools.cache
+def environment() -> str:
+    """A hash of what a stored executable depends on besides its own signature."""
+    import jaxlib
+
+    from jaxsmol.kernels import cpu_kernels
+
+    kernels = cpu_kernels.state()
+    package = Path(__file__).resolve().parents[1]
+    h = hashlib.blake2b(digest_size=10)
+    for part in (str(FORMAT), jax.__version__, jaxlib.__version__, platform.machine(), jax.default_backend(),
+                 repr(sorted(d.device_kind for d in jax.devices())), cpu_kernels.cpu_signature(),
+                 str(kernels.library if kernels.in_use else "off"), os.environ.get("XLA_FLAGS", "")):
+        h.update(part.encode() + b"\0")
+    for source in sorted(package.rglob("*.py")):
+        h.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
+    return h.hexdigest()
+
+
+def _load(path: Path):
+    """The executable stored at `path`, or None (missing, unreadable, or not this environment's)."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        with open(path, "rb") as f:
+            stored = pickle.load(f)
+        if stored.get("format") != FORMAT or stored.get("environment") != environment():
+            return None
+        return deserialize_and_load(stored["payload"], stored["in_tree"], stored["out_tree"])
+    except FileNotFoundError:
+        return None
+    except Exception:  # a truncated or foreign file: compiled afresh (and rewritten)
+        return None
+
+
+def _write(path: Path, compiled) -> None:
+    """Store `compiled` at `path` (atomically: a crash leaves no half file); a failure only loses the
+    head start of the next process."""
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        payload, in_tree, out_tree = serialize(compiled)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump({"format": FORMAT, "environment": environment(), "payload": payload,
+                         "in_tree": in_tree, "out_tree": out_tree}, f)
+        os.replace(tmp, path)
+    except Exception:
+        pass
