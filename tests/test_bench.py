@@ -194,13 +194,15 @@ def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypa
 
 
 def test_bench_ready_section_starts_twice_and_streams_at_ready(tmp_path, tiny_model_dir):
-    """ready: a daemon started with an empty compilation cache, then again with the cache it filled;
-    each ready (/health 200) after it listened, and a stream at ready compared with the settled ones."""
+    """ready: a daemon started on an empty data directory, then again on the one it filled; each ready
+    (/health 200) after it listened, its memory at ready and after 8 streams read from /metrics, and a
+    stream at ready compared with the settled ones."""
     stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "ready", "--tokens", "3", "--max-batch", "2")
     r = res["ready"]
-    assert [row["start"] for row in r["rows"]] == ["first", "second"]
+    assert [row["start"] for row in r["rows"]] == ["fresh", "second"]
     for row in r["rows"]:
         assert 0 < row["listening_s"] <= row["ready_s"]
+        assert 0 < row["programs_mb"] < row["resident_mb"] and row["programs"] > 0 and row["resident_after_8_mb"] > 0
         assert row["at_ready_tok_s"] > 0 and row["settled_tok_s"] > 0
         assert row["share"] == pytest.approx(row["at_ready_tok_s"] / row["settled_tok_s"])
     assert r["tokens"] == 3 and r["settled_streams"] == 2

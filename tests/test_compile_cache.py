@@ -1,33 +1,44 @@
-"""The persistent compilation cache (jaxsmol/runtime/compile_cache.py) as a library user gets it: Engine.load
-turns it on, so a notebook's or a script's next process loads its programs instead of compiling them
-again (the real model's forward: ~1.5 s a shape), and leaves a cache the user set for JAX alone."""
+"""Compiled programs kept on disk (jaxsmol/runtime/compile_cache.py, program_store.py) as a library user
+gets them: Engine.load turns the program store on, so a notebook's or a script's next process loads its
+programs instead of tracing and compiling them again, and leaves a cache the user set for JAX alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOAD = ("import sys, jax; from jaxsmol.runtime.engine import Engine; Engine.load(sys.argv[1], progress=False); "
-        "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
+RUN = ("import json, sys, jax; from jaxsmol.runtime.engine import Engine; from jaxsmol.runtime import programs; "
+       "from jaxsmol.runtime.sampling import SamplingParams; e = Engine.load(sys.argv[1], progress=False); "
+       "ids = e.generate([5, 6, 7], SamplingParams(max_tokens=3)).output_ids; "
+       "print(json.dumps({'ids': ids, 'jax_cache': jax.config.jax_compilation_cache_dir, "
+       "'min_time': jax.config.jax_persistent_cache_min_compile_time_secs, "
+       "'prepared': sum(p.prepared for p in programs.ALL.values()), 'loaded': sum(p.loaded for p in programs.ALL.values())}))")
 
 
-def _cache_after_load(model_dir, **env) -> list[str]:
+def _run(model_dir, **env) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXSMOL_COMPILE_CACHE")}
-    done = subprocess.run([sys.executable, "-c", LOAD, str(model_dir)], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", RUN, str(model_dir)], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env})
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.split()
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_engine_load_keeps_compiled_programs_on_disk(tiny_model_dir, tmp_path):
     ours = tmp_path / "ours"
-    assert _cache_after_load(tiny_model_dir, JAXSMOL_COMPILE_CACHE=str(ours)) == [str(ours), "0"]
+    first = _run(tiny_model_dir, JAXSMOL_COMPILE_CACHE=str(ours))
+    stored = list((ours / "programs").glob("*/*.xla"))
+    assert first["jax_cache"] is None and first["prepared"] == len(stored) > 0 and first["loaded"] == 0
+    second = _run(tiny_model_dir, JAXSMOL_COMPILE_CACHE=str(ours))  # loads every program, compiles none
+    assert second["ids"] == first["ids"] and second["loaded"] == second["prepared"] == first["prepared"]
+    assert list((ours / "programs").glob("*/*.xla")) == stored
 
 
 def test_engine_load_leaves_a_cache_set_for_jax_alone(tiny_model_dir, tmp_path):
-    mine = tmp_path / "mine"
-    got = _cache_after_load(tiny_model_dir, JAX_COMPILATION_CACHE_DIR=str(mine), JAXSMOL_COMPILE_CACHE=str(tmp_path / "x"))
-    assert got == [str(mine), "1.0"]  # JAX's own default minimum compile time, untouched
+    mine, ours = tmp_path / "mine", tmp_path / "x"
+    got = _run(tiny_model_dir, JAX_COMPILATION_CACHE_DIR=str(mine), JAXSMOL_COMPILE_CACHE=str(ours))
+    assert got["jax_cache"] == str(mine) and got["min_time"] == 1.0  # JAX's own default minimum compile time
+    assert got["loaded"] == 0 and not ours.exists()  # nothing stored beside JAX's cache

@@ -89,6 +89,21 @@ def test_batched_programs_are_compiled_at_start(server, serve_daemons):
     assert httpx.get(server + "/health", timeout=30).json()["compiling"] is False
 
 
+PROGRAMS_AHEAD = 18 + 31 + 18  # what docs/design.md promises a daemon at --max-batch 16 compiles before ready
+
+
+def test_the_programs_made_before_ready_are_bounded(server, serve_daemons):
+    """Before it says ready the daemon makes at most PROGRAMS_AHEAD programs: the single-sequence chunk
+    buckets at two capacities and the sampler (18), the batched decode programs (31) and the
+    side-by-side prefill groups (18), each one decoder layer looped, compiled or loaded from the store."""
+    main = serve_daemons.servers["main"]
+    deadline = time.monotonic() + 600
+    while not (found := re.search(r"programs ready ahead: (\d+) single-sequence \+ (\d+) batched", main.output(None))):
+        assert time.monotonic() < deadline and main.proc.poll() is None, main.output()
+        time.sleep(0.5)
+    assert 0 < int(found.group(1)) + int(found.group(2)) <= PROGRAMS_AHEAD
+
+
 def test_completion_text_and_token_id_prompts(server, tokenizer):
     text = "The capital of France is"
     by_text = _complete(server, text, max_tokens=6)

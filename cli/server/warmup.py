@@ -9,8 +9,8 @@ cores: one stream started while the batched programs compiled in the background 
   none        compile nothing ahead: ready at once, each program compiles when first used (holding
               every stream while it does).
 What is compiled: the single-sequence programs (Engine.warmup) and the continuous batch's
-(Scheduler.compile_programs, cache/scheduler/compile_ahead.py). A later start finds them in the persistent
-compilation cache (jaxsmol/runtime/compile_cache.py) but still traces and lowers each one to look it up.
+(Scheduler.compile_programs, cache/scheduler/compile_ahead.py). A later start finds them in the
+program store (jaxsmol/runtime/program_store.py) and loads each without tracing it.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ class Warmup:
         """Compile the single-sequence programs, then the batched ones; ready after, unless stopped."""
         self._began = t0 = time.perf_counter()
         try:
-            self.engine.warmup(SLOTS)
+            single = self.engine.warmup(SLOTS)
             t1 = time.perf_counter()
             n = self.compile_batched(self.stop)
             print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t1:.1f} s",
                   file=sys.stderr, flush=True)
+            print(f"programs ready ahead: {single} single-sequence + {n} batched", file=sys.stderr, flush=True)
         except Exception as e:  # only the head start is lost
             print(f"jaxsmol: programs not compiled ahead ({type(e).__name__}: {e}); they compile on first use",
                   file=sys.stderr, flush=True)

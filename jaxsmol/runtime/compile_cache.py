@@ -1,4 +1,5 @@
-"""JAX's persistent compilation cache under the data directory, so a new process skips compiles."""
+"""Where compiled programs are kept on disk, so a new process skips compiles: the program store
+(program_store.py) under the data directory, switched on by `enable_compilation_cache`."""
 
 from __future__ import annotations
 
@@ -20,19 +21,21 @@ def compilation_cache_dir():
 
 
 def enable_compilation_cache(unless_set: bool = False) -> None:
-    """Keep compiled XLA programs on disk so the next process skips compiles (see compilation_cache_dir).
-    unless_set (Engine.load, a library call): leave a cache directory already set for JAX (by the
-    user, JAX_COMPILATION_CACHE_DIR, or the command line) as it is."""
+    """Keep compiled programs on disk so the next process loads them (see compilation_cache_dir): the
+    program store, in place of JAX's persistent cache, whose executables could not be stored again
+    (program_store.py). unless_set (Engine.load, a library call): where a cache directory is set for
+    JAX (by the user, JAX_COMPILATION_CACHE_DIR), JAX's cache stays the one in use and nothing is
+    stored. Without unless_set (the command line), JAX's own is switched off."""
     import jax
 
-    if unless_set and jax.config.jax_compilation_cache_dir is not None:
-        return
-    path = compilation_cache_dir()
-    if path is None:
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every program: most take < 1 s
+    from jaxsmol.runtime import program_store
+
+    if jax.config.jax_compilation_cache_dir is not None:
+        if unless_set:
+            return
+        jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_enable_compilation_cache", False)
+    program_store.enable(compilation_cache_dir())
 
 
 def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, structured: bool = False) -> None:

@@ -328,13 +328,14 @@ class Engine:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
         return programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
 
-    def warmup(self, slots: int, prompt_len: int | None = None) -> None:
+    def warmup(self, slots: int, prompt_len: int | None = None) -> int:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
         decode, for the capacities on the way), so later timings measure compute, not compilation.
         With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
         4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs ~1.5 s
         of tracing and lowering even when the persistent cache holds its compiled code).
-        Compiled ahead of time, not run: running them on zeros cost the daemon's start 8 s more."""
+        Compiled ahead of time (or loaded from the program store), not run: running them on zeros cost the
+        daemon's start 8 s more. Returns how many programs."""
         # the exact path's chunks too: a one-token prompt runs an 8-row chunk with the kernels (64 without)
         top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
                                                                chunk_length(prompt_len, buckets=self.buckets(True)))
@@ -348,7 +349,7 @@ class Engine:
         scalars = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
         for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
             calls.append((programs.sample, (logits, *scalars, allowed), {}))
-        programs.compile_all(calls)
+        return programs.compile_all(calls)
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""

@@ -8,11 +8,16 @@ and avals, and a call with that signature runs its executable at once; any other
 jitted function as before. `prepare` reads the executable from `<compile cache>/programs/` (loading
 one: ~10 ms) or compiles it and writes it there (`jax.experimental.serialize_executable`).
 
-A file is read only by the environment that wrote it: its name and header carry a hash of the jax
-and jaxlib versions, the backend and devices, the CPU, the C++ kernels' build, XLA_FLAGS and every
-source file of jaxsmol; anything unreadable or of another environment is refused (compiled afresh).
-What is written was compiled with JAX's persistent cache off: an executable JAX loaded from its
-cache serializes without its machine code (a later load fails when it runs), so none is written.
+Every call of a Program goes through its prepared executables: a signature met for the first time
+is prepared then (compiled, or loaded where a stored one exists), so a later process loads it too.
+
+A file is read only by the environment that wrote it: its folder is named by a hash of the jax and
+jaxlib versions, the backend and devices, the CPU, the C++ kernels' build, XLA_FLAGS and every source
+file of jaxsmol; anything unreadable or of another environment is refused (compiled afresh). The store
+takes the place of JAX's persistent cache (compile_cache.enable_compilation_cache switches that off):
+an executable JAX loaded from its cache, or found in its in-memory cache after such a load,
+serializes without its machine code, and a later load of it fails when it runs. So nothing is
+stored while JAX's cache is in use.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 from jaxsmol.system import program_memory
 
 FORMAT = 1
-_switch_lock = threading.Lock()  # JAX's cache switch is process-wide: one fresh compile at a time turns it
+_root: Path | None = None  # the store's directory (enable), None: executables are kept in memory only
 
 
 class Program:
@@ -41,7 +46,8 @@ class Program:
         self.name, self.jitted, self.static = name, jitted, static
         self.signature = inspect.signature(jitted)
         self._ready: dict = {}  # signature key -> a Compiled
-        self.prepared = 0  # executables made ready by `prepare` (compiled or loaded)
+        self.prepared = 0  # executables made ready (compiled or loaded)
+        self.loaded = 0  # of which read from the store
 
     def _split(self, args, kwargs):
         """(static values, dynamic arguments in signature order): the form every executable is called in."""
@@ -58,15 +64,13 @@ class Program:
         return static, tree, tuple(_aval(x) for x in leaves)
 
     def __call__(self, *args, **kwargs):
-        if self._ready:
-            static, dynamic = self._split(args, kwargs)
-            compiled = self._ready.get(self._key(static, dynamic))
-            if compiled is not None:
-                try:
-                    return compiled(*dynamic)
-                except (TypeError, ValueError):  # refused before running (an argument's layout): traced as before
-                    pass
-        return self.jitted(*args, **kwargs)
+        static, dynamic = self._split(args, kwargs)
+        key = self._key(static, dynamic)
+        compiled = self._ready.get(key) or self._prepare(key, static, dynamic)
+        try:
+            return compiled(*dynamic)
+        except (TypeError, ValueError):  # refused before running (an argument's layout): traced by jit instead
+            return self.jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
@@ -76,28 +80,24 @@ class Program:
         store where it is there, else compiled (and written there where a store is set)."""
         static, dynamic = self._split(args, kwargs)
         key = self._key(static, dynamic)
-        if key in self._ready:
-            return
+        if key not in self._ready:
+            self._prepare(key, static, dynamic)
+
+    def _prepare(self, key, static, dynamic):
         directory = store_dir()
         persist = directory is not None and all(a[-1] is None for a in key[2])
         path = directory / f"{self.name}-{_digest(repr(key))}.xla" if persist else None
         with program_memory.loading():
             compiled = _load(path) if path is not None else None
         if compiled is None:
-            lowered = self.jitted.lower(*dynamic, **dict(static))
-            if path is None:
-                compiled = lowered.compile()
-            else:
-                with _switch_lock:
-                    was = jax.config.jax_enable_compilation_cache
-                    jax.config.update("jax_enable_compilation_cache", False)
-                    try:
-                        compiled = lowered.compile()
-                    finally:
-                        jax.config.update("jax_enable_compilation_cache", was)
+            compiled = self.jitted.lower(*dynamic, **dict(static)).compile()
+            if path is not None:
                 _write(path, compiled)
+        else:
+            self.loaded += 1
         self._ready[key] = compiled
         self.prepared += 1
+        return compiled
 
 
 def _aval(x) -> tuple:
@@ -114,16 +114,19 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
 
 
-def store_dir() -> Path | None:
-    """Where executables are kept: `programs/` in the compile cache's directory, under a folder named
-    by the environment's hash; None where the compile cache is off, or where JAX's own is set elsewhere
-    (its programs could not be written: see the module docstring)."""
-    from jaxsmol.runtime.compile_cache import compilation_cache_dir
+def enable(root: Path | None) -> None:
+    """Keep executables under `root` (None: in memory only), from now on in this process."""
+    global _root
+    _root = root
 
-    root = compilation_cache_dir()
-    if root is None or jax.config.jax_compilation_cache_dir not in (None, str(root)):
+
+def store_dir() -> Path | None:
+    """Where executables are kept: `programs/` under the enabled root, in a folder named by the
+    environment's hash; None where none is enabled, or where JAX's persistent cache is in use (its
+    executables could not be stored: see the module docstring)."""
+    if _root is None or jax.config.jax_compilation_cache_dir is not None:
         return None
-    return root / "programs" / environment()
+    return _root / "programs" / environment()
 
 
 @functools.cache
