@@ -13,6 +13,7 @@ import pytest
 
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for, chunk_plan,
                             compile_bound, prefill_buckets, tight_plan)
+from jaxsmol.runtime import programs
 from jaxsmol.runtime.engine import Engine, compiled_programs
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import KVCache
@@ -35,7 +36,7 @@ def _gen(engine, prompt=PROMPT, **sp):
 def test_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload compiles at most compile_bound(ctx) forward programs, and the set saturates:
     a second pass of different random lengths compiles nothing new. The sampler compiles once."""
-    jax.clear_caches()  # count from zero, whatever earlier tests compiled
+    programs.clear()  # count from zero, whatever earlier tests compiled
     ctx = tiny_engine.ctx
     everything = tuple(range(256))  # as stop_ids: stop right after the first token
 

@@ -50,7 +50,7 @@ ENVIRONMENT = """\
 
 | variable | what |
 |---|---|
-| `JAXSMOL_HOME` | the data directory (default `~/.cache/jaxsmol`): `models/` (the imported default model), `kernels/` (the compiled C++ kernels), `xla-cache/` (compiled programs) |
+| `JAXSMOL_HOME` | the data directory (default `~/.cache/jaxsmol`): `models/` (the imported default model), `kernels/` (the compiled C++ kernels), `xla-cache/programs/` (compiled programs, loaded without tracing) |
 | `JAXSMOL_COMPILE_CACHE` | where compiled programs are kept (default `$JAXSMOL_HOME/xla-cache`); `off` keeps none |
 | `JAXSMOL_KERNELS` | the C++ CPU kernels: `auto` (default: used where they build), `on` (required: one error line where they cannot be built), `off` (XLA's own ops only). The former name `JAXSMOL_CPU_KERNELS` is still read |
 | `CXX` | the C++ compiler that builds the kernels (default `c++`) |

@@ -45,7 +45,7 @@ from jaxsmol.runtime.structured import all_allowed
 def compiled_programs(program: str = "forward") -> int:
     """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
     process so far: what compile_bound bounds, counted by the benchmark and the tests.
-    jax.clear_caches() resets it."""
+    programs.clear() resets it."""
     return programs.compiled_count(program)
 
 

@@ -75,6 +75,16 @@ class Program:
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)
 
+    @property
+    def held(self) -> int:
+        """Executables this program holds: prepared, and any jit compiled for a call they refused."""
+        return len(self._ready) + self.jitted._cache_size()
+
+    def clear(self) -> None:
+        """Forget every executable held (the store keeps its files): the next calls prepare them again."""
+        self._ready.clear()
+        self.jitted.clear_cache()
+
     def prepare(self, *args, **kwargs) -> None:
         """Make the executable of this call ready (arguments may be ShapeDtypeStructs): loaded from the
         store where it is there, else compiled (and written there where a store is set)."""

@@ -59,7 +59,12 @@ def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Ev
 
 
 def compiled_count(name: str = "forward") -> int:
-    """How many executables the program `name` holds in this process: made ready ahead, or compiled
-    when first called."""
-    program = ALL[name]
-    return program.prepared + program.jitted._cache_size()
+    """How many executables the program `name` holds in this process (prepared ahead, or when a call
+    first needed one): until `clear`."""
+    return ALL[name].held
+
+
+def clear() -> None:
+    """Forget every program's executables in this process (jax.clear_caches() leaves them)."""
+    for program in ALL.values():
+        program.clear()

@@ -2,7 +2,7 @@
 
 `$JAXSMOL_HOME` (default `~/.cache/jaxsmol`) holds `models/` (the bundled model, imported once:
 jaxsmol/checkpoint/default_model.py), `kernels/` (the compiled CPU kernels: jaxsmol/kernels/cpu_kernels.py) and
-`xla-cache/` (JAX's persistent compilation cache: jaxsmol/runtime/compile_cache.py). Nothing else decides paths.
+`xla-cache/` (compiled programs: jaxsmol/runtime/compile_cache.py, program_store.py). Nothing else decides paths.
 """
 
 from __future__ import annotations
@@ -25,5 +25,5 @@ def kernels_dir() -> Path:
 
 
 def xla_cache_dir() -> Path:
-    """The default directory of JAX's persistent compilation cache (compile_cache.py may be told another)."""
+    """The default directory of compiled programs (compile_cache.py may be told another)."""
     return data_home() / "xla-cache"
