@@ -29,9 +29,11 @@ import os
 import pickle
 import platform
 import threading
+import weakref
 from pathlib import Path
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from jaxsmol.system import program_memory
 
@@ -44,24 +46,47 @@ class Program:
 
     def __init__(self, name: str, jitted, static: tuple[str, ...] = ()):
         self.name, self.jitted, self.static = name, jitted, static
-        self.signature = inspect.signature(jitted)
+        parameters = inspect.signature(jitted).parameters
+        self._names = tuple(parameters)
+        self._defaults = {k: p.default for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
         self._ready: dict = {}  # signature key -> a Compiled
+        self._memo: dict = {}  # id of a large argument (the weights) -> (a weak reference to it, its key part)
         self.prepared = 0  # executables made ready (compiled or loaded)
         self.loaded = 0  # of which read from the store
 
     def _split(self, args, kwargs):
         """(static values, dynamic arguments in signature order): the form every executable is called in."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        static = tuple((k, bound.arguments[k]) for k in self.static)
-        return static, tuple(v for k, v in bound.arguments.items() if k not in self.static)
+        if len(args) > len(self._names):
+            raise TypeError(f"{self.name} takes {len(self._names)} arguments, got {len(args)}")
+        bound = {**self._defaults, **dict(zip(self._names, args)), **kwargs}
+        missing = [k for k in self._names if k not in bound]
+        if missing or len(bound) != len(self._names):
+            raise TypeError(f"{self.name}: missing or unknown arguments ({', '.join(missing) or sorted(kwargs)})")
+        return (tuple((k, bound[k]) for k in self.static),
+                tuple(bound[k] for k in self._names if k not in self.static))
 
-    @staticmethod
-    def _key(static, dynamic):
-        """static values, the pytree, and each leaf's (shape, dtype, weak type, sharding over several
-        devices or None): what picks an executable, for arrays and ShapeDtypeStructs alike."""
-        leaves, tree = jax.tree.flatten(dynamic)
-        return static, tree, tuple(_aval(x) for x in leaves)
+    def _key(self, static, dynamic):
+        """static values, then per dynamic argument its pytree and each leaf's (shape, dtype, weak type,
+        sharding over several devices or None): what picks an executable, for arrays and
+        ShapeDtypeStructs alike. A large argument's part is remembered by identity (the weights are the
+        same object call after call: flattening them each time was most of a call's cost)."""
+        parts = []
+        for value in dynamic:
+            memo = self._memo.get(id(value))
+            if memo is not None and memo[0]() is value:
+                parts.append(memo[1])
+                continue
+            leaves, tree = jax.tree.flatten(value)
+            part = (tree, tuple(_aval(x) for x in leaves))
+            if len(leaves) > 8:
+                try:
+                    if len(self._memo) >= 8:
+                        self._memo.pop(next(iter(self._memo)))
+                    self._memo[id(value)] = (weakref.ref(value), part)
+                except TypeError:  # not weakly referenceable: not remembered
+                    pass
+            parts.append(part)
+        return static, tuple(parts)
 
     def __call__(self, *args, **kwargs):
         static, dynamic = self._split(args, kwargs)
@@ -95,7 +120,7 @@ class Program:
 
     def _prepare(self, key, static, dynamic):
         directory = store_dir()
-        persist = directory is not None and all(a[-1] is None for a in key[2])
+        persist = directory is not None and all(a[-1] is None for _, avals in key[1] for a in avals)
         path = directory / f"{self.name}-{_digest(repr(key))}.xla" if persist else None
         with program_memory.loading():
             compiled = _load(path) if path is not None else None
@@ -111,13 +136,15 @@ class Program:
 
 
 def _aval(x) -> tuple:
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if isinstance(x, jax.Array):
+        shape, dtype, weak, sharding = x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding
+    elif isinstance(x, jax.ShapeDtypeStruct):
         shape, dtype, weak, sharding = x.shape, x.dtype, x.weak_type, x.sharding
-    else:
+    else:  # NumPy arrays and scalars, Python numbers
         a = jax.typeof(x)
-        shape, dtype, weak, sharding = a.shape, a.dtype, a.weak_type, getattr(x, "sharding", None)
-    several = sharding is not None and len(sharding.device_set) > 1
-    return tuple(shape), str(dtype), weak, sharding if several else None
+        shape, dtype, weak, sharding = a.shape, a.dtype, a.weak_type, None
+    several = sharding is not None and not isinstance(sharding, SingleDeviceSharding)
+    return tuple(shape), dtype, weak, sharding if several else None
 
 
 def _digest(text: str) -> str:
