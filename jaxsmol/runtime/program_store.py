@@ -80,11 +80,13 @@ class Program:
             part = (tree, tuple(_aval(x) for x in leaves))
             if len(leaves) > 8:
                 try:
-                    if len(self._memo) >= 8:
-                        self._memo.pop(next(iter(self._memo)))
-                    self._memo[id(value)] = (weakref.ref(value), part)
+                    ref = weakref.ref(value)
                 except TypeError:  # not weakly referenceable: not remembered
-                    pass
+                    ref = None
+                if ref is not None:
+                    if len(self._memo) >= 8:  # a new dict, not a pop: another thread may be reading this one
+                        self._memo = {}
+                    self._memo[id(value)] = (ref, part)
             parts.append(part)
         return static, tuple(parts)
 
