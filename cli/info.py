@@ -55,15 +55,16 @@ def _version() -> str:
 
 def _model() -> dict:
     """The default model: its directory, whether it was imported there yet, and the bundled GGUF's path."""
-    from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, is_imported
+    from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, imported_path
     from jaxsmol.errors import JaxsmolError
 
     try:
         gguf = str(bundled_gguf_path())
     except JaxsmolError:
         gguf = None
-    return {"name": DEFAULT_MODEL_NAME, "dir": str(default_model_path()), "imported": is_imported(),
-            "bundled_gguf": gguf, "weight_bytes": weight_bytes(default_model_path()) if is_imported() else None}
+    imported = imported_path()  # the full import, or the lean one of a model run as its Q4_1 file
+    return {"name": DEFAULT_MODEL_NAME, "dir": str(imported or default_model_path()), "imported": imported is not None,
+            "bundled_gguf": gguf, "weight_bytes": weight_bytes(imported) if imported else None}
 
 
 def weight_bytes(model_dir) -> dict[str, int]:

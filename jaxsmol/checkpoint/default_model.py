@@ -56,8 +56,15 @@ def default_model_path() -> Path:
 
 
 def is_imported() -> bool:
-    """Whether the default model was imported already (`jaxsmol info`; nothing is loaded)."""
-    return _is_complete(default_model_path())
+    """Whether the default model was imported already, fully or lean (`jaxsmol info`; nothing is loaded)."""
+    return imported_path() is not None
+
+
+def imported_path() -> Path | None:
+    """The default model's import: the full one where it exists, else the lean one, else None."""
+    full = default_model_path()
+    lean = full.with_name(f"{DEFAULT_MODEL_NAME}.lean")
+    return full if _is_complete(full) else lean if (lean / "config.json").is_file() else None
 
 
 def default_model_dir(progress: bool = True, lean: bool = False) -> Path:
@@ -71,8 +78,8 @@ def default_model_dir(progress: bool = True, lean: bool = False) -> Path:
     if _is_complete(model_dir):
         return model_dir
     if lean:
-        return import_once(bundled_gguf_path(), model_dir.with_name(f"{DEFAULT_MODEL_NAME}.lean"), progress=progress,
-                           floats_only=True)
+        return import_once(bundled_gguf_path(), model_dir.with_name(f"{DEFAULT_MODEL_NAME}.lean"),
+                           progress=progress, floats_only=True)
     return import_once(bundled_gguf_path(), model_dir, progress=progress)
 
 
