@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.model import forward as model
 from jaxsmol.runtime import programs
 from jaxsmol.model.kv import KVCache
@@ -156,8 +157,8 @@ def test_fused_products_change_no_bit(tiny_cfg, params):
     """q, k, v (and gate, up) as one packed product each give the bits of three (two) separate
     products: each output column is its own sum over k, whatever the columns beside it."""
     on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
-    layers = cpu_kernels.unstack_layers(params.layers)
-    separate = params.replace(layers=cpu_kernels.stack_layers(
+    layers = unstack_layers(params.layers)
+    separate = params.replace(layers=stack_layers(
         lambda i: layers[i].replace(**{f: cpu_kernels.pack(getattr(layers[i], f)) for f in cpu_kernels.MATRICES}),
         len(layers)), unembed=cpu_kernels.pack(params.unembed))
     fused = cpu_kernels.pack_params(params)

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels.stacking import unstack_layers
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.params import expected_shapes, load_params, params_from_hf, read_hf_tensors
@@ -51,7 +52,7 @@ def test_params_layout_and_values(tiny_cfg):
     p = params_from_hf(tiny_cfg, t)
     L = tiny_cfg.n_layers
     assert p.layers.wq.shape == (L, 64, 64)  # one LayerParams, every layer's stacked
-    for i, layer in enumerate(cpu_kernels.unstack_layers(p.layers)):  # matrices transposed to [in, out]
+    for i, layer in enumerate(unstack_layers(p.layers)):  # matrices transposed to [in, out]
         assert layer.wq.shape == (64, 64) and layer.wk.shape == (64, 32) and layer.wo.shape == (64, 64)
         assert layer.w_down.shape == (128, 64) and layer.attn_norm.shape == (64,)
         np.testing.assert_array_equal(np.asarray(layer.wq), t[f"model.layers.{i}.self_attn.q_proj.weight"].T)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.kernels import cpu_kernels, formats
+from jaxsmol.kernels.stacking import stack_layers
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 
@@ -188,7 +189,7 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         fields = LayerParams(**{field: weight(i, suffix, shape) for suffix, (field, shape) in layer_specs(cfg).items()})
         return cpu_kernels.pack_layer(fields) if cfg.cpu_kernels or cfg.quant else fields
 
-    layers = cpu_kernels.stack_layers(layer, cfg.n_layers)
+    layers = stack_layers(layer, cfg.n_layers)
     embed = tensors["model.embed_tokens.weight"]
     head = embed if cfg.tie_embeddings else tensors["lm_head.weight"]
     unembed = matrix(head, cfg.quant and formats.UNEMBED_FORMAT)
