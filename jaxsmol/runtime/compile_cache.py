@@ -58,15 +58,16 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     plan = chunk_plan(n_prompt, prefill_buckets(True, cfg.cpu_kernels))
     cap = capacity_for(max(sum(plan), n_prompt + max_tokens))  # Engine.slots_needed(0, ...)
     kv = jax.eval_shape(lambda: KVCache.zeros(cfg, cap, dtype=cache_dtype))
+    lengths = sorted(set(plan) | ({1} if max_tokens > 1 else set()))
     calls = [(programs.forward, (params, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
                                  kv, cfg), {})
-             for T in sorted(set(plan) | ({1} if max_tokens > 1 else set()))]
+             for T in lengths]
     allowed = all_allowed(1, cfg.vocab_size) if structured else None
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
     calls.append((programs.sample, (logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed), {}))
     calls.append((programs.step_key, (seed_key(0), np.int32(0)), {}))
     programs.compile_all(calls)
-    for T in sorted(set(plan) | ({1} if max_tokens > 1 else set())):
+    for T in lengths:
         jnp.asarray(np.zeros((1, T), np.int32)).block_until_ready()  # the host -> device copy of a chunk
     # the small programs a generation runs around them (its seed's key, each step's key, a cache's
     # zeros) are compiled on first use as well: 15-150 ms each on a loaded machine, so run them once here

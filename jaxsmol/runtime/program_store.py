@@ -208,13 +208,13 @@ def _write(path: Path, compiled) -> None:
     head start of the next process."""
     from jax.experimental.serialize_executable import serialize
 
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         payload, in_tree, out_tree = serialize(compiled)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             pickle.dump({"format": FORMAT, "environment": environment(), "payload": payload,
                          "in_tree": in_tree, "out_tree": out_tree}, f)
         os.replace(tmp, path)
     except Exception:
-        pass
+        tmp.unlink(missing_ok=True)  # no half file left behind either
