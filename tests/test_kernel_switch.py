@@ -105,7 +105,8 @@ def test_info_reports_the_kernels_and_the_directories(tmp_path):
     """--json: one object, the kernels built here (the suite needs a compiler); the text: one row each."""
     from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME
 
-    env = {"JAXSMOL_HOME": str(tmp_path), "JAXSMOL_COMPILE_CACHE": str(tmp_path / "programs")}
+    env = {"JAXSMOL_HOME": str(tmp_path), "JAXSMOL_COMPILE_CACHE": str(tmp_path / "programs"),
+           "JAXSMOL_KERNELS_DIR": str(tmp_path / "kernels")}
     home = tmp_path / "kernels"  # a library built before, copied in: the state says it came from the cache
     home.mkdir()
     library = cpu_kernels.state().library

@@ -89,12 +89,12 @@ def test_batched_programs_are_compiled_at_start(server, serve_daemons):
     assert httpx.get(server + "/health", timeout=30).json()["compiling"] is False
 
 
-PROGRAMS_AHEAD = 18 + 31 + 18  # what docs/design.md promises a daemon at --max-batch 16 compiles before ready
+PROGRAMS_AHEAD = 14 + 31 + 18  # what docs/design.md promises a daemon at --max-batch 16 compiles before ready
 
 
 def test_the_programs_made_before_ready_are_bounded(server, serve_daemons):
-    """Before it says ready the daemon makes at most PROGRAMS_AHEAD programs: the single-sequence chunk
-    buckets at two capacities and the sampler (18), the batched decode programs (31) and the
+    """Before it says ready the daemon makes at most PROGRAMS_AHEAD programs: one prompt's exact chunk
+    lengths at two capacities (14), the batched decode programs (31) and the
     side-by-side prefill groups (18), each one decoder layer looped, compiled or loaded from the store."""
     main = serve_daemons.servers["main"]
     deadline = time.monotonic() + 600

@@ -98,7 +98,8 @@ def test_the_installed_wheel_compiles_and_uses_the_kernels(archives, tmp_path, t
     purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())
     (purelib / "jaxsmol-test-dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(JAXSMOL_KERNELS="on", JAXSMOL_HOME=str(tmp_path / "home"), JAX_PLATFORMS="cpu")
+    env.update(JAXSMOL_KERNELS="on", JAXSMOL_HOME=str(tmp_path / "home"), JAX_PLATFORMS="cpu",
+               JAXSMOL_KERNELS_DIR=str(tmp_path / "home" / "kernels"))  # a fresh build, not the user's
     info = json.loads(run([venv / "bin" / "jaxsmol", "info", "--json"], cwd=tmp_path, env=env).stdout)
     assert Path(info["jaxsmol"]["path"]) == purelib / "jaxsmol"  # the wheel's copy, not the checkout
     kernels = info["kernels"]

@@ -1,5 +1,6 @@
-"""`--only ready`: a daemon's start to ready on an empty data directory (the model's import, the C++
-kernels' build and every compile included) and then again on the one it filled, its memory at ready
+"""`--only ready`: a daemon's start to ready on an empty data directory (the model's import and every
+compile included; the C++ kernels are the user's, built once per install: system/data_dirs.py) and
+then again on the one it filled, its memory at ready
 and after 8 concurrent streams, and one stream sent the moment it is ready against its settled speed.
 
 Each start runs `jaxsmol serve` with its default warm-up (background: /health 503 "warming", then

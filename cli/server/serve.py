@@ -97,7 +97,7 @@ class Daemon:
                  model_name: str, write_timeout_s: float, warmup: str = "none"):
         self.engine, self.cache, self.worker, self.metrics = engine, cache, worker, metrics
         self.tenants, self.model_name = tenants, model_name
-        self.warmup = Warmup(warmup, engine, lambda stop: self.worker.scheduler.compile_programs(stop=stop))
+        self.warmup = Warmup(warmup, self.worker.scheduler)
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
         self.memory = MemoryAccount(engine.params)
 

@@ -8,8 +8,8 @@ cores: one stream started while the batched programs compiled in the background 
               {"status": "warming"} until done, then 200; requests sent meanwhile are served, slower;
   none        compile nothing ahead: ready at once, each program compiles when first used (holding
               every stream while it does).
-What is compiled: the single-sequence programs (Engine.warmup) and the continuous batch's
-(Scheduler.compile_programs, cache/scheduler/compile_ahead.py). A later start finds them in the
+What is compiled: the programs the scheduler runs, one prompt's chunks and the continuous batch's
+(Scheduler.program_calls, cache/scheduler/compile_ahead.py). A later start finds them in the
 program store (jaxsmol/runtime/program_store.py) and loads each without tracing it.
 """
 
@@ -18,23 +18,26 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+
+from jaxsmol.runtime import programs
 
 MODES = ("block", "background", "none")
-SLOTS = 512  # the single-sequence programs of requests up to this many positions (as before: Engine.warmup)
+SLOTS = 512  # the programs of requests up to this many positions
 
 
 class Warmup:
     """Compiles the daemon's programs once (`run`, or `start` for a thread) and says whether it is ready.
 
-    compile_batched(stop) compiles the batched programs, checking the Event `stop` between them, and
-    returns how many. A failure only loses the head start (the programs then compile on first use):
-    the daemon is ready after it too, never stuck warming."""
+    The scheduler's programs: one prompt's chunks (Scheduler.program_calls) and the batched ones
+    (Scheduler.compile_programs, which checks the Event `stop` between them). All are made ready in
+    one pass first, so that what the program store lacks compiles in one child process
+    (jaxsmol/runtime/compile_apart.py). A failure only loses the head start (the programs then
+    compile on first use): the daemon is ready after it too, never stuck warming."""
 
-    def __init__(self, mode: str, engine, compile_batched: Callable[[threading.Event], int]):
+    def __init__(self, mode: str, scheduler):
         if mode not in MODES:
             raise ValueError(f"warmup mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.mode, self.engine, self.compile_batched = mode, engine, compile_batched
+        self.mode, self.scheduler = mode, scheduler
         self.stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,15 +60,15 @@ class Warmup:
         return {"ready": ready, "warmup": self.mode, "warmup_s": round(spent, 1)}
 
     def run(self) -> None:
-        """Compile the single-sequence programs, then the batched ones; ready after, unless stopped."""
+        """Make ready every program the scheduler runs (compiled or loaded); ready after, unless stopped."""
         self._began = t0 = time.perf_counter()
         try:
-            single = self.engine.warmup(SLOTS)
-            t1 = time.perf_counter()
-            n = self.compile_batched(self.stop)
-            print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t1:.1f} s",
+            single, batched = self.scheduler.program_calls(SLOTS)
+            programs.compile_all(single + batched, self.stop)
+            n = self.scheduler.compile_programs(SLOTS, self.stop)  # ready by now: counted
+            print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
-            print(f"programs ready ahead: {single} single-sequence + {n} batched", file=sys.stderr, flush=True)
+            print(f"programs ready ahead: {len(single)} single-sequence + {n} batched", file=sys.stderr, flush=True)
         except Exception as e:  # only the head start is lost
             print(f"jaxsmol: programs not compiled ahead ({type(e).__name__}: {e}); they compile on first use",
                   file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ interface (`jax.ffi`): two computing the forward in float32, and a copy.
   between the threads (XLA's dynamic-update-slice copies on one).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
-CPU (`-march=native`) and kept under the data directory, keyed by sources, flags, jax version and CPU.
+CPU (`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and CPU.
 Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
 `JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build,
 `on` makes that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path

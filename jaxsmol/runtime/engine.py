@@ -93,7 +93,7 @@ def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
 # relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
 NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
                     "kernels/cpu_matmul_quant.cc", "kernels/formats.py", "kernels/cpu_attention.cc",
-                    "kernels/cpu_kernels.h", "kernels/cpu_matmul.h")
+                    "kernels/cpu_kernels.h", "kernels/cpu_matmul.h", "runtime/programs.py")
 
 
 @functools.cache
@@ -332,24 +332,31 @@ class Engine:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
         decode, for the capacities on the way), so later timings measure compute, not compilation.
         With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
-        4-token probe needs the 1- and 16-row programs, not the 512-row one (each program costs ~1.5 s
-        of tracing and lowering even when the persistent cache holds its compiled code).
+        4-token probe needs the 1- and 16-row programs, not the 512-row one.
         Compiled ahead of time (or loaded from the program store), not run: running them on zeros cost the
         daemon's start 8 s more. Returns how many programs."""
         # the exact path's chunks too: a one-token prompt runs an 8-row chunk with the kernels (64 without)
         top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
                                                                chunk_length(prompt_len, buckets=self.buckets(True)))
-        calls = []
-        for cap in sorted({capacity_for(s) for s in (slots, slots + top)}):
-            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)  # laid out as a request's
-            calls += [(programs.forward, (self.params, jax.ShapeDtypeStruct((1, T), jnp.int32),
-                                          jax.ShapeDtypeStruct((), jnp.int32), kv, self.cfg), {})
-                      for T in FAST_BUCKETS if T <= min(top, cap)]
+        calls = self.forward_calls(slots, [T for T in FAST_BUCKETS if T <= top])
         logits = jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32)
         scalars = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
         for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
             calls.append((programs.sample, (logits, *scalars, allowed), {}))
         return programs.compile_all(calls)
+
+    def forward_calls(self, slots: int, lengths) -> list:
+        """`forward` over chunks of each of `lengths` rows into one sequence's cache, at the capacities
+        of a request touching `slots` slots and of one a chunk more, as (program, args, kwargs) calls
+        (programs.compile_all)."""
+        lengths = sorted(lengths)
+        calls = []
+        for cap in sorted({capacity_for(s) for s in (slots, slots + lengths[-1])}):
+            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)  # laid out as a request's
+            calls += [(programs.forward, (self.params, jax.ShapeDtypeStruct((1, T), jnp.int32),
+                                          jax.ShapeDtypeStruct((), jnp.int32), kv, self.cfg), {})
+                      for T in lengths if T <= cap]
+        return calls
 
     def logits_all(self, ids) -> np.ndarray:
         """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""

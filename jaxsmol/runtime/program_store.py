@@ -120,10 +120,21 @@ class Program:
         if key not in self._ready:
             self._prepare(key, static, dynamic)
 
-    def _prepare(self, key, static, dynamic):
+    def stored(self, *args, **kwargs) -> bool:
+        """Whether the executable of this call is held in memory or in the store."""
+        key = self._key(*self._split(args, kwargs))
+        path = self._path(key)
+        return key in self._ready or (path is not None and path.is_file())
+
+    def _path(self, key) -> Path | None:
+        """Where the store keeps the executable of `key`; None without a store, or for arguments
+        spread over several devices (their executables are not stored)."""
         directory = store_dir()
         persist = directory is not None and all(a[-1] is None for _, avals in key[1] for a in avals)
-        path = directory / f"{self.name}-{_digest(repr(key))}.xla" if persist else None
+        return directory / f"{self.name}-{_digest(repr(key))}.xla" if persist else None
+
+    def _prepare(self, key, static, dynamic):
+        path = self._path(key)
         with program_memory.loading():
             compiled = _load(path) if path is not None else None
         if compiled is None:
@@ -157,6 +168,11 @@ def enable(root: Path | None) -> None:
     """Keep executables under `root` (None: in memory only), from now on in this process."""
     global _root
     _root = root
+
+
+def root() -> Path | None:
+    """The enabled root (enable), None for none."""
+    return _root
 
 
 def store_dir() -> Path | None:

@@ -17,13 +17,20 @@ from typing import Iterable
 
 import jax
 
-from jaxsmol.runtime import batch, sampling
+from jaxsmol.runtime import batch, compile_apart, sampling
 from jaxsmol.runtime.program_store import Program
 from jaxsmol.model import forward as model, kv
 
 
+# XLA:CPU's older loop emitters for fusions: the daemon's programs compiled in 15.1 s against 20.6 s
+# with the MLIR fusion emitters, and ran as fast (prefill 512 394 vs 403 ms, decode 6.8 vs 7.3 ms a
+# token; 2 cores). Part of every program, so the jitted and the prepared paths compute the same bits.
+COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
 def _program(name: str, fn, static: tuple[str, ...] = (), donate: tuple[str, ...] = ()) -> Program:
-    return Program(name, jax.jit(fn, static_argnames=static, donate_argnames=donate), static)
+    return Program(name, jax.jit(fn, static_argnames=static, donate_argnames=donate, compiler_options=COMPILER_OPTIONS),
+                   static)
 
 
 forward = _program("forward", model.forward, ("cfg", "all_logits"), ("kv",))
@@ -45,10 +52,14 @@ ALL = {p.name: p for p in (forward, sample, step_key, load_prefix, top_logprobs,
 def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Event | None = None) -> int:
     """Make ready the executables of `calls`, each (program, args, kwargs) as the program will be
     called (arguments may be ShapeDtypeStructs): loaded from the program store, else compiled and
-    stored (program_store.py). One after another: XLA's compiler runs threads of its own, and two
-    compiles at once were slower under the command line's single malloc arena (system/host_memory.py:
-    35.6 s against 30.6 s for the daemon's 49 batched programs). `stop` (an Event) is checked before
-    each. Returns how many."""
+    stored (program_store.py). Where many are missing from the store, a child process compiles
+    them there first (compile_apart.py: XLA's compiler is ~1.5x faster outside the command line's
+    single malloc arena, and its heap leaves with the child). One after another in process: XLA's
+    compiler runs threads of its own. `stop` (an Event) is checked before each. Returns how many."""
+    calls = list(calls)
+    missing = [c for c in calls if not c[0].stored(*c[1], **c[2])]
+    if len(missing) >= compile_apart.MIN_CALLS:
+        compile_apart.compile_in_child(missing, stop)
     n = 0
     for program, args, kwargs in calls:
         if stop is not None and stop.is_set():

@@ -1,0 +1,81 @@
+"""Programs compiled in a child process into the program store, then loaded by the caller.
+
+The command line keeps one malloc arena for all threads (system/host_memory.py: the daemon's big
+buffers come from one heap that is kept, not faulted in afresh). XLA's compiler runs threads of its
+own, and under one arena they wait on its lock: the daemon's programs compiled in 46.5 s there
+against 31.3 s under glibc's default arenas (2 cores). So a process that keeps one arena, or any
+process with many programs to compile, hands them to a child started for the purpose: it compiles
+each into the program store (program_store.py) and exits, and its compiler's heap goes with it;
+the caller then loads each executable (~10 ms). The child gets the calls' shapes alone (weights as
+ShapeDtypeStructs), pickled on its stdin; it is the same interpreter with the same environment, so
+it computes the same store folder, or says it did not and the caller compiles in process.
+
+Run as `python -m jaxsmol.runtime.compile_apart` (by `compile_in_child` only).
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+
+import jax
+
+from jaxsmol.runtime import program_store
+
+MIN_CALLS = 6  # fewer than this many missing programs compile in process (a child costs ~2.5 s to start)
+
+
+def shapes_of(tree):
+    """`tree` with every array leaf as its ShapeDtypeStruct (what a child needs to compile, not the values)."""
+    def leaf(x):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+        return x
+    return jax.tree.map(leaf, tree)
+
+
+def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
+    """Compile `calls` ((program, args, kwargs) triples) into the program store in a child process.
+    Returns how many it stored; 0 where it could not (no store, the child failed or computed another
+    store folder, `stop` was set): the caller then compiles what is still missing itself."""
+    folder = program_store.store_dir()
+    if folder is None or not calls:
+        return 0
+    payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder),
+                            "calls": [(p.name, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in calls]})
+    child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    done = threading.Thread(target=child.communicate, args=(payload,), daemon=True)
+    done.start()
+    while done.is_alive():
+        done.join(0.2)
+        if stop is not None and stop.is_set():
+            child.kill()
+            done.join()
+            return 0
+    if child.returncode != 0:
+        return 0
+    return sum(1 for p, args, kwargs in calls if p.stored(*args, **kwargs))
+
+
+def _main() -> int:
+    """The child: read the calls, compile each into the store; exit 3 where its store folder differs."""
+    from pathlib import Path
+
+    from jaxsmol.runtime import programs
+
+    job = pickle.loads(sys.stdin.buffer.read())
+    jax.config.update("jax_enable_compilation_cache", False)  # its executables could not be stored
+    program_store.enable(Path(job["root"]))
+    if str(program_store.store_dir()) != job["folder"]:
+        print("jaxsmol: the compile child's environment differs from its parent's", file=sys.stderr)
+        return 3
+    for name, args, kwargs in job["calls"]:
+        programs.ALL[name].prepare(*args, **kwargs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

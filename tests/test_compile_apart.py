@@ -1,0 +1,72 @@
+"""Programs compiled in a child process into the program store (jaxsmol/runtime/compile_apart.py), then
+loaded by the caller: what compile_all does where many programs are missing from the store."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsmol.model.config import Config
+from jaxsmol.runtime import compile_apart, program_store, programs
+
+
+VOCABS = iter(range(352, 1024, 32))
+
+
+@pytest.fixture
+def engine():
+    """An engine of a config no other test compiles (its programs are held nowhere, stored nowhere)."""
+    from jaxsmol.model.params import init_random
+    from jaxsmol.runtime.engine import Engine
+
+    cfg = Config.tiny(n_layers=3, vocab_size=next(VOCABS))
+    return Engine(cfg, init_random(cfg), None, ctx=1024)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setattr(program_store, "_root", tmp_path)
+    return tmp_path
+
+
+def _calls(engine):
+    return engine.forward_calls(64, (8, 16, 32, 64, 128, 256))
+
+
+def test_a_child_compiles_what_the_store_lacks_and_the_caller_loads_it(engine, store):
+    calls = _calls(engine)
+    assert len(calls) >= compile_apart.MIN_CALLS
+    loaded, prepared = programs.forward.loaded, programs.forward.prepared
+    assert programs.compile_all(calls) == len(calls)
+    assert programs.forward.prepared - prepared == len(calls) == programs.forward.loaded - loaded  # none compiled here
+    assert all(p.stored(*args, **kwargs) for p, args, kwargs in calls)
+    # what the child compiled computes what this process's own compile of the same function does
+    kv = engine.new_cache(64)
+    tokens, n = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None]), jnp.int32(8)
+    ours = jax.jit(programs.forward.jitted.__wrapped__, static_argnames=("cfg", "all_logits"),
+                   compiler_options=programs.COMPILER_OPTIONS)(engine.params, tokens, n, kv, engine.cfg)[0]
+    theirs = programs.forward(engine.params, tokens, n, engine.new_cache(64), engine.cfg)[0]
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_a_stopped_child_stores_nothing_and_the_caller_compiles_nothing(engine, store):
+    stop = threading.Event()
+    stop.set()
+    assert compile_apart.compile_in_child(_calls(engine), stop) == 0
+    assert programs.compile_all(_calls(engine), stop) == 0
+    assert not any(p.stored(*args, **kwargs) for p, args, kwargs in _calls(engine))
+
+
+def test_a_child_of_another_environment_is_refused_and_the_caller_compiles(engine, store, monkeypatch):
+    """A child whose store folder differs (here: other XLA_FLAGS, part of the environment's hash)
+    stores nothing the caller would read; compile_all then compiles in process."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    calls = _calls(engine)
+    assert compile_apart.compile_in_child(calls, None) == 0
+    loaded, prepared = programs.forward.loaded, programs.forward.prepared
+    assert programs.compile_all(calls) == len(calls)
+    assert programs.forward.prepared - prepared == len(calls) and programs.forward.loaded == loaded
