@@ -12,8 +12,6 @@ reports and pins), `pins.py` (pinned prefixes, out of LRU eviction under a budge
 Imports flow cli -> cache -> jaxsmol, never back.
 """
 
-from jaxsmol.system.moved_modules import keep_old_paths
-
 __all__ = ["PrefixCache", "generate_many", "run_probe"]
 _PUBLIC = {"PrefixCache": "cache.prefix_cache", "generate_many": "cache.scheduler.many", "run_probe": "cache.probe"}
 
@@ -25,19 +23,3 @@ def __getattr__(name):
     import importlib
 
     return getattr(importlib.import_module(_PUBLIC[name]), name)
-
-
-# the flat layout of 0.1 (cache.radix, cache.many, ...)
-keep_old_paths({
-    "cache.radix": "cache.store.radix",
-    "cache.minimal": "cache.store.minimal",
-    "cache.snapshot": "cache.store.snapshot",
-    "cache.disk": "cache.store.disk",
-    "cache.scheduler_state": "cache.scheduler.state",
-    "cache.requests": "cache.scheduler.requests",
-    "cache.batch_settings": "cache.scheduler.settings",
-    "cache.compile_ahead": "cache.scheduler.compile_ahead",
-    "cache.answers": "cache.scheduler.answers",
-    "cache.many": "cache.scheduler.many",
-    "cache.side_by_side": "cache.scheduler.side_by_side",
-})

@@ -82,7 +82,7 @@ class Pins:
         self._refuse_over_budget(len(tokens), cost)
         radix.pin(ns, tokens)
         on_disk = write and self.write(ns, tokens)
-        self.cache._sync()
+        self.cache.sync()
         return Pinned(len(tokens), cost, self.held, on_disk)
 
     def unpin(self, ns, tokens) -> bool:
@@ -94,7 +94,7 @@ class Pins:
                 self.cache.disk.forget(ns[1], tokens)
             except OSError:
                 pass
-        self.cache._sync()
+        self.cache.sync()
         return True
 
     def write(self, ns, tokens) -> bool:

@@ -1,7 +1,8 @@
 """The prefix cache in front of the engine: bypass, lookup, restore, continue, save.
 
 Modes:
-  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens (cache/store/minimal.py)
+  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens
+             (cache/store/minimal.py)
   "radix"    many prefixes in a radix tree (cache/store/radix.py), longest match at token granularity,
              the last prompt position's logits kept for an exact full hit (no forward at all),
              generated tokens saved too (the next chat turn repeats them), LRU under a byte budget
@@ -22,14 +23,13 @@ buckets wherever they start (see jaxsmol/runtime/engine.py: >= 64 rows on XLA's 
 the CPU kernels), and the generated tokens' state is saved only after re-prefilling it the same way
 (`exact=True`), because single-token decode rows differ from prefill rows in the last bits. With
 exact=False (the non-bitwise fast path) a short suffix after a restore may take fewer rows than the
-exact buckets allow (one row for one token; 16 or 32 on XLA's matmul), and the decode state is saved as is: cheaper, but a warm run may then differ from a cold one in
-the last bits (and rarely in a sampled token).
+exact buckets allow (one row for one token; 16 or 32 on XLA's matmul), and the decode state is saved
+as is: cheaper, but a warm run may then differ from a cold one in the last bits (and rarely in a
+sampled token).
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class PrefixCache:
         self.disk = disk if mode != "off" else None
         if self.disk is not None and mode == "radix":
             self.radix.on_evict = self._spill
-        engine.fingerprint  # hash the weights now, not inside the first request's time to first token
+        _ = engine.fingerprint  # hash the weights now, not inside the first request's time to first token
 
     @property
     def store(self):
@@ -92,7 +92,7 @@ class PrefixCache:
         self.single.clear()
         if self.disk is not None:
             self.disk.clear(keep_pinned=True)
-        self._sync()
+        self.sync()
 
     def cached_prefix(self, prompt_ids, salt: str | None = None, bypass: bool = False) -> int:
         """How many leading tokens of the prompt are stored in memory: a walk of the store, nothing
@@ -101,7 +101,7 @@ class PrefixCache:
             return 0
         return self.store.peek(self.namespace(salt), prompt_ids)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         self.stats.bytes_held = self.bytes_held
         self.stats.pinned_bytes = self.radix.pinned_bytes
         self.stats.evictions = self.radix.evictions
@@ -124,7 +124,7 @@ class PrefixCache:
         return tokens if self.exact else None
 
     # ---- a request ------------------------------------------------------------------------------
-    def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> "Lookup":
+    def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> Lookup:
         """Check the prompt and find its longest stored prefix; the entries found stay pinned (never
         evicted) until `release(lookup)`. Raises JaxsmolError for a bad prompt."""
         prompt = self.engine.check_prompt(prompt_ids, max_tokens)
@@ -155,31 +155,23 @@ class PrefixCache:
             self.stats.misses += 1
         return lk
 
-    def release(self, lk: "Lookup") -> None:
+    def release(self, lk: Lookup) -> None:
         """Unpin what `lookup` pinned (once; later calls do nothing)."""
         if lk.lease is not None:
             self.store.release(lk.lease)
             lk.lease = None
 
-    def finish(self, lk: "Lookup", prefilled: int) -> None:
+    def finish(self, lk: Lookup, prefilled: int) -> None:
         """Account a request whose prompt is done: `prefilled` positions were computed."""
         lk.report.prefilled = prefilled
         self.stats.tokens_reused += lk.report.reused
         self.stats.tokens_prefilled += prefilled
-        self._sync()
+        self.sync()
 
     def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, salt: str | None = None,
-              bypass: bool = False) -> "CachedRequest":
+              bypass: bool = False) -> CachedRequest:
         """Look the prompt up and start its generation; iterate the result for tokens."""
         return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
-
-    def generate_many(self, prompts, sp: SamplingParams = SamplingParams(), **kw):
-        """Deprecated since 0.2.0, removed in 0.3.0: `generate_many(cache, prompts, sp, ...)`, from
-        cache (it lives in cache/scheduler/many.py). The prefix cache does not know the scheduler that builds on it (no import
-        circle); until then this method reaches it by name, so code written for 0.1 still runs."""
-        warnings.warn("PrefixCache.generate_many is deprecated: use `from cache import generate_many; "
-                      "generate_many(cache, prompts, sp, ...)`", DeprecationWarning, stacklevel=2)
-        return importlib.import_module("cache.scheduler.many").generate_many(self, prompts, sp, **kw)
 
     def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
         """Run a request to the end; returns (Generation, CacheReport)."""
@@ -204,7 +196,7 @@ class PrefixCache:
         if self.store is not None:
             self.store.add(self.namespace(snap.salt if salt is None else salt), snap.tokens, snap.segment,
                            snap.logits)
-        self._sync()
+        self.sync()
 
     def _spill(self, ns, match) -> None:
         """The radix store is evicting this key: keep it on disk if the disk budget allows."""
@@ -251,7 +243,7 @@ class PrefixCache:
             if snap is not None:
                 snap.pinned = self.pins.is_pinned(ns, tokens)
                 self.disk.put(snap)
-        self._sync()
+        self.sync()
         return len(self.disk)
 
     def warm_from_disk(self) -> int:
@@ -279,11 +271,11 @@ class PrefixCache:
             except SnapshotError:
                 self.stats.disk_refused += 1
         self.stats.disk_loads += loaded
-        self._sync()
+        self.sync()
         return loaded + self.pins.restored
 
     # ---- saving -----------------------------------------------------------------------------------
-    def save_prompt(self, lk: "Lookup", kv: KVCache, logits) -> None:
+    def save_prompt(self, lk: Lookup, kv: KVCache, logits) -> None:
         """Store the prompt's state; call right after the prompt is in `kv` (before decode donates it)."""
         if lk.report.bypass is not None or lk.report.exact_hit:
             return
@@ -296,14 +288,14 @@ class PrefixCache:
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)
         self.stats.saves += 1
-        self._sync()
+        self.sync()
 
-    def wants_answer(self, lk: "Lookup", output_ids) -> bool:
+    def wants_answer(self, lk: Lookup, output_ids) -> bool:
         """Whether prompt + answer should be stored (a store of many keys, consulted, and an answer)."""
         return (lk.report.bypass is None and self.store.max_keys is None and self.save_generated
                 and bool(output_ids))
 
-    def begin_answer(self, lk: "Lookup", output_ids) -> "AnswerSave | None":
+    def begin_answer(self, lk: Lookup, output_ids) -> AnswerSave | None:
         """Exact mode: pin the stored prompt that prompt + answer extends, for `finish_answer`.
 
         The answer's state is recomputed with prefill-shaped chunks from the stored prompt, so that
@@ -317,7 +309,7 @@ class PrefixCache:
         store, lease, n = self.store, hit.lease, hit.reused
         return AnswerSave(lk, tokens, lease, lambda: KVCache.from_segment(store.gather(lease, n)))
 
-    def finish_answer(self, save: "AnswerSave", kv: KVCache | None, logits) -> None:
+    def finish_answer(self, save: AnswerSave, kv: KVCache | None, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
         try:
             if kv is not None:
@@ -327,9 +319,9 @@ class PrefixCache:
                 self.stats.saves += 1
         finally:
             self.store.release(save.lease)
-            self._sync()
+            self.sync()
 
-    def _save_generated(self, lk: "Lookup", gen: Generation) -> None:
+    def _save_generated(self, lk: Lookup, gen: Generation) -> None:
         """Store prompt + generated tokens, so the next chat turn reuses the answer too."""
         if self.exact:
             save = self.begin_answer(lk, gen.output_ids)
@@ -349,7 +341,7 @@ class PrefixCache:
             tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
             lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)
             self.stats.saves += 1
-            self._sync()
+            self.sync()
 
 
 class CachedRequest:
@@ -377,4 +369,4 @@ class CachedRequest:
             cache._save_generated(lk, self.gen)
         cache.engine.recycle(self.gen.kv, self.gen.held)  # the request is over: its buffer can serve the next one
         self.gen.kv = None
-        cache._sync()
+        cache.sync()

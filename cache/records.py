@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

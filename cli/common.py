@@ -145,7 +145,7 @@ class Precompile:
             self.thread.join()
         return self.seconds
 
-    def __enter__(self) -> "Precompile":
+    def __enter__(self) -> Precompile:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -55,7 +55,8 @@ def _version() -> str:
 
 def _model() -> dict:
     """The default model: its directory, whether it was imported there yet, and the bundled GGUF's path."""
-    from jaxsmol.checkpoint.default_model import DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path, imported_path
+    from jaxsmol.checkpoint.default_model import (DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path,
+                                                  imported_path)
     from jaxsmol.errors import JaxsmolError
 
     try:

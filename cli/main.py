@@ -124,7 +124,8 @@ def _serve(args) -> int:
     if not 1 <= args.max_batch <= 256:
         raise JaxsmolError(f"--max-batch must be in [1, 256], got {args.max_batch}")
     if args.prefill_chunk not in CHUNK_ROWS_CHOICES:
-        raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, CHUNK_ROWS_CHOICES))}, got {args.prefill_chunk}")
+        raise JaxsmolError(f"--prefill-chunk must be one of {', '.join(map(str, CHUNK_ROWS_CHOICES))}, "
+                           f"got {args.prefill_chunk}")
     if args.kv_cache_bytes <= 0:
         raise JaxsmolError(f"--kv-cache-bytes must be > 0, got {args.kv_cache_bytes}")
     if args.pinned_bytes < 0 or args.admission_bound < 0:

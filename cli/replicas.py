@@ -84,7 +84,7 @@ class Process:
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
 
-    def start(self) -> "Process":
+    def start(self) -> Process:
         """In its own session (a Ctrl-C at the terminal reaches only this process, which stops the
         children with one SIGTERM each: a second signal makes a daemon drop its requests), on its CPUs,
         sent SIGTERM if this process dies."""
@@ -125,7 +125,7 @@ def serve_command(port: int, serve_args: list[str], host: str = "127.0.0.1") -> 
     return [sys.executable, "-m", "cli.main", "serve", "--host", host, "--port", str(port), *serve_args]
 
 
-def start_replicas(serve_args: list[list[str]], log_dir: Path, pin: bool = True) -> list["Replica"]:
+def start_replicas(serve_args: list[list[str]], log_dir: Path, pin: bool = True) -> list[Replica]:
     """A `jaxsmol serve` process per entry of serve_args (its arguments) on a free loopback port, each
     on its share of the CPUs (pin)."""
     shares = split_cpus(len(serve_args), usable_cpus()) if pin else [None] * len(serve_args)

@@ -24,35 +24,6 @@ from jaxsmol.runtime.engine import Engine, Generation
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.scoring import score
 from jaxsmol.runtime.structured import canonical_spec
-from jaxsmol.system.moved_modules import keep_old_paths
 
 __all__ = ["Config", "Engine", "Generation", "JaxsmolError", "KVCache", "SamplingParams", "canonical_spec",
            "enable_compilation_cache", "make_mesh", "score"]
-
-# the flat layout of 0.1 (jaxsmol.engine, ...); jaxsmol.model is now the package (the forward: model.forward)
-keep_old_paths({
-    "jaxsmol.config": "jaxsmol.model.config",
-    "jaxsmol.params": "jaxsmol.model.params",
-    "jaxsmol.kv": "jaxsmol.model.kv",
-    "jaxsmol.rope": "jaxsmol.model.rope",
-    "jaxsmol.sharding": "jaxsmol.model.sharding",
-    "jaxsmol.cpu_kernels": "jaxsmol.kernels.cpu_kernels",
-    "jaxsmol.gguf_import": "jaxsmol.checkpoint.gguf_import",
-    "jaxsmol.default_model": "jaxsmol.checkpoint.default_model",
-    "jaxsmol.tokenizer": "jaxsmol.checkpoint.tokenizer",
-    "jaxsmol.engine": "jaxsmol.runtime.engine",
-    "jaxsmol.generation": "jaxsmol.runtime.generation",
-    "jaxsmol.batch": "jaxsmol.runtime.batch",
-    "jaxsmol.programs": "jaxsmol.runtime.programs",
-    "jaxsmol.sampling": "jaxsmol.runtime.sampling",
-    "jaxsmol.stream": "jaxsmol.runtime.stream",
-    "jaxsmol.structured": "jaxsmol.runtime.structured",
-    "jaxsmol.scoring": "jaxsmol.runtime.scoring",
-    "jaxsmol.buffers": "jaxsmol.runtime.buffers",
-    "jaxsmol.chunks": "jaxsmol.runtime.chunks",
-    "jaxsmol.compile_cache": "jaxsmol.runtime.compile_cache",
-    "jaxsmol.data_dirs": "jaxsmol.system.data_dirs",
-    "jaxsmol.durable": "jaxsmol.system.durable",
-    "jaxsmol.host_memory": "jaxsmol.system.host_memory",
-    "jaxsmol.program_memory": "jaxsmol.system.program_memory",
-})

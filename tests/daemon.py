@@ -54,7 +54,7 @@ class Server:
         text = self.log.read().decode(errors="replace")
         return text if tail is None else text[-tail:]
 
-    def wait_ready(self, timeout: float | None = None) -> "Server":
+    def wait_ready(self, timeout: float | None = None) -> Server:
         """Until /health answers 200: the daemon listens and has warmed up (503 "warming" until then)."""
         timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -124,7 +124,7 @@ def complete(url: str, prompt, *, salt: str | None = None, max_tokens: int = 4, 
                                           extra_body=body)
 
 
-def post(url: str, path: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> "httpx.Response":
+def post(url: str, path: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=timeout)
 
 
@@ -151,7 +151,7 @@ def assert_healthy(url: str) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text
 
 
-def assert_error_body(r: "httpx.Response", status: int) -> None:
+def assert_error_body(r: httpx.Response, status: int) -> None:
     assert r.status_code == status, (r.status_code, r.text)
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]

@@ -58,15 +58,23 @@ def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, size
     w = gguf.GGUFWriter(str(path), arch)
     for field, value in m.items():
         getattr(w, f"add_{field}")(value)
-    w.add_rope_dimension_count(H); w.add_rope_freq_base(100000.0); w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("smollm"); w.add_token_list(tokens)
-    w.add_token_types(types); w.add_token_merges(merges)
-    w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_pad_token_id(2); w.add_unk_token_id(0)
+    w.add_rope_dimension_count(H)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_unk_token_id(0)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
-    rev = {v: k for k, v in gguf_import._LAYER_NAMES.items()}
+    rev = {v: k for k, v in gguf_import.LAYER_NAMES.items()}
     for name, t in hf.items():
         if name.startswith("model.layers."):
             _, _, i, *mid, _ = name.split(".")
@@ -87,7 +95,10 @@ def write_tiny_gguf(path, *, tied=True, arch="llama", quantize_embed=False, size
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(gname, t)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return hf
 
 

@@ -87,7 +87,8 @@ def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
             "import sys\nfor m in ('torch', 'transformers'):\n    sys.modules[m] = None\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--compare", "hf", "--json", str(tmp_path / "x.json")],
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--compare", "hf", "--json",
+                        str(tmp_path / "x.json")],
                        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -120,7 +121,8 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     assert meta["cpu"] and meta["cpus"] >= 1 and len(meta["date"]) == 10
     assert f"**{meta['cpu']}, {meta['cpus']} cores** ({meta['date']})" in stdout
     assert "| 2 samples x 2 tokens of one 24-token question | " in stdout
-    assert "| time to first token, 40 + 4 tokens, cold | " in stdout and "| time to first token, 4 new after 40 stored | " in stdout
+    assert ("| time to first token, 40 + 4 tokens, cold | " in stdout
+            and "| time to first token, 4 new after 40 stored | " in stdout)
     assert set(res["meta"]["section_wall_s"]) == {"forks", "prompt-cache", "ttft-peer"}
     assert not {"prefill", "decode", "ttft", "cli"} & set(res)  # the default run's sections did not run
 
@@ -186,7 +188,8 @@ def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypa
 
     b = res["first-burst"]
     assert [(r["setting"], r["burst"]) for r in b["rows"]] == [
-        (setting, burst) for setting in ("compile ahead", "--no-compile-ahead") for burst in ("first burst", "second burst")]
+        (setting, burst) for setting in ("compile ahead", "--no-compile-ahead")
+        for burst in ("first burst", "second burst")]
     for r in b["rows"]:
         _positive(r["healthy_after_s"], "healthy after")
         _positive(r["ttft_p50_ms"], f"{r['setting']} {r['burst']} ttft")

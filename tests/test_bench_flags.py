@@ -68,5 +68,6 @@ def test_tools_hold_no_user_facing_benchmark():
         assert doc, f"{path.name} has no docstring"
         lines = doc.splitlines()
         assert len(lines) == 1 or not lines[1].strip(), f"{path.name}: the docstring's summary is not one line"
-        assert any(line.strip().startswith(("python tools/", "PYTHONPATH=$PWD python tools/", ".refenv/bin/python tools/"))
+        assert any(line.strip().startswith(("python tools/", "PYTHONPATH=$PWD python tools/",
+                                            ".refenv/bin/python tools/"))
                    for line in lines), f"{path.name}: no usage line in its docstring"

@@ -35,13 +35,15 @@ def fake_results(sections, plan, peer_name: str | None = None, date: str = "2026
     if "hf" in sections:
         p, s = 1008, 16
         rows = [{"metric": f"prefill {n} (tok/s)", "jaxsmol": 1100.0 * scale, "hf": 1000.0} for n in plan["hf_prefill"]]
-        rows += [{"metric": f"decode at {q} (tok/s)", "jaxsmol": 40.0 * scale, "hf": 30.0} for q in plan["decode_positions"]]
+        rows += [{"metric": f"decode at {q} (tok/s)", "jaxsmol": 40.0 * scale, "hf": 30.0}
+                 for q in plan["decode_positions"]]
         rows += [{"metric": f"ttft cold {p}+{s} (ms)", "jaxsmol": 950.0, "hf": 1000.0},
                  {"metric": f"ttft warm {p}+{s} (ms)", "jaxsmol": 41.0, "hf": 88.0},
                  {"metric": f"warm/cold {p}+{s}", "jaxsmol": 41 / 950, "hf": 88 / 1000}]
         res["hf"] = {"transformers": "5.24.0", "torch": "2.13.0", "rows": rows}
     if "ttft-peer" in sections:
-        ways = [("jaxsmol exact", 0.94, 0.040), ("jaxsmol fast", 0.95, 0.050)] + ([("peer", 1.59, 0.251)] if peer else [])
+        ways = ([("jaxsmol exact", 0.94, 0.040), ("jaxsmol fast", 0.95, 0.050)]
+                + ([("peer", 1.59, 0.251)] if peer else []))
         res["ttft-peer"] = {"prefix": plan["peer_prefix"], "suffix": plan["peer_suffix"], "rounds": 1,
                             "peer_url": "http://peer" if peer else None,
                             "rows": [{"way": w, "cold_ttft_s": c, "warm_ttft_s": m, "cold_over_warm": c / m}
@@ -66,12 +68,14 @@ def fake_results(sections, plan, peer_name: str | None = None, date: str = "2026
     if "cluster" in sections:
         runs = [{"variant": v, "policy": p, "hit_rate": h, "prefilled": f, "req_s": q, "ttft_p50_ms": t}
                 for v in plan["cluster_variants"]
-                for p, h, f, q, t in (("round_robin", 0.43, 34792, 0.31, 5559.0), ("cache_aware", 0.85, 9000, 0.9, 700.0))]
+                for p, h, f, q, t in (("round_robin", 0.43, 34792, 0.31, 5559.0),
+                                      ("cache_aware", 0.85, 9000, 0.9, 700.0))]
         res["cluster"] = {"replicas": plan["cluster_replicas"], "tenants": plan["cluster_tenants"],
                           "per_tenant": plan["cluster_per_tenant"], "clients": plan["cluster_clients"], "rows": runs}
     if "admission" in sections:
         runs = [{"workload": w, "admission": o, "ttft_p50_ms": t50, "ttft_p99_ms": t99}
-                for w in plan["admission_workloads"] for o, t50, t99 in (("lpm", 2000.0, 9000.0), ("fifo", 4000.0, 12000.0))]
+                for w in plan["admission_workloads"]
+                for o, t50, t99 in (("lpm", 2000.0, 9000.0), ("fifo", 4000.0, 12000.0))]
         res["admission"] = {"clients": plan["admission_clients"], "requests": plan["admission_requests"],
                             "blocks": plan["admission_blocks"], "churn_blocks": plan["admission_churn_blocks"],
                             "hot": plan["admission_hot"], "block_tokens": plan["admission_block_tokens"],
@@ -100,7 +104,8 @@ def produced_by(command: str) -> dict[str, list]:
     assert words[:2] == ["jaxsmol", "bench"], command
     args = build_parser().parse_args(words[1:])
     sections = list(args.only or SECTIONS) + (["hf"] if args.compare == "hf" else [])
-    res = fake_results(sections, with_flags(FULL, args), peer_name=(args.peer_name or "peer") if args.peer_url else None)
+    res = fake_results(sections, with_flags(FULL, args),
+                       peer_name=(args.peer_name or "peer") if args.peer_url else None)
     out: dict[str, list] = {}
     for row in rows_of(res):
         out.setdefault(row.name, []).append(row)
@@ -110,13 +115,14 @@ def produced_by(command: str) -> dict[str, list]:
 def test_every_row_of_the_pages_is_one_the_benchmark_produces():
     rows = doc_tables(ROOT / "docs" / "performance.md")
     assert len(rows) >= 20
-    for name, ours, peer, ratio, command in rows:
+    for name, _ours, peer, _ratio, command in rows:
         commands = [c for c in command.split("`")[1::2]]
         assert len(commands) == 1, command
         produced = produced_by(commands[0])
         assert name in produced, f"{name!r}: `{commands[0]}` produces no such row ({sorted(produced)})"
         made = produced[name][0]
-        assert bool(peer) == bool(made.peer), f"{name!r}: a peer cell where the command measures none, or none where it does"
+        assert bool(peer) == bool(made.peer), (f"{name!r}: a peer cell where the command measures none, "
+                                               "or none where it does")
         if peer:  # the peer the command measures: transformers, the --peer-name server, jaxsmol's own runs
             assert peer.split()[0] == made.peer.split()[0], (name, peer, made.peer)
 
@@ -137,7 +143,8 @@ def test_report_of_each_section_names_its_peer():
     assert "| " + " | ".join(HEADER) + " |" in text
     assert "| prefill 512 tokens | 1100 tok/s | transformers 5.24.0 1000 tok/s | 1.10x |" in text
     assert "| time to first token, 1008 + 16 tokens, cold | 940 ms | llama.cpp 1590 ms | 1.69x |" in text
-    assert "| 8 streaming clients, 64 tokens each | 240.0 tok/s (steady 280) | llama.cpp 240.0 tok/s (steady 280) | 1.00x |" in text
+    assert ("| 8 streaming clients, 64 tokens each | 240.0 tok/s (steady 280) "
+            "| llama.cpp 240.0 tok/s (steady 280) | 1.00x |" in text)
     assert "| 8 streaming clients against 1 client | 8.00x the tokens a second |" in text
     assert "| 8 samples x 64 tokens of one 500-token question | 3.90 s batched (one prefill, 8 forks) |" in text
     assert "start to ready, empty compilation cache" in text and "start to ready, filled compilation cache" in text
@@ -161,8 +168,10 @@ def test_report_of_results_files_loads_no_model(tmp_path):
     for i, res in enumerate([fake_results(["forks"], FULL), fake_results(["forks"], FULL, scale=2.0)]):
         files.append(tmp_path / f"run{i}.json")
         files[-1].write_text(json.dumps(res))
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", *map(str, files), "--model", "/nonexistent"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", *map(str, files),
+                        "--model", "/nonexistent"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     assert "| 8 samples x 64 tokens of one 500-token question | 1.95-3.90 s batched" in r.stdout
 
@@ -170,8 +179,10 @@ def test_report_of_results_files_loads_no_model(tmp_path):
 def test_report_of_a_file_that_is_not_results_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", str(bad), str(tmp_path / "missing.json")],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", str(bad),
+                        str(tmp_path / "missing.json")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --report:") and "x.json" in lines[0]
@@ -181,4 +192,5 @@ def test_the_recorded_command_leaves_out_the_output_files():
     assert command_line(["bench", "--only", "serve", "--json", "x.json", "--report", "--clients", "1", "8",
                          "--plot=p.png"]) == "jaxsmol bench --only serve --clients 1 8"
     assert command_line(["bench", "--report", "a.json", "b.json"]) == "jaxsmol bench"
-    assert command_line(["bench", "--compare", "hf", "--peer-name", "llama.cpp"]) == "jaxsmol bench --compare hf --peer-name llama.cpp"
+    assert (command_line(["bench", "--compare", "hf", "--peer-name", "llama.cpp"])
+            == "jaxsmol bench --compare hf --peer-name llama.cpp")

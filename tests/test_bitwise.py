@@ -166,6 +166,7 @@ def test_multi_turn_reuses_the_saved_answer_bitwise(engines, data):
     cache = PrefixCache(eng, mode="radix")
     minimal = PrefixCache(eng, mode="minimal")
     prompt = tokens(seed, n, vocab)
+    previous_answer_end = 0  # len(prompt + answer) of the previous turn; checked from turn 1 on
     for turn in range(3):
         gen, r = cache.generate(prompt, sp)
         reference = cold(prompt, sp)

@@ -14,7 +14,6 @@ cluster section (cli/bench/cluster.py), with the router itself (pip install 'jax
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -43,7 +43,7 @@ def test_a_child_compiles_what_the_store_lacks_and_the_caller_loads_it(engine, s
     loaded, prepared = programs.forward.loaded, programs.forward.prepared
     assert programs.compile_all(calls) == len(calls)
     assert programs.forward.prepared - prepared == len(calls) == programs.forward.loaded - loaded  # none compiled here
-    assert all(p.stored(*args, **kwargs) for p, args, kwargs in calls)
+    assert not any(p.missing(*args, **kwargs) for p, args, kwargs in calls)
     # what the child compiled computes what this process's own compile of the same function does
     kv = engine.new_cache(64)
     tokens, n = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None]), jnp.int32(8)
@@ -58,7 +58,7 @@ def test_a_stopped_child_stores_nothing_and_the_caller_compiles_nothing(engine, 
     stop.set()
     assert compile_apart.compile_in_child(_calls(engine), stop) == 0
     assert programs.compile_all(_calls(engine), stop) == 0
-    assert not any(p.stored(*args, **kwargs) for p, args, kwargs in _calls(engine))
+    assert all(p.missing(*args, **kwargs) for p, args, kwargs in _calls(engine))
 
 
 def test_a_child_of_another_environment_is_refused_and_the_caller_compiles(engine, store, monkeypatch):

@@ -16,7 +16,8 @@ RUN = ("import json, sys, jax; from jaxsmol.runtime.engine import Engine; from j
        "ids = e.generate([5, 6, 7], SamplingParams(max_tokens=3)).output_ids; "
        "print(json.dumps({'ids': ids, 'jax_cache': jax.config.jax_compilation_cache_dir, "
        "'min_time': jax.config.jax_persistent_cache_min_compile_time_secs, "
-       "'prepared': sum(p.prepared for p in programs.ALL.values()), 'loaded': sum(p.loaded for p in programs.ALL.values())}))")
+       "'prepared': sum(p.prepared for p in programs.ALL.values()), "
+       "'loaded': sum(p.loaded for p in programs.ALL.values())}))")
 
 
 def _run(model_dir, **env) -> dict:

@@ -3,8 +3,8 @@
 They must agree with XLA's dot and blocked attention to float32 rounding, give a row the same bits
 whatever else shares its call (batch rows, or the chunk a query row arrives in), read nothing beyond
 a row's position, and be switched on only where they apply (float32 or bfloat16 weights, one
-device) and off cleanly where they cannot be built. (Cached == uncached with them on: tests/test_bitwise.py and the prefix
-cache tests, whose engines have them on.)
+device) and off cleanly where they cannot be built. (Cached == uncached with them on: tests/test_bitwise.py
+and the prefix cache tests, whose engines have them on.)
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def test_attention_reads_nothing_beyond_a_rows_position_and_rows_are_independent
     dirty = np.asarray(cpu_kernels.attention(q, jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(pos)))
     np.testing.assert_array_equal(dirty, clean)
     for b in range(4):  # 511 is split into two key ranges (from 256 keys): by position, not by batch
-        alone = cpu_kernels.attention(q[b:b + 1], jnp.asarray(k[:, b:b + 1]), jnp.asarray(v[:, b:b + 1]), 1, jnp.asarray(pos[b:b + 1]))
+        alone = cpu_kernels.attention(q[b:b + 1], jnp.asarray(k[:, b:b + 1]), jnp.asarray(v[:, b:b + 1]), 1,
+                                      jnp.asarray(pos[b:b + 1]))
         np.testing.assert_array_equal(np.asarray(alone)[0], clean[b])
 
 
@@ -182,7 +183,8 @@ def test_packed_weights_round_trip_and_are_required(tiny_cfg, params):
         cpu_kernels.pack(w[:, :48])
     on = dataclasses.replace(tiny_cfg, cpu_kernels=True)
     packed = cpu_kernels.pack_params(params)
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed.layers.w_down[1])), np.asarray(params.layers.w_down[1]))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed.layers.w_down[1])),
+                                  np.asarray(params.layers.w_down[1]))
     assert jax.tree.map(lambda a: a.shape, abstract_params(on)) == jax.tree.map(lambda a: a.shape, packed)
     assert packed.embed.shape == params.embed.shape  # gathered by row: never packed
     unpacked = cpu_kernels.pack_params(packed, packed=False)  # the fused products split back too

@@ -126,8 +126,8 @@ def test_two_cli_runs_share_a_prompt_cache(tiny_model_dir, tmp_path):
 def _start_server(model: Path, cache_dir: Path, log):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
-                             "--model", str(model), "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                             "--model", str(model), "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     import httpx
 
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
@@ -154,7 +154,7 @@ def test_daemon_restart_keeps_its_hits(tiny_model_dir, tmp_path):
             "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     answers = []
     with tempfile.TemporaryFile() as log:
-        for run in range(2):
+        for _run in range(2):
             proc, url = _start_server(tiny_model_dir, tmp_path / "cache", log)
             try:
                 r = httpx.post(url + "/v1/completions", json=body, timeout=120)

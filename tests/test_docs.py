@@ -90,7 +90,8 @@ def test_every_metric_is_on_the_serving_page():
              "jaxsmol_queue_depth", "jaxsmol_pool_bytes", "jaxsmol_cache_bypasses_total", "jaxsmol_cache_bytes",
              "jaxsmol_cache_disk_bytes", "jaxsmol_cache_pinned_bytes"}
     names |= {f"jaxsmol_cache_{k}_total" for k, _ in M.CACHE_COUNTERS}
-    names |= {f"jaxsmol_batch_{k}" for k, _ in M.BATCH_GAUGES} | {f"jaxsmol_batch_{k}_total" for k, _ in M.BATCH_COUNTERS}
+    names |= ({f"jaxsmol_batch_{k}" for k, _ in M.BATCH_GAUGES}
+              | {f"jaxsmol_batch_{k}_total" for k, _ in M.BATCH_COUNTERS})
     names |= {f"jaxsmol_{k}" for k, _ in M.MEMORY_GAUGES} | {name for name, _, _ in M.VLLM_ALIASES}
     page = (ROOT / "docs" / "serving.md").read_text()
     missing = {n for n in names if f"`{n}" not in page}
@@ -162,7 +163,6 @@ def test_a_skipped_block_names_the_test_that_covers_it():
 # ---- the blocks run ------------------------------------------------------------------------------------------
 def _commands_with_model() -> dict[str, bool]:
     """{"jaxsmol generate": True, "jaxsmol info": False, "aitest": True, ...}: whether each takes --model."""
-    from cli.aitest import build_parser as aitest_parser
     from cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
@@ -188,7 +188,8 @@ def python_prelude(model: Path) -> str:
     """Engine.load() (the default model) loads `model` instead."""
     return ("import jaxsmol.runtime.engine as _engine\n"
             "_load = _engine.Engine.load.__func__\n"
-            f"_engine.Engine.load = classmethod(lambda cls, model_dir=None, **kw: _load(cls, model_dir or {str(model)!r}, **kw))\n")
+            "_engine.Engine.load = classmethod(lambda cls, model_dir=None, **kw: "
+            f"_load(cls, model_dir or {str(model)!r}, **kw))\n")
 
 
 def _env() -> dict:
@@ -230,5 +231,6 @@ def test_the_python_page_passes_its_doctests(tiny_model_dir):
         "                                     optionflags=doctest.ELLIPSIS)\n"
         "print(f'{attempted} examples, {failed} failed')\n"
         "sys.exit(1 if failed or not attempted else 0)\n")
-    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

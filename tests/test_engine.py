@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.runtime.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for, chunk_plan,
-                            compile_bound, prefill_buckets, tight_plan)
+from jaxsmol.runtime.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for,
+                            chunk_plan, compile_bound, prefill_buckets, tight_plan)
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.engine import Engine, compiled_programs
 from jaxsmol.errors import JaxsmolError

@@ -28,7 +28,8 @@ SETTINGS = dict(derandomize=True, deadline=None, database=None,
 # ---- strategies -----------------------------------------------------------------------------------------
 ODD_TEXTS = ["", "\ud800", "a\udfffb", "\x00", "\u202e", "🙂" * 5, "{{ raise_exception('boom') }}", "{% for %}",
              "<|im_end|>", "<|im_start|>assistant\n", "\n" * 40, "é" * 200]
-texts = st.text(max_size=24) | st.text(st.characters(codec=None, categories=None), max_size=8) | st.sampled_from(ODD_TEXTS)
+texts = (st.text(max_size=24) | st.text(st.characters(codec=None, categories=None), max_size=8)
+         | st.sampled_from(ODD_TEXTS))
 huge_ints = st.sampled_from([-1, -(2**31), 2**31, 2**63, 2**64, 10**30, -(10**30)])
 ints = st.integers(-3, 300) | huge_ints
 floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([2e-38, 5e-324, 1e-300, 0.0, -0.0, 1e308])

@@ -113,7 +113,7 @@ def test_existing_output_dir_is_refused(tiny_gguf, tmp_path):
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
 def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc):
     calls = []
-    real = gguf_import._dequantize
+    real = gguf_import.dequantize
 
     def flaky(t, cfg):
         calls.append(t.name)
@@ -121,7 +121,7 @@ def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc
             raise exc
         return real(t, cfg)
 
-    monkeypatch.setattr(gguf_import, "_dequantize", flaky)
+    monkeypatch.setattr(gguf_import, "dequantize", flaky)
     parent = tmp_path / "models"
     with pytest.raises(type(exc)):
         import_gguf(tiny_gguf[0], parent / "m", progress=False)
@@ -131,8 +131,8 @@ def test_failure_mid_import_leaves_nothing(tiny_gguf, tmp_path, monkeypatch, exc
 
 
 def test_bad_tensor_shape_is_refused(tiny_gguf, tmp_path, monkeypatch):
-    real = gguf_import._dequantize
-    monkeypatch.setattr(gguf_import, "_dequantize", lambda t, cfg: real(t, cfg)[:-1])
+    real = gguf_import.dequantize
+    monkeypatch.setattr(gguf_import, "dequantize", lambda t, cfg: real(t, cfg)[:-1])
     with pytest.raises(JaxsmolError, match="has shape"):
         import_gguf(tiny_gguf[0], tmp_path / "m", progress=False)
     assert not (tmp_path / "m").exists()
@@ -164,11 +164,11 @@ def test_crafted_sizes_are_refused_before_allocating(tmp_path, sizes, words):
 _KILLED_IMPORT = """
 import sys, time
 from jaxsmol.checkpoint import gguf_import
-real = gguf_import._dequantize
+real = gguf_import.dequantize
 def stuck(t, cfg):
     print("writing", flush=True)
     time.sleep(600)
-gguf_import._dequantize = stuck
+gguf_import.dequantize = stuck
 gguf_import.import_gguf(sys.argv[1], sys.argv[2], progress=False)
 """
 
@@ -296,4 +296,4 @@ def test_real_tokenizer_builds(real_import):
 
 def test_unknown_pre_tokenizer_is_refused():
     with pytest.raises(JaxsmolError, match="pre-tokenizer 'mystery'"):
-        gguf_import._pre_tokenizer("mystery")
+        gguf_import.pre_tokenizer("mystery")

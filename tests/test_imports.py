@@ -139,31 +139,3 @@ def test_every_folder_says_what_lives_there():
     for pkg in PACKAGES:
         for init in (ROOT / pkg).rglob("__init__.py"):
             assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
-
-
-def test_the_previous_release_paths_still_import_with_a_warning():
-    """0.1's flat paths (jaxsmol.engine, cache.many, ...) give the moved module itself, warning once."""
-    import subprocess
-    import sys
-
-    code = """
-import importlib, sys, warnings
-import jaxsmol, cache
-from jaxsmol.system.moved_modules import MovedModules
-moved = {o: n for f in sys.meta_path if isinstance(f, MovedModules) for o, n in f.moved.items()}
-assert len(moved) >= 30, len(moved)
-for old, new in moved.items():
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = importlib.import_module(old)
-    assert got is importlib.import_module(new), old
-    assert [str(w.message) for w in seen if w.category is DeprecationWarning] == [
-        f"{old} has moved to {new}; the old path goes in 0.3.0"], (old, seen)
-from jaxsmol import cpu_kernels, scoring
-from cache.many import generate_many
-assert cpu_kernels.__name__ == "jaxsmol.kernels.cpu_kernels" and generate_many is cache.generate_many
-print("ok", len(moved))
-"""
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("ok")

@@ -59,7 +59,7 @@ def test_counts(served):
     m.request("/v1/completions", 400)
     m.cancelled += 2
     m.rejected_queue_full += 1
-    for gen, report in runs:
+    for gen, _report in runs:
         m.observe(len(gen.prompt_ids), len(gen.output_ids), gen.timings.ttft_s)
     s = _render(m, cache)
     assert s[("jaxsmol_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 3

@@ -135,8 +135,10 @@ def test_padding_rows_do_not_change_real_rows(params, tiny_cfg):
     tokens_a = np.zeros((1, 64), np.int32)
     tokens_b = _ids(64, 4)[None]  # different padding
     tokens_a[0, :40] = tokens_b[0, :40] = ids
-    la, kva = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
-    lb, kvb = _fwd(params, jnp.asarray(tokens_b), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg, all_logits=True)
+    la, kva = _fwd(params, jnp.asarray(tokens_a), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg,
+                   all_logits=True)
+    lb, kvb = _fwd(params, jnp.asarray(tokens_b), jnp.int32(40), KVCache.zeros(tiny_cfg, CAP), tiny_cfg,
+                   all_logits=True)
     np.testing.assert_array_equal(np.asarray(la[0, :40]), np.asarray(lb[0, :40]))
     np.testing.assert_array_equal(np.asarray(kva.k[:, :, :, :40]), np.asarray(kvb.k[:, :, :, :40]))
     np.testing.assert_array_equal(np.asarray(kva.v[:, :, :, :40]), np.asarray(kvb.v[:, :, :, :40]))

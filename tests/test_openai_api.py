@@ -164,8 +164,8 @@ def test_echo_logprobs_match_hf(api, case):
 
 def test_prompt_logprobs_equal_with_and_without_a_cached_prefix(api):
     salt = uuid.uuid4().hex
-    body = {"prompt": LONG + " Question: what is fact 5?", "max_tokens": 1, "logprobs": 2, "echo": True, "temperature": 0,
-            "cache_salt": salt}
+    body = {"prompt": LONG + " Question: what is fact 5?", "max_tokens": 1, "logprobs": 2, "echo": True,
+            "temperature": 0, "cache_salt": salt}
     _ok(_post(api, "/v1/completions", {**body, "prompt": LONG, "echo": False}))  # caches the prefix
     warm = _ok(_post(api, "/v1/completions", body))
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 100

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxsmol.kernels import cpu_kernels
 from jaxsmol.kernels.stacking import unstack_layers
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError

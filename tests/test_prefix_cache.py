@@ -239,13 +239,12 @@ def test_statistics_radix(eng, bpt, payload_bytes):
     assert s.saves >= 2
 
 
-def test_generate_many_lives_beside_the_scheduler_and_the_old_method_still_runs(eng):
-    """0.2.0 moved generate_many out of PrefixCache (the cache does not import its scheduler: no import
-    circle); the method stays one release, warning, with the same results."""
+def test_generate_many_lives_beside_the_scheduler_not_on_the_cache(eng):
+    """generate_many is a function of the scheduler's package (the cache does not import its scheduler:
+    no import circle); the method PrefixCache had in 0.1 is gone since 0.3.0."""
     from cache import generate_many
 
     prompts, sp = [list(range(10, 30)), list(range(10, 25)) + [99]], SamplingParams(max_tokens=3)
-    new = generate_many(PrefixCache(eng), prompts, sp)
-    with pytest.warns(DeprecationWarning, match="from cache import generate_many"):
-        old = PrefixCache(eng).generate_many(prompts, sp)
-    assert [[r.output_ids for r in rs] for rs in old] == [[r.output_ids for r in rs] for rs in new]
+    first = generate_many(PrefixCache(eng), prompts, sp)
+    assert [len(rs) for rs in first] == [1, 1] and all(len(rs[0].output_ids) == 3 for rs in first)
+    assert not hasattr(PrefixCache, "generate_many")

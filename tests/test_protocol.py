@@ -1,5 +1,5 @@
-"""The OpenAI protocol as pure functions (cli/api/protocol.py, cli/api/responses.py), API keys (cli/server/tenants.py) and
-the worker <-> HTTP event contract (cli/api/events.py): no model, no server."""
+"""The OpenAI protocol as pure functions (cli/api/protocol.py, cli/api/responses.py), API keys
+(cli/server/tenants.py) and the worker <-> HTTP event contract (cli/api/events.py): no model, no server."""
 
 from __future__ import annotations
 

@@ -51,4 +51,5 @@ def test_the_tests_import_under_plain_pytest_and_python_m_pytest():
     pytest_exe = Path(sys.executable).with_name("pytest")
     for runner in ([str(pytest_exe)], [sys.executable, "-m", "pytest"]):
         done = collect(*runner)
-        assert done.returncode == 0, f"{' '.join(runner)} --collect-only failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+        assert done.returncode == 0, (f"{' '.join(runner)} --collect-only failed:\n"
+                                      f"{done.stdout[-3000:]}{done.stderr[-2000:]}")

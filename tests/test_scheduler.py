@@ -267,7 +267,7 @@ def test_widths_and_compiled_programs_are_bounded(tiny_engine):
     cache = PrefixCache(tiny_engine, mode="radix")
     sched = Scheduler(cache, max_batch=8)
     rng = np.random.default_rng(10)
-    for wave in range(3):
+    for _wave in range(3):
         for n in rng.integers(2, 400, size=5):
             sched.submit(Request(prompts(int(n), [int(n)])[0],
                                  [SamplingParams(max_tokens=int(rng.integers(1, 30)), logprobs=int(n) % 2)],

@@ -1,5 +1,5 @@
-"""Prompt scoring (jaxsmol/runtime/scoring.py, `jaxsmol score`) and the daemon's worker (cli/server/worker.py) on the tiny
-config: per-choice cache use, plain-data results, prompt log-probabilities equal cold and warm. The real
+"""Prompt scoring (jaxsmol/runtime/scoring.py, `jaxsmol score`) and the daemon's worker (cli/server/worker.py)
+on the tiny config: per-choice cache use, plain-data results, prompt log-probabilities equal cold and warm. The real
 model's scores are checked against the Hugging Face reference fixture."""
 
 from __future__ import annotations

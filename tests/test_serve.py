@@ -1,5 +1,6 @@
-"""End-to-end tests of `jaxsmol serve` (cli/server/serve.py, cli/server/completions.py, cli/server/worker.py, cli/server/metrics.py, cli/client.py,
-cli/aitest.py): the endpoints, the prefix cache over HTTP, concurrency, metrics and the aitest client.
+"""End-to-end tests of `jaxsmol serve` (cli/server/serve.py, cli/server/completions.py, cli/server/worker.py,
+cli/server/metrics.py, cli/client.py, cli/aitest.py): the endpoints, the prefix cache over HTTP, concurrency,
+metrics and the aitest client.
 Bad requests are in tests/test_serve_bad_requests.py, a client that leaves, a full queue and SIGTERM in
 tests/test_serve_admission.py, the OpenAI API in depth and tenants in tests/test_openai_api.py.
 

@@ -1,5 +1,5 @@
-"""The daemon under pressure, end to end (cli/server/worker.py, cache/scheduler/scheduler.py): a client that leaves frees
-the model, a full queue answers 503 with Retry-After, SIGTERM finishes the requests in flight.
+"""The daemon under pressure, end to end (cli/server/worker.py, cache/scheduler/scheduler.py): a client that leaves
+frees the model, a full queue answers 503 with Retry-After, SIGTERM finishes the requests in flight.
 
 Real `jaxsmol serve` daemons (on the two-layer checkpoint) shared with tests/test_serve.py (the `server`,
 `queue_server` and `sigterm_server` fixtures in conftest).

@@ -142,7 +142,8 @@ def test_daemon_serves_with_a_mesh(tmp_path, tiny_model_dir):
                            "ignore_eos": True}).encode()
         answers = []
         for _ in range(2):
-            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
             answers.append(json.loads(urllib.request.urlopen(req, timeout=300).read()))
         from jaxsmol.runtime.engine import Engine
         from jaxsmol.runtime.sampling import SamplingParams

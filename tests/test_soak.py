@@ -169,7 +169,8 @@ def test_soak_memory_stays_within_budget():
         bound = rounds_bound + max(KV_CACHE_BYTES, batch_peak) + programs
         print(f"soak: RSS after warm-up {rss0 / MB:.0f} MB, after {SOAK_ROUNDS} more rounds {rss_rounds / MB:.0f} MB "
               f"(growth {(rss_rounds - rss0) / MB:+.0f} MB, bound {rounds_bound / MB:.0f} MB), after the stalled "
-              f"stream (batch peak {batch_peak / MB:.0f} MB, new programs {programs / MB:.0f} MB) {rss1 / MB:.0f} MB (growth {(rss1 - rss0) / MB:+.0f} MB, "
+              f"stream (batch peak {batch_peak / MB:.0f} MB, new programs {programs / MB:.0f} MB) {rss1 / MB:.0f} MB "
+              f"(growth {(rss1 - rss0) / MB:+.0f} MB, "
               f"bound {bound / MB:.0f} MB); cache {m1['jaxsmol_cache_bytes'] / MB:.0f} MB, pool "
               f"{m1['jaxsmol_pool_bytes'] / MB:.0f} MB, evictions {m1['jaxsmol_cache_evictions_total']:.0f}, "
               f"cancelled {m1['jaxsmol_cancelled_total']:.0f}")
@@ -216,7 +217,8 @@ def test_radix_split_rounds_hold_memory_flat_and_the_gauges_explain_it():
         m = metrics(url)
         growth = m["jaxsmol_resident_bytes"] - m["jaxsmol_resident_at_start_bytes"]
         print(f"\nsplit rounds: RSS by round (MB) {[round(v / MB) for v in rss.values()]}; since start "
-              f"{growth / MB:+.0f} MB: programs {m['jaxsmol_programs']:.0f} holding {m['jaxsmol_programs_bytes'] / MB:.0f} "
+              f"{growth / MB:+.0f} MB: programs {m['jaxsmol_programs']:.0f} holding "
+              f"{m['jaxsmol_programs_bytes'] / MB:.0f} "
               f"MB, cache {m['jaxsmol_cache_bytes'] / MB:.0f}, pool {m['jaxsmol_pool_bytes'] / MB:.0f}, batch "
               f"{m['jaxsmol_batch_kv_bytes'] / MB:.0f}, malloc free {m['jaxsmol_heap_free_bytes'] / MB:.0f}, "
               f"unaccounted {m['jaxsmol_unaccounted_bytes'] / MB:+.0f} MB")

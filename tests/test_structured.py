@@ -92,7 +92,8 @@ def test_canonical_spec_shapes():
     ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}, "invalid schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"enum": []}}}, "Unsatisfiable"),
     # found by tests/test_fuzz_api.py: llguidance's ValueError for an integer over 64 bits
-    ({"type": "json_schema", "json_schema": {"schema": {"maxLength": 2**64}}}, "invalid schema: .*not JSON serializable"),
+    ({"type": "json_schema", "json_schema": {"schema": {"maxLength": 2**64}}},
+     "invalid schema: .*not JSON serializable"),
     ({"type": "regex", "regex": "[a-"}, "invalid regex"),
     ({"type": "regex"}, "non-empty string"),
     ({"type": "choice", "choice": []}, "non-empty list"),
@@ -242,7 +243,8 @@ def test_real_regex_and_choice(real_engine):
 def test_real_length_cut_is_reported(real_engine):
     """Too few tokens: generation stops at max_tokens with finish_reason 'length' and a prefix of valid JSON."""
     prompt, schema = SCHEMAS["nested"]
-    gen = real_engine.generate(_chat(real_engine, prompt), SamplingParams(max_tokens=5, structured=_schema_spec(schema)))
+    gen = real_engine.generate(_chat(real_engine, prompt),
+                               SamplingParams(max_tokens=5, structured=_schema_spec(schema)))
     assert gen.finish_reason == "length" and len(gen.output_ids) == 5 and gen.text.startswith('{"name": ')
 
 

@@ -85,7 +85,8 @@ def load_model(model_dir: Path):
     model, info = LlamaForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, output_loading_info=True
     )
-    missing = [k for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [k for k in info.get("missing_keys", [])
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
         sys.exit(f"weights do not load cleanly: {info}")
     if model.config.tie_word_embeddings:
@@ -245,7 +246,8 @@ def check_gguf(model_dir: Path, gguf_path: Path, tol: float) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, type=Path, help="HF-layout model dir (config.json, model.safetensors, tokenizer.json)")
+    ap.add_argument("--model", required=True, type=Path,
+                    help="HF-layout model dir (config.json, model.safetensors, tokenizer.json)")
     ap.add_argument("--out", type=Path, help="fixture to write, e.g. tests/fixtures/hf_reference.json")
     ap.add_argument("--check-gguf", type=Path, help="GGUF file to cross-check the imported weights against")
     ap.add_argument("--tol", type=float, default=1e-6, help="max abs diff allowed per tensor in --check-gguf")

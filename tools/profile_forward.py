@@ -117,7 +117,7 @@ def self_times(trace_file: Path) -> dict[str, float]:
             if stack:
                 stack[-1][2] -= dur
             stack.append([start + dur, e["name"], dur])
-        for end, name, own in stack:
+        for _end, name, own in stack:
             out[name] += own
     return out
 
@@ -165,15 +165,17 @@ def main() -> None:
     eng = Engine.load(args.model, dtype=args.dtype, progress=False)
     source: dict = {}
     results = []
-    for name, T, pos, slots in (("prefill 512", 512, 0, 513), ("prefill 512 at 512 (a 1024-token prompt's 2nd chunk)", 512, 512, 1025),
-                                ("decode at 64", 1, 64, 65), ("16 rows at 1008 (the warm path's chunk)", 16, 1008, 1025),
+    for name, T, pos, slots in (("prefill 512", 512, 0, 513),
+                                ("prefill 512 at 512 (a 1024-token prompt's 2nd chunk)", 512, 512, 1025),
+                                ("decode at 64", 1, 64, 65),
+                                ("16 rows at 1008 (the warm path's chunk)", 16, 1008, 1025),
                                 ("decode at 2000", 1, 2000, 2001)):
         kv0 = eng.new_cache(slots).replace(pos=jnp.int32(pos))
         tokens = jnp.asarray(np.arange(100, 100 + T, dtype=np.int32)[None])
         text = programs.forward.lower(eng.params, tokens, jnp.int32(T), kv0, eng.cfg).compile().as_text()
         state = {"kv": kv0}
 
-        def run():
+        def run(tokens=tokens, T=T, state=state, pos=pos):
             logits, kv = programs.forward(eng.params, tokens, jnp.int32(T), state["kv"], eng.cfg)
             np.asarray(logits)
             state["kv"] = kv.replace(pos=jnp.int32(pos))

@@ -101,8 +101,10 @@ def main() -> None:
             k_all, v_all = (jnp.asarray(rng.standard_normal((LAYERS, 1, K, S, H), dtype=np.float32)) for _ in range(2))
             pos = jnp.asarray([P], dtype=jnp.int32)
             t, versus = timed(programs, (q, k_all, v_all, pos), args.runs, args.against, args.kv_dtype)
-            flops = 2 * 2 * LAYERS * K * G * H * sum(P + i + 1 for i in range(T))  # q.k and P V, each row to its own position
-            print(f"chunk {T:4d} rows at {P:5d}  {1e3 * t:7.2f} ms  {flops / t / 1e9:5.1f} GFLOP/s" + versus, flush=True)
+            # q.k and P V, each row to its own position
+            flops = 2 * 2 * LAYERS * K * G * H * sum(P + i + 1 for i in range(T))
+            print(f"chunk {T:4d} rows at {P:5d}  {1e3 * t:7.2f} ms  {flops / t / 1e9:5.1f} GFLOP/s" + versus,
+                  flush=True)
             continue
         B, P = map(int, case.split("x"))
         S = -(-(P + 1) // BLOCK) * BLOCK

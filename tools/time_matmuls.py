@@ -88,7 +88,8 @@ def per_shape(args, rng, dtype, target) -> None:
         if args.format:  # (quantized, float32) per layer, the programs alternated
             pairs = [quantized((K, N), args.format, rng) for _ in range(LAYERS)]
             weights = tuple(list(w) for w in zip(*pairs))
-            programs = {"now": one_shape(cpu_kernels.matmul, K, N, 0), "float32": one_shape(cpu_kernels.matmul, K, N, 1)}
+            programs = {"now": one_shape(cpu_kernels.matmul, K, N, 0),
+                        "float32": one_shape(cpu_kernels.matmul, K, N, 1)}
         else:
             weights = [cpu_kernels.pack(jnp.asarray(rng.standard_normal((K, N), dtype=np.float32) * 0.02, dtype))
                        for _ in range(LAYERS)]
@@ -158,7 +159,8 @@ def against_float32(args, rng, target=None) -> None:
     target (--against REV): REV's quantized kernel in float32's place, on the quantized matrices."""
     layers = [[quantized(s, args.format, rng) for s in SHAPES] for _ in range(LAYERS)]
     unembed = quantized((D, VOCAB), args.format, rng)
-    weights = tuple([*([pair[i] for pair in layer] for layer in layers), unembed[i]] for i in (0, 1))  # quantized, float32
+    # quantized, float32
+    weights = tuple([*([pair[i] for pair in layer] for layer in layers), unembed[i]] for i in (0, 1))
     count = sum(k * n for k, n in SHAPES) * LAYERS + D * VOCAB  # weights in the stack, unembedding included
     qbytes = sum(a.nbytes for a in jax.tree.leaves(weights[0]))
     programs = (stack(cpu_kernels.matmul, 0), stack(cpu_kernels.matmul, 1))

@@ -1,7 +1,8 @@
 """Answers waiting to be stored for the next turn, re-prefilled a chunk at a time (cache/scheduler/scheduler.py).
 
 A finished choice's prompt + answer is stored in the prefix cache by re-prefilling the answer in
-prefill chunks (the engine's exact buckets) from the stored prompt (so the next turn gets the bits a cold prefill computes).
+prefill chunks (the engine's exact buckets) from the stored prompt (so the next turn gets the bits a
+cold prefill computes).
 Storing an answer is speculative work (the next turn may never come), so it yields to requests:
 the scheduler runs a chunk only in a step where no prompt is being prefilled and no row decodes,
 unless a waiting prompt continues that answer (`wanted_by` moves it to the front and marks it
@@ -65,7 +66,8 @@ class AnswerQueue:
         tokens, start = s.save.tokens, len(s.save.lookup.prompt)
         try:
             if s.kv is None:
-                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start, self.cache.exact_state(tokens))
+                s.kv = self.engine.restore(s.save.prefix, capacity_for(len(tokens)), start,
+                                           self.cache.exact_state(tokens))
             logits, s.kv = self.engine.prefill_chunk(tokens, s.kv, max_rows)
             if int(s.kv.pos) < len(tokens):
                 return

@@ -112,15 +112,17 @@ class Scheduler:
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
-        """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py); returns how many."""
+        """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);
+        returns how many."""
         return compile_batched(self.engine, self.widths, slots, stop, side_by_side=self.side_by_side_most)
 
     def program_calls(self, slots: int = MIN_CAPACITY) -> tuple[list, list]:
         """What requests of up to `slots` positions run, as (program, args, kwargs) calls: (one prompt's
         chunks at the lengths this scheduler prefills with, the batched programs of compile_programs)."""
         lengths = set(self.engine.buckets(True)) | (set() if self.cache.exact else set(self.engine.buckets(False)))
-        return (self.engine.forward_calls(slots, lengths),
-                batched_calls(self.engine, self.widths, slots, side_by_side=self.side_by_side_most))
+        batched = [] if self.engine.mesh is not None else batched_calls(  # as compile_programs: see compile_batched
+            self.engine, self.widths, slots, side_by_side=self.side_by_side_most)
+        return self.engine.forward_calls(slots, lengths), batched
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one

@@ -15,7 +15,8 @@ chunks run as 4 + 1: the 1 is a lone chunk, whose program exists anyway.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 MAX_ROWS = 32  # the longest chunk run side by side
 GROUP_SIZES = (2, 4, 8)  # chunks in one side-by-side forward (the programs compiled ahead)

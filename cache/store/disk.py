@@ -6,7 +6,8 @@ a file refused as not a snapshot at all (a typo naming the user's own file) is n
 `DiskStore` is a directory of snapshot files, one per stored key, least recently used first out under a
 byte budget (`--cache-dir`); a pinned snapshot (the manifest's `pinned` mark) is never evicted and not
 counted against that budget (the in-memory pinned budget bounds it). `list_dir`, `remove_entry` and
-`mark_entry` serve `jaxsmol cache ls|rm|pin|unpin DIR` without a model. Neither knows how the in-memory cache is built: they call
+`mark_entry` serve `jaxsmol cache ls|rm|pin|unpin DIR` without a model. Neither knows how the in-memory
+cache is built: they call
 `cache.add_snapshot(snap)` and `cache.snapshot_of(tokens)` (cache/prefix_cache.py).
 """
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Hashable
+from typing import Any
+from collections.abc import Hashable
 
 import jax
 import numpy as np
@@ -74,7 +75,7 @@ class _Node:
     __slots__ = ("tokens", "segment", "payload", "children", "parent", "last_used", "leases", "pins", "hits",
                  "used_at")
 
-    def __init__(self, tokens: tuple, segment, parent: "_Node | None"):
+    def __init__(self, tokens: tuple, segment, parent: _Node | None):
         self.tokens = tokens  # the edge label: tokens from the parent's end to this node's end
         self.segment = segment  # value for exactly those positions (None at a root)
         self.payload = None

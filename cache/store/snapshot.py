@@ -235,7 +235,7 @@ def _check_size(path: Path, ident: dict) -> None:
                             f"its context of {ident['ctx']} tokens, {MAX_LOGITS_ROWS} logits rows, the header)")
 
 
-def _check_dims(path, snap: "Snapshot", ident: dict) -> None:
+def _check_dims(path, snap: Snapshot, ident: dict) -> None:
     """Refuse arrays the engine cannot use (a file may carry the right fingerprint and other shapes)."""
     if "kv_dims" not in ident:
         return
@@ -257,9 +257,11 @@ def _check_identity(path, manifest: dict, ident: dict) -> None:
     if manifest.get("model") != ident["model"]:
         kv_dtype = (manifest.get("dtypes") or {}).get("k")
         if isinstance(kv_dtype, str) and kv_dtype != ident.get("kv_dtype", kv_dtype):  # say why when it is that
-            raise SnapshotError(f"{path} holds a {kv_dtype} KV cache; this engine's is {ident['kv_dtype']} (--kv-dtype)")
+            raise SnapshotError(f"{path} holds a {kv_dtype} KV cache; "
+                                f"this engine's is {ident['kv_dtype']} (--kv-dtype)")
         raise SnapshotError(f"{path} was made by another model (fingerprint {str(manifest.get('model'))[:12]}, "
-                            f"this model {ident['model'][:12]}: config, dtype, weights or the kernels' numerics differ)")
+                            f"this model {ident['model'][:12]}: config, dtype, weights or the kernels' "
+                            "numerics differ)")
     if manifest.get("tokenizer") != ident["tokenizer"]:
         raise SnapshotError(f"{path} was made with another tokenizer or chat template "
                             f"({str(manifest.get('tokenizer'))[:12]}, this one {ident['tokenizer'][:12]})")

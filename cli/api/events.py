@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Union
 
 from jaxsmol.runtime.stream import Step
 from jaxsmol.runtime.sampling import SamplingParams
@@ -83,7 +82,7 @@ class JobEnd:
     pass
 
 
-Event = Union[TokenEvent, ChoiceDone, JobError, JobEnd]
+Event = TokenEvent | ChoiceDone | JobError | JobEnd
 
 _job_ids = itertools.count(1)
 

@@ -10,7 +10,7 @@ extension fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -51,7 +51,7 @@ TokenIds = list[StrictInt]  # StrictInt: true/false are not token ids
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[dict], None] = None
+    content: StrictStr | list[dict] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list | None = None
@@ -65,7 +65,7 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, lt=2**31)  # the sampler takes it as an int32 (>= vocab = off)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop: StrictStr | list[StrictStr] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict | None = None
@@ -93,7 +93,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[StrictStr, TokenIds, list[StrictStr], list[TokenIds]]
+    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
@@ -149,11 +149,12 @@ def check_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ProtocolError(f"{where}: the text is not valid Unicode (it holds a lone surrogate)", param=where) from None
+        raise ProtocolError(f"{where}: the text is not valid Unicode (it holds a lone surrogate)",
+                            param=where) from None
     return text
 
 
-def completion_prompts(prompt) -> list[Union[str, list[int]]]:
+def completion_prompts(prompt) -> list[str | list[int]]:
     """The prompt in any OpenAI form -> a list of prompts, each a text or a list of token ids."""
     if isinstance(prompt, str):
         prompts = [prompt]

@@ -10,7 +10,7 @@ A logprob entry is {"token": id, "logprob": float, "top": [(id, logprob), ...], 
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from cli.api.events import ChoiceResult, ChoiceSpec
 from jaxsmol.runtime.stream import Step
@@ -80,7 +80,8 @@ def vllm_prompt_logprobs(prompt_ids: list[int], entries: list, k: int, decode: D
     prompt token and the k most likely tokens."""
     out = [None]
     for token, e in zip(prompt_ids[1:], entries[1:]):
-        d = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": decode(i)} for r, (i, lp) in enumerate(e["top"][:k])}
+        d = {str(i): {"logprob": lp, "rank": r + 1, "decoded_token": decode(i)}
+             for r, (i, lp) in enumerate(e["top"][:k])}
         d.setdefault(str(token), {"logprob": e["logprob"], "rank": e.get("rank"), "decoded_token": decode(token)})
         out.append(d)
     return out

@@ -160,7 +160,7 @@ def format_admission(a: dict) -> list[str]:
         if not all(by.values()):
             continue
 
-        def med(o, k):
+        def med(o, k, by=by):
             return float(np.median([r[k] for r in by[o]]))
         out.append(f"{kind}: lpm / fifo (medians over rounds): " + ", ".join(
             f"{label} {med('lpm', k) / med('fifo', k):.2f}x" for label, k in

@@ -48,7 +48,7 @@ class Daemon:
         self.flags, self.timeout, self.env = list(flags), start_timeout_s, env
         self.proc = self.url = self.up_s = self.listening_s = None
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         import httpx
 
         port = free_port()
@@ -56,7 +56,8 @@ class Daemon:
         cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=None if self.env is None else {**os.environ, **self.env})
+                                     stderr=subprocess.STDOUT,
+                                     env=None if self.env is None else {**os.environ, **self.env})
         self.url = f"http://127.0.0.1:{port}"
         while self.proc.poll() is None and time.perf_counter() - t0 < self.timeout:
             try:

@@ -54,7 +54,8 @@ def format_first_burst(f: dict) -> list[str]:
     return [format_table(["round", "daemon", "healthy s", "burst", "wall s", "ttft50 ms", "ttft99 ms", "itl50 ms",
                           "itl99 ms"], rows,
                          title=f"a fresh daemon's first burst: {f['clients']} clients x {f['tokens']} tokens, "
-                               f"{f['idle_s']:g} s after /health answered (`jaxsmol serve {' '.join(f['daemon_flags'])}`)")]
+                               f"{f['idle_s']:g} s after /health answered "
+                               f"(`jaxsmol serve {' '.join(f['daemon_flags'])}`)")]
 
 
 def plot_first_burst(ax, res: dict) -> None:

@@ -93,7 +93,8 @@ def _serve(s: dict, peer: str):
         name = f"{c} streaming client{'s' if c > 1 else ''}"
         if r["long_prompts"]:
             cell = "ITL p99 {%d:.0f} ms, {%d:.1f} tok/s, {%d} long prompts answered"
-            yield Row(f"{name} while 1000-token prompts arrive", cell % (0, 1, 2), label + " " + cell % (3, 4, 5) if p else "",
+            yield Row(f"{name} while 1000-token prompts arrive", cell % (0, 1, 2),
+                      label + " " + cell % (3, 4, 5) if p else "",
                       "", (r["itl_p99_ms"], r["tok_s"], r["long_answered"]) + ((p["itl_p99_ms"], p["tok_s"],
                                                                                   p["long_answered"]) if p else ()))
             continue
@@ -113,7 +114,7 @@ def _forks(f: dict, _peer: str):
     ways = {r["way"]: r["seconds"] for r in f["rows"]}
     n = f["samples"]
     yield Row(f"{n} samples x {f['tokens']} tokens of one {f['prompt']}-token question",
-              "{0:.2f} s batched (one prefill, %d forks)" % n, "jaxsmol: {1:.2f} s sequential, {2:.2f} s cached",
+              f"{{0:.2f}} s batched (one prefill, {n} forks)", "jaxsmol: {1:.2f} s sequential, {2:.2f} s cached",
               "{3:.1f}x / {4:.1f}x", (ways["batched"], ways["sequential"], ways["cached"],
                                       ways["sequential"] / ways["batched"], ways["cached"] / ways["batched"]))
 
@@ -194,7 +195,8 @@ def command_of(meta: dict) -> str:
         return meta["command"]
     sections = meta.get("sections", [])
     only = [s for s in sections if s != "hf"]
-    return "jaxsmol bench" + (f" --only {' '.join(only)}" if only else "") + (" --compare hf" if "hf" in sections else "")
+    return ("jaxsmol bench" + (f" --only {' '.join(only)}" if only else "")
+            + (" --compare hf" if "hf" in sections else ""))
 
 
 def machine_of(meta: dict) -> str:

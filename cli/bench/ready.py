@@ -65,7 +65,8 @@ def section_ready(args, plan) -> dict:
                 clients_row(d.url, 8, tokens, False, 0)
                 after = _gauges(d.url)
             rows.append({"start": start, "listening_s": d.listening_s, "ready_s": d.up_s, "at_ready_tok_s": at_ready,
-                         "settled_tok_s": settled, "share": at_ready / settled, "resident_mb": at["resident_bytes"] / 1e6,
+                         "settled_tok_s": settled, "share": at_ready / settled,
+                         "resident_mb": at["resident_bytes"] / 1e6,
                          "programs": at["programs"], "programs_mb": at["programs_bytes"] / 1e6,
                          "resident_after_8_mb": after["resident_bytes"] / 1e6})
             log(f"ready, {start} start: listening {d.listening_s:.1f} s, ready {d.up_s:.1f} s, "

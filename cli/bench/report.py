@@ -20,13 +20,14 @@ def _ms(s: float) -> str:
 
 def _compilations(c: dict) -> list[str]:
     return [format_table(["requests", "prompt", "max_tokens", "programs", "compile_bound(ctx)", "within"],
-                         [[c["requests"], f"{c['prompt_min']}..{c['prompt_max']}", "1..%d" % c["max_tokens"][1],
+                         [[c["requests"], f"{c['prompt_min']}..{c['prompt_max']}", f"1..{c['max_tokens'][1]}",
                            c["forward_programs"], c["bound"], "yes" if c["within_bound"] else "NO"]],
                          title="XLA compilations (forward programs) over a mixed workload through the radix cache")]
 
 
 def _prefill(rows: list[dict]) -> list[str]:
-    return [format_table(["tokens", "ms", "tok/s"], [[r["tokens"], _ms(r["seconds"]), f"{r['tok_s']:.0f}"] for r in rows],
+    return [format_table(["tokens", "ms", "tok/s"],
+                         [[r["tokens"], _ms(r["seconds"]), f"{r['tok_s']:.0f}"] for r in rows],
                          title="prefill, cold (compile excluded)")]
 
 
@@ -101,7 +102,8 @@ _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", 
 def format_results(res: dict) -> str:
     """Every section present in `res` as tables, between a line about the machine and the wall times."""
     m = res["meta"]
-    out = [f"jaxsmol bench ({'quick' if m['quick'] else 'full'}): {m['model']}, {m.get('weights', m['dtype'])} weights, ctx {m['ctx']}, "
+    out = [f"jaxsmol bench ({'quick' if m['quick'] else 'full'}): {m['model']}, "
+           f"{m.get('weights', m['dtype'])} weights, ctx {m['ctx']}, "
            f"{m['cpus']} CPUs, jax {m['jax']} on {m['backend']}, load avg {m['loadavg_start']} -> {m['loadavg_end']}"]
     for name, fmt in _SECTIONS:
         if name in res:
@@ -110,7 +112,8 @@ def format_results(res: dict) -> str:
         out.append("section wall times (s): " + ", ".join(f"{k} {v}" for k, v in m["section_wall_s"].items())
                    + f"; total {m['wall_s']:.1f}")
     if m.get("peak_rss_bytes"):
-        out.append(f"peak memory (RSS) {m['peak_rss_bytes'] / 2**30:.2f} GiB; weights {m['params_bytes'] / 2**30:.2f} GiB")
+        out.append(f"peak memory (RSS) {m['peak_rss_bytes'] / 2**30:.2f} GiB; "
+                   f"weights {m['params_bytes'] / 2**30:.2f} GiB")
     if "forward_programs_total" in res:
         out.append(f"forward programs compiled by this whole run: {res['forward_programs_total']} "
                    f"(compile_bound {m['compile_bound']}, with the exact=False fast path "

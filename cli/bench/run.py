@@ -48,7 +48,8 @@ def _meta(args, engine, plan, sections, load0) -> dict:
     from jaxsmol.runtime.chunks import compile_bound
 
     return {
-        "model": str(engine.model_dir), "dtype": args.dtype, "weights": engine.cfg.quant or args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
+        "model": str(engine.model_dir), "dtype": args.dtype, "weights": engine.cfg.quant or args.dtype,
+        "ctx": engine.ctx, "quick": bool(args.quick),
         "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "peer_name": getattr(args, "peer_name", None),
@@ -119,7 +120,8 @@ def run_bench(args) -> int:
         raise JaxsmolError("--plot needs matplotlib: pip install matplotlib")
     sections = list(args.only or SECTIONS)
     if args.peer_url and not {"serve", "ttft-peer"} & set(sections):
-        raise JaxsmolError("--peer-url is measured by the serve and ttft-peer sections: add --only serve and/or ttft-peer")
+        raise JaxsmolError("--peer-url is measured by the serve and ttft-peer sections: "
+                           "add --only serve and/or ttft-peer")
 
     import numpy as np
 
@@ -132,7 +134,7 @@ def run_bench(args) -> int:
     load0 = loadavg()
     t_start = now()
     engine = load_engine(args)
-    engine.fingerprint  # hashed once, outside every timing
+    _ = engine.fingerprint  # hashed once, outside every timing
     res: dict = {"meta": _meta(args, engine, plan, sections, load0)}
     _run_sections(args, engine, plan, rng, sections, res)
     res["forward_programs_total"] = compiled_programs()

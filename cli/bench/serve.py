@@ -86,7 +86,8 @@ def plot_serve(ax, res: dict) -> None:
     rows = res["serve"]["rows"]
     for server in dict.fromkeys(r["server"] for r in rows):
         for long_ in (False, True):
-            pts = sorted((r["clients"], r["tok_s"]) for r in rows if r["server"] == server and r["long_prompts"] == long_)
+            pts = sorted((r["clients"], r["tok_s"]) for r in rows
+                         if r["server"] == server and r["long_prompts"] == long_)
             if pts:
                 ax.plot(*zip(*pts), "o-" if not long_ else "s--", label=server + (" + long prompts" if long_ else ""))
     ax.set(title="serving: streaming clients", xlabel="clients", ylabel="tok/s (wall)")

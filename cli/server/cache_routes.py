@@ -15,7 +15,6 @@ changed under the worker's lock, never beside a step.
 from __future__ import annotations
 
 import asyncio
-from typing import Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -38,7 +37,7 @@ class PinRequest(BaseModel):
     template, without the assistant's turn unless add_generation_prompt), in the caller's namespace
     and `cache_salt`."""
     model_config = ConfigDict(extra="ignore")
-    prompt: Union[StrictStr, P.TokenIds, None] = None
+    prompt: StrictStr | P.TokenIds | None = None
     messages: list[P.Message] | None = None
     add_generation_prompt: bool = False
     cache_salt: str | None = Field(default=None, max_length=256)

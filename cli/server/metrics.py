@@ -10,7 +10,7 @@ cache's stats, the queue) is read when /metrics is rendered.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -44,7 +44,8 @@ MEMORY_GAUGES = (
     ("heap_in_use_bytes", "Bytes malloc has handed out (arrays, programs, tokenizer; not Python's small objects)."),
     ("heap_free_bytes", "Freed bytes malloc keeps for reuse (jaxsmol/system/host_memory.py)."),
     ("resident_bytes", "The process's resident set size."),
-    ("resident_at_start_bytes", "The resident set size when the daemon started (weights loaded, nothing compiled ahead)."),
+    ("resident_at_start_bytes", "The resident set size when the daemon started (weights loaded, nothing "
+                                "compiled ahead)."),
     ("unaccounted_bytes", "Resident growth since start that no memory gauge explains (near 0 unless "
                           "something holds memory nobody counts)."),
 )

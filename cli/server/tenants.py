@@ -62,7 +62,7 @@ class Tenants:
         self.keys = keys or {}
 
     @classmethod
-    def from_options(cls, api_keys=(), keys_file: str | None = None) -> "Tenants":
+    def from_options(cls, api_keys=(), keys_file: str | None = None) -> Tenants:
         keys = {}
         if keys_file is not None:
             try:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxsmol.checkpoint.gguf_import import _GLOBAL_NAMES, _LAYER_NAMES, _pre_tokenizer, permute_qk
+from jaxsmol.checkpoint.gguf_import import GLOBAL_NAMES, LAYER_NAMES, pre_tokenizer, permute_qk
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kernels import formats
 from jaxsmol.model.config import Config
@@ -63,8 +63,8 @@ def tensor_plan(cfg: Config, qtype: str) -> list[tuple[str, str, str, int | None
         for g in _LAYER_ORDER:
             kind = "f32" if g.endswith("norm") else qtype
             heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(g)
-            plan.append((f"blk.{i}.{g}.weight", f"model.layers.{i}.{_LAYER_NAMES[g]}.weight", kind, heads))
-    plan.append(("output_norm.weight", _GLOBAL_NAMES["output_norm.weight"], "f32", None))
+            plan.append((f"blk.{i}.{g}.weight", f"model.layers.{i}.{LAYER_NAMES[g]}.weight", kind, heads))
+    plan.append(("output_norm.weight", GLOBAL_NAMES["output_norm.weight"], "f32", None))
     if not cfg.tie_embeddings:
         plan.append(("output.weight", "lm_head.weight", table, None))
     return plan
@@ -116,7 +116,7 @@ def tokenizer_fields(model_dir: Path, cfg_hf: dict, vocab_size: int) -> dict:
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or tj.get("normalizer") or (tj.get("decoder") or {}).get("type") != "ByteLevel":
         raise JaxsmolError(f"{model_dir}/tokenizer.json is not a byte-level BPE tokenizer (GGUF's 'gpt2' model)")
-    pre = next((p for p in _PRE if _pre_tokenizer(p) == tj.get("pre_tokenizer")), None)
+    pre = next((p for p in _PRE if pre_tokenizer(p) == tj.get("pre_tokenizer")), None)
     if pre is None:
         raise JaxsmolError(f"{model_dir}/tokenizer.json has a pre-tokenizer llama.cpp does not name "
                            f"(supported: {', '.join(_PRE)})")
@@ -150,16 +150,27 @@ def _add_metadata(w, cfg: Config, qtype: str, name: str, tok: dict) -> None:
     """The general.*, llama.* and tokenizer.* keys llama.cpp's converter writes for a Llama."""
     import gguf
 
-    w.add_type("model"); w.add_name(name)
-    w.add_block_count(cfg.n_layers); w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.dim); w.add_feed_forward_length(cfg.ffn_dim)
-    w.add_head_count(cfg.n_heads); w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta); w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim); w.add_value_length(cfg.head_dim)
-    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[qtype]]); w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(cfg.head_dim); w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre(tok["pre"])
-    w.add_token_list(tok["tokens"]); w.add_token_types(tok["types"]); w.add_token_merges(tok["merges"])
+    w.add_type("model")
+    w.add_name(name)
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.dim)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_file_type(gguf.LlamaFileType[_FILE_TYPE[qtype]])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
     for kind, i in tok["special"].items():
         getattr(w, f"add_{kind}_token_id")(i)
     w.add_add_bos_token(tok["add_bos"])
@@ -191,7 +202,9 @@ def _write(path: Path, ckpt: Checkpoint, cfg: Config, qtype: str, name: str, tok
     _add_metadata(w, cfg, qtype, name, tok)
     _add_tensor_infos(w, plan, expected_shapes(cfg))
     try:
-        w.write_header_to_file(path); w.write_kv_data_to_file(); w.write_ti_data_to_file()
+        w.write_header_to_file(path)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
         for _, hf_name, kind, heads in tqdm(plan, desc=f"writing {qtype} GGUF", unit="tensor", disable=not progress):
             w.write_tensor_data(tensor_data(ckpt[hf_name], kind, heads))
         for f in w.fout:

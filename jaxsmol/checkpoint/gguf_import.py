@@ -34,12 +34,12 @@ _MAX_CONTEXT = 1 << 21  # context_length backs no tensor: a sanity bound (Llama 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # Per-layer GGUF tensor name -> HF name.
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 
 # The regex of Meta-Llama-3's tokenizer.json Split pre-tokenizer (llama.cpp pre type "llama-bpe").
@@ -57,7 +57,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(gguf_path: Path, values: bool = True):
+def open_gguf(gguf_path: Path, values: bool = True):
     """The file read (gguf_read.py); a JaxsmolError for what is missing or not a GGUF file."""
     from jaxsmol.checkpoint.gguf_read import read_gguf
 
@@ -149,7 +149,7 @@ def _check_sizes(reader, cfg: dict, path: Path) -> dict[str, tuple[int, ...]]:
         raise JaxsmolError(f"GGUF file {path} has invalid sizes: {sizes}")
     expected = _expected_shapes(cfg)
     for t in reader.tensors:
-        name, shape = _hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
+        name, shape = hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
         if name not in expected:
             raise JaxsmolError(f"GGUF tensor {t.name} is not part of the model its metadata describes")
         if shape != expected[name]:
@@ -166,16 +166,16 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return expected_shapes(Config.from_hf(cfg))
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
     raise JaxsmolError(f"unsupported tensor {gguf_name!r} in GGUF file (not part of a plain Llama model)")
 
 
-def _dequantize(t, cfg: dict) -> np.ndarray:
+def dequantize(t, cfg: dict) -> np.ndarray:
     """One GGUF tensor as a float32 numpy array in HF layout (GGUF lists dims fastest-first)."""
     import gguf
 
@@ -195,7 +195,7 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_onl
     from tqdm import tqdm
 
     expected = _expected_shapes(cfg)
-    tensors = [(t, _hf_name(t.name)) for t in reader.tensors]
+    tensors = [(t, hf_name(t.name)) for t in reader.tensors]
     found = {name for _, name in tensors}
     if found != set(expected):
         missing, extra = sorted(set(expected) - found), sorted(found - set(expected))
@@ -203,7 +203,7 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_onl
     if floats_only:
         tensors = [(t, name) for t, name in tensors if t.tensor_type.name in FLOAT_TYPES]
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for t, name in tensors:
+    for _t, name in tensors:
         size = 4 * int(np.prod(expected[name]))
         header[name] = {"dtype": "F32", "shape": list(expected[name]), "data_offsets": [offset, offset + size]}
         offset += size
@@ -212,7 +212,7 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_onl
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for t, name in tqdm(tensors, desc="importing GGUF", unit="tensor", disable=not progress):
-            w = _dequantize(t, cfg)
+            w = dequantize(t, cfg)
             if w.shape != expected[name]:
                 raise JaxsmolError(f"tensor {t.name} has shape {w.shape}, expected {expected[name]}")
             f.write(w.astype("<f4", copy=False).tobytes())
@@ -220,7 +220,7 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_onl
         os.fsync(f.fileno())  # the data is on disk before the directory is renamed into place
 
 
-def _pre_tokenizer(pre: str) -> dict:
+def pre_tokenizer(pre: str) -> dict:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     if pre in ("smollm", "starcoder", "refact"):
         return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
@@ -246,7 +246,7 @@ def _build_tokenizer(tok: dict) -> dict:
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
                    for t, ty in zip(tok["tokens"], tok["types"]) if ty == _USER_DEFINED])
     data = json.loads(tk.to_str())
-    data["pre_tokenizer"] = _pre_tokenizer(tok["pre"])  # JSON form: exactly what HF ships
+    data["pre_tokenizer"] = pre_tokenizer(tok["pre"])  # JSON form: exactly what HF ships
     return data
 
 
@@ -302,7 +302,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
     non-GGUF file, a non-Llama model, or an existing non-empty `out_dir`.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = _open(gguf_path)
+    reader = open_gguf(gguf_path)
     cfg, tok = _read_config(reader, gguf_path)
     _check_sizes(reader, cfg, gguf_path)
     tokenizer = _build_tokenizer(tok)  # fail on a bad tokenizer before the slow tensor pass

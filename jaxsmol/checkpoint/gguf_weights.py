@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxsmol.checkpoint.gguf_import import FLOAT_TYPES as FLOAT
-from jaxsmol.checkpoint.gguf_import import _dequantize, _hf_name, _open, import_once, unpermute_qk
+from jaxsmol.checkpoint.gguf_import import dequantize, hf_name, import_once, open_gguf, unpermute_qk
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.kernels import formats
 from jaxsmol.model.params import Checkpoint
@@ -93,12 +93,12 @@ class GGUFFile:
         """requantize: the caller quantizes the float import itself (--quantize), whatever the file's types."""
         if not is_gguf(path):
             raise JaxsmolError(f"{path} is a file, not a model directory or a .gguf file")
-        self.path, self.reader = path, _open(path, values=False)  # config and tokenizer: from the import
+        self.path, self.reader = path, open_gguf(path, values=False)  # config and tokenizer: from the import
         # refuses what it cannot run before importing
         self.format = None if requantize else file_format(self.reader, path)
         self.model_dir = imported_dir(path, progress, lean=self.format is not None)
 
-    def tensors(self, cfg) -> "GGUFTensors":
+    def tensors(self, cfg) -> GGUFTensors:
         import json
 
         cfg_hf = json.loads((self.model_dir / "config.json").read_text())
@@ -108,14 +108,14 @@ class GGUFFile:
 class GGUFTensors:
     """The tensors params_from_hf reads, by HF name: a quantized matrix as its file's blocks, any
     other quantized tensor (an untied model's token table, a Q6_K one) dequantized from the file as
-    the full import would (gguf_import._dequantize: the same float32 values), and the float tensors
+    the full import would (gguf_import.dequantize: the same float32 values), and the float tensors
     from the imported directory (lean or full). Names and shapes of the file's quantized tensors come
     from its header (HF's [out, in]: GGUF lists dims fastest first)."""
 
     def __init__(self, reader, model_dir: Path, cfg_hf: dict, tied: bool):
         self.floats = Checkpoint(model_dir)
         self.cfg_hf, self.tied = cfg_hf, tied
-        self.in_file = {_hf_name(t.name): t for t in reader.tensors if t.tensor_type.name not in FLOAT}
+        self.in_file = {hf_name(t.name): t for t in reader.tensors if t.tensor_type.name not in FLOAT}
         self.quantized = {name: t for name, t in self.in_file.items() if t.tensor_type.name in NATIVE
                           and (t.name.startswith("blk.") or tied or t.name == "output.weight")}
 
@@ -131,6 +131,6 @@ class GGUFTensors:
         if t is None:
             return self.floats[name]
         if name not in self.quantized or not t.name.endswith("weight") or len(t.shape) != 2:
-            return _dequantize(t, self.cfg_hf)
+            return dequantize(t, self.cfg_hf)
         heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(t.name.split(".")[-2])
         return blocks(t, self.cfg_hf[heads] if heads else None)

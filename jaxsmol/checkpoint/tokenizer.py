@@ -40,7 +40,7 @@ class Tokenizer:
         self._compiled = None  # (template source, compiled template): compiled once, not per request
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "Tokenizer":
+    def load(cls, model_dir: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         model_dir = Path(model_dir)

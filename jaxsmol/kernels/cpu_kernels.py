@@ -167,7 +167,8 @@ def _compile_each(cxx: str, work: Path) -> list[Path]:
     flags = [f for f in FLAGS if f != "-shared"]
     objects = [work / f"{src.stem}-{i}.o" for i, (src, _) in enumerate(UNITS)]
     try:
-        running = [subprocess.Popen([cxx, *flags, *defines, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)],
+        running = [subprocess.Popen([cxx, *flags, *defines, f"-I{jax.ffi.include_dir()}", "-c", str(src),
+                                     "-o", str(obj)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                    for (src, defines), obj in zip(UNITS, objects)]
     except OSError as e:

@@ -59,7 +59,7 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.d, self.m) if a is not None)
 
-    def panels(self, start: int, stop: int) -> "QuantizedMatrix":
+    def panels(self, start: int, stop: int) -> QuantizedMatrix:
         """Panels start..stop-1: the columns 32 start .. 32 stop - 1."""
         return self.replace(q=self.q[start:stop], d=self.d[start:stop],
                             m=None if self.m is None else self.m[start:stop])

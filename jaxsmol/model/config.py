@@ -55,7 +55,8 @@ class Config:
         """A JaxsmolError naming every matrix size that does not split into `fmt`'s blocks of `block`
         (a quantized format: --quantize, jaxsmol quantize)."""
         sizes = {"hidden_size": self.dim, "intermediate_size": self.ffn_dim, "vocab_size": self.vocab_size,
-                 "heads x head_dim": self.n_heads * self.head_dim, "kv heads x head_dim": self.n_kv_heads * self.head_dim}
+                 "heads x head_dim": self.n_heads * self.head_dim,
+                 "kv heads x head_dim": self.n_kv_heads * self.head_dim}
         odd = [f"{k}={v}" for k, v in sizes.items() if v % block]
         if odd:
             raise JaxsmolError(f"{fmt} needs every matrix size to be a multiple of {block}: {', '.join(odd)}")
@@ -65,7 +66,7 @@ class Config:
         return self.n_heads // self.n_kv_heads
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "Config":
+    def from_hf(cls, hf: dict) -> Config:
         """Build from a parsed HF `config.json` of a `LlamaForCausalLM`; refuse what we do not implement."""
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         if hf.get("model_type", "llama") != "llama" or archs[0] != "LlamaForCausalLM":
@@ -110,7 +111,7 @@ class Config:
         )
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "Config":
+    def load(cls, model_dir: str | Path) -> Config:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise JaxsmolError(f"model directory {model_dir} has no config.json")
@@ -121,7 +122,7 @@ class Config:
         return cls.from_hf(hf)
 
     @classmethod
-    def tiny(cls, **overrides) -> "Config":
+    def tiny(cls, **overrides) -> Config:
         """A tiny random config for fast tests (same structure as SmolLM: GQA, tied embeddings)."""
         base = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     rms_norm_eps=1e-5, rope_theta=10000.0, max_position=1024, tie_embeddings=True,

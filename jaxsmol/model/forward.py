@@ -95,7 +95,8 @@ def _layer_of(stacked, layer: jax.Array):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, keepdims=False), stacked)
 
 
-def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array, cfg: Config) -> jax.Array:
+def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
+           cfg: Config) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] over layer `layer` of the cache: the C++ kernel when
     cfg.cpu_kernels, `attention` (XLA) otherwise."""
     if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
@@ -134,7 +135,7 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
     n_blocks = (jnp.max(pos) + T + ATTN_BLOCK - 1) // ATTN_BLOCK  # blocks holding positions <= the last query
 
     def block(i, carry):
-        m, l, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+        m, denom, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
         start = (layer, 0, 0, i * ATTN_BLOCK, 0)
         size = (1, B, K, ATTN_BLOCK, H)
         kb = lax.dynamic_slice(k_all, start, size)[0]  # [B, K, C, H]: batch-major for the matmuls, no copy
@@ -146,14 +147,14 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        l = l * correction + p.sum(axis=-1)
+        denom = denom * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("bkgtc,bkch->bkgth", p, vb)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, H), jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_blocks, block, init)
-    out = acc / l[..., None]  # [B, K, G, T, H]
+    _, denom, acc = lax.fori_loop(0, n_blocks, block, init)
+    out = acc / denom[..., None]  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, H]
 
 

@@ -45,7 +45,7 @@ class KVCache:
     pos: jax.Array  # int32 []
 
     @classmethod
-    def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32, mesh=None) -> "KVCache":
+    def zeros(cls, cfg: Config, capacity: int, batch: int = 1, dtype=jnp.float32, mesh=None) -> KVCache:
         """An empty cache; with a mesh, placed as `sharding.kv_sharding` says."""
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         device = None if mesh is None else kv_sharding(mesh, shape)
@@ -78,12 +78,12 @@ class KVCache:
 
         return {"k": cut(self.k), "v": cut(self.v)}
 
-    def trim(self, length: int) -> "KVCache":
+    def trim(self, length: int) -> KVCache:
         """A host snapshot of the first `length` positions (see `segment`)."""
         return KVCache.from_segment(self.segment(0, length))
 
     @classmethod
-    def from_segment(cls, seg: dict) -> "KVCache":
+    def from_segment(cls, seg: dict) -> KVCache:
         """A host snapshot from a segment that starts at position 0."""
         return cls(k=seg["k"], v=seg["v"], pos=np.int32(seg["k"].shape[SEQ_AXIS]))
 
@@ -120,6 +120,7 @@ def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array, kern
     kernel: by the CPU kernel (cpu_kernels.load_prefix: both threads), else XLA's dynamic-update-slice."""
     def write(cache, prefix):
         prefix = prefix.astype(cache.dtype)
-        return cpu_kernels.load_prefix(cache, prefix) if kernel else jax.lax.dynamic_update_slice(cache, prefix, (0,) * 5)
+        return (cpu_kernels.load_prefix(cache, prefix) if kernel
+                else jax.lax.dynamic_update_slice(cache, prefix, (0,) * 5))
 
     return KVCache(k=write(kv.k, k), v=write(kv.v, v), pos=length.astype(jnp.int32))

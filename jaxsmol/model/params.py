@@ -165,9 +165,11 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
     missing = sorted(set(expected) - names)
     unexpected = sorted(names - set(expected))
     if missing:
-        raise JaxsmolError(f"checkpoint is missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise JaxsmolError(f"checkpoint is missing tensor {missing[0]}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unexpected:
-        raise JaxsmolError(f"checkpoint has unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        raise JaxsmolError(f"checkpoint has unexpected tensor {unexpected[0]}"
+                           + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     for name, shape in expected.items():
         if shape_of(name) != shape:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
@@ -220,7 +222,8 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     if cfg.cpu_kernels or cfg.quant:
         layer = jax.eval_shape(cpu_kernels.pack_layer, layer)
     layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((cfg.n_layers, *a.shape), a.dtype), layer)
-    unembed = formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT) if cfg.quant else sds((cfg.dim, cfg.vocab_size))
+    unembed = (formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT) if cfg.quant
+               else sds((cfg.dim, cfg.vocab_size)))
     embed = unembed if cfg.quant and cfg.tie_embeddings else sds((cfg.vocab_size, cfg.dim))
     params = Params(embed=embed, layers=layers, final_norm=sds((cfg.dim,)), unembed=unembed)
     return jax.eval_shape(cpu_kernels.pack_params, params) if cfg.cpu_kernels or cfg.quant else params

@@ -51,7 +51,8 @@ _LAYER_AXES = {
 def shard_params(params, mesh: Mesh):
     """Place params on the mesh (see the module docstring)."""
     stacked = params.layers
-    layers = stacked.replace(**{name: jax.device_put(getattr(stacked, name), _spec(mesh, getattr(stacked, name).shape, axes))
+    layers = stacked.replace(**{name: jax.device_put(getattr(stacked, name),
+                                                     _spec(mesh, getattr(stacked, name).shape, axes))
                                 for name, axes in _LAYER_AXES.items()})
     return params.replace(
         embed=jax.device_put(params.embed, _spec(mesh, params.embed.shape, (None, None))),

@@ -43,8 +43,8 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
     folder = program_store.store_dir()
     if folder is None or not calls:
         return 0
-    payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder),
-                            "calls": [(p.name, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in calls]})
+    shapes = [(p.name, p.module, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in calls]
+    payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder), "calls": shapes})
     child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     done = threading.Thread(target=child.communicate, args=(payload,), daemon=True)
@@ -57,14 +57,12 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
             return 0
     if child.returncode != 0:
         return 0
-    return sum(1 for p, args, kwargs in calls if p.stored(*args, **kwargs))
+    return sum(1 for p, args, kwargs in calls if not p.missing(*args, **kwargs))
 
 
 def _main() -> int:
     """The child: read the calls, compile each into the store; exit 3 where its store folder differs."""
     from pathlib import Path
-
-    from jaxsmol.runtime import programs
 
     job = pickle.loads(sys.stdin.buffer.read())
     jax.config.update("jax_enable_compilation_cache", False)  # its executables could not be stored
@@ -72,8 +70,8 @@ def _main() -> int:
     if str(program_store.store_dir()) != job["folder"]:
         print("jaxsmol: the compile child's environment differs from its parent's", file=sys.stderr)
         return 3
-    for name, args, kwargs in job["calls"]:
-        programs.ALL[name].prepare(*args, **kwargs)
+    for name, module, args, kwargs in job["calls"]:
+        program_store.named(name, module).prepare(*args, **kwargs)
     return 0
 
 

@@ -64,7 +64,8 @@ def compile_cold_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
              for T in lengths]
     allowed = all_allowed(1, cfg.vocab_size) if structured else None
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-    calls.append((programs.sample, (logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), allowed), {}))
+    calls.append((programs.sample, (logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1),
+                                    allowed), {}))
     calls.append((programs.step_key, (seed_key(0), np.int32(0)), {}))
     programs.compile_all(calls)
     for T in lengths:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,8 @@ from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime import programs
 from jaxsmol.kernels import cpu_kernels, formats
 from jaxsmol.model.kv import KVCache, check_snapshot
-from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length, chunk_plan,
-                            prefill_buckets)
+from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length,
+                            chunk_plan, prefill_buckets)
 from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.model.params import Params, load_params, params_from_hf
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
@@ -144,7 +144,7 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
              quantize: str | None = None, kv_dtype: str | None = None, progress: bool = True, mesh=None,
-             on_config: Callable | None = None) -> "Engine":
+             on_config: Callable | None = None) -> Engine:
         """Load a Hugging Face checkpoint directory, a GGUF file (its matrices as they are), or the bundled
         default model when None (its Q4_1 file as it is where the CPU kernels run, float32 elsewhere:
         checkpoint/default_model.py). quantize "q8_0" or "q4_1": every matrix quantized at load
@@ -365,14 +365,15 @@ class Engine:
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :len(ids)] = ids
         kv = self.new_cache(T)
-        logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg, all_logits=True)
+        logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg,
+                                     all_logits=True)
         return np.asarray(logits[0, :len(ids)])
 
     # ---- generation -----------------------------------------------------------------------------
     def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
               prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
               on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True,
-              prefix_exact: bool = False) -> "Generation":
+              prefix_exact: bool = False) -> Generation:
         """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
         with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
         exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold).
@@ -381,7 +382,7 @@ class Engine:
         return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
                           prefix_logits, on_prefill, exact, prefix_exact)
 
-    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> "Generation":
+    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> Generation:
         gen = self.start(prompt_ids, sp, **kw)
         for _ in gen:
             pass

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Protocol
+from typing import Protocol
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,8 @@ class Generation:
         if prefix_len == n and prefix_logits is None:
             raise JaxsmolError("reusing the whole prompt needs the logits stored with it")
         self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
-        self._prefix, self._prefix_len, self._prefix_logits = prefix, prefix_len if prefix is not None else 0, prefix_logits
+        self._prefix, self._prefix_len, self._prefix_logits = (prefix, prefix_len if prefix is not None else 0,
+                                                               prefix_logits)
         # the tokens whose exact state kv's first slots hold (Engine.recycle): the whole prompt when
         # it was prefilled exactly onto nothing or onto an exact prefix, else none
         self.held = tuple(prompt_ids) if prefix is None or (exact and prefix_exact) else ()

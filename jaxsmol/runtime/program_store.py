@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import inspect
 import os
 import pickle
@@ -39,17 +40,21 @@ from jaxsmol.system import program_memory
 
 FORMAT = 1
 _root: Path | None = None  # the store's directory (enable), None: executables are kept in memory only
+_defined: dict = {}  # every Program by name
 
 
 class Program:
     """A jitted function plus the executables prepared for some of its call signatures."""
 
-    def __init__(self, name: str, jitted, static: tuple[str, ...] = ()):
-        self.name, self.jitted, self.static = name, jitted, static
+    def __init__(self, name: str, jitted, static: tuple[str, ...] = (), module: str | None = None):
+        """`module`: where this Program is defined, so another process can import it by name (named)."""
+        self.name, self.jitted, self.static, self.module = name, jitted, static, module
+        _defined[name] = self
         parameters = inspect.signature(jitted).parameters
         self._names = tuple(parameters)
         self._defaults = {k: p.default for k, p in parameters.items() if p.default is not inspect.Parameter.empty}
         self._ready: dict = {}  # signature key -> a Compiled
+        self._refused: set = set()  # signature keys whose calls an executable refused (run by jit instead)
         self._memo: dict = {}  # id of a large argument (the weights) -> (a weak reference to it, its key part)
         self.prepared = 0  # executables made ready (compiled or loaded)
         self.loaded = 0  # of which read from the store
@@ -97,6 +102,7 @@ class Program:
         try:
             return compiled(*dynamic)
         except (TypeError, ValueError):  # refused before running (an argument's layout): traced by jit instead
+            self._refused.add(key)
             return self.jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
@@ -105,11 +111,12 @@ class Program:
     @property
     def held(self) -> int:
         """Executables this program holds: prepared, and any jit compiled for a call they refused."""
-        return len(self._ready) + self.jitted._cache_size()
+        return len(self._ready) + len(self._refused)
 
     def clear(self) -> None:
         """Forget every executable held (the store keeps its files): the next calls prepare them again."""
         self._ready.clear()
+        self._refused.clear()
         self.jitted.clear_cache()
 
     def prepare(self, *args, **kwargs) -> None:
@@ -120,11 +127,12 @@ class Program:
         if key not in self._ready:
             self._prepare(key, static, dynamic)
 
-    def stored(self, *args, **kwargs) -> bool:
-        """Whether the executable of this call is held in memory or in the store."""
+    def missing(self, *args, **kwargs) -> bool:
+        """Whether the executable of this call is neither held in memory nor in the store, and could be
+        stored (a store is set, and the arguments live on one device)."""
         key = self._key(*self._split(args, kwargs))
         path = self._path(key)
-        return key in self._ready or (path is not None and path.is_file())
+        return key not in self._ready and path is not None and not path.is_file()
 
     def _path(self, key) -> Path | None:
         """Where the store keeps the executable of `key`; None without a store, or for arguments
@@ -168,6 +176,12 @@ def enable(root: Path | None) -> None:
     """Keep executables under `root` (None: in memory only), from now on in this process."""
     global _root
     _root = root
+
+
+def named(name: str, module: str) -> Program:
+    """The Program `name`, defined on importing `module` (a compile child finds it so: compile_apart.py)."""
+    importlib.import_module(module)
+    return _defined[name]
 
 
 def root() -> Path | None:

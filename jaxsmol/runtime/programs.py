@@ -13,7 +13,7 @@ touch a stored prefix.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 
@@ -30,7 +30,7 @@ COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 def _program(name: str, fn, static: tuple[str, ...] = (), donate: tuple[str, ...] = ()) -> Program:
     return Program(name, jax.jit(fn, static_argnames=static, donate_argnames=donate, compiler_options=COMPILER_OPTIONS),
-                   static)
+                   static, __name__)
 
 
 forward = _program("forward", model.forward, ("cfg", "all_logits"), ("kv",))
@@ -57,7 +57,7 @@ def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Ev
     single malloc arena, and its heap leaves with the child). One after another in process: XLA's
     compiler runs threads of its own. `stop` (an Event) is checked before each. Returns how many."""
     calls = list(calls)
-    missing = [c for c in calls if not c[0].stored(*c[1], **c[2])]
+    missing = [c for c in calls if c[0].missing(*c[1], **c[2])]
     if len(missing) >= compile_apart.MIN_CALLS:
         compile_apart.compile_in_child(missing, stop)
     n = 0

@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
-import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt parameters (malloc.h)

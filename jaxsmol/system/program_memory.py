@@ -2,7 +2,8 @@
 
 An XLA:CPU executable of the forward (one decoder layer in a loop), with JAX's trace and lowering
 caches beside it, holds ~3-6 MB of heap (SmolLM2-135M: a decode step or a prompt chunk; a batch
-relayout ~1.7 MB), and JAX reports none of it (`memory_analysis()` gives no code size on CPU). The daemon compiles dozens of them ahead (cache/scheduler/compile_ahead.py): they are most of what it
+relayout ~1.7 MB), and JAX reports none of it (`memory_analysis()` gives no code size on CPU). The
+daemon compiles dozens of them ahead (cache/scheduler/compile_ahead.py): they are most of what it
 holds beyond the weights and its caches. `watch()` measures them through JAX's monitoring events:
 the memory held (host_memory.held_bytes: anonymous resident memory less malloc's free bytes, so
 Python's own arenas, where jaxprs live, count too) when a thread starts tracing (or lowering) a
