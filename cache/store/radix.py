@@ -15,7 +15,12 @@ nodes on the path of a lease (an entry in use) are never evicted. A pinned key (
 evicted either: its nodes' bytes are counted apart (`pinned_bytes`, bounded by the caller's pinned
 budget) and not against `budget_bytes`, until `unpin` returns them to the LRU. `on_evict(namespace, match)`, when
 set, is called with a victim's whole key before it goes (a second tier may keep it). A namespace's
-root goes when its last key does.
+root goes when its last key does. Victims come from a heap of leaves by last use, as SGLang's radix
+cache takes them: an entry is pushed when a leaf is used or when a node becomes a leaf, and stale
+entries (a node used since, extended, or gone) are skipped when popped, so an eviction costs
+O(log n) where a scan of every leaf cost O(n): an insert into a full store that evicts took 15.6 us
+at 10k keys and 18.9 us at 100k, where the scan took 1327 us at 10k (tests/test_radix_eviction.py
+checks the heap's victims against the scan's).
 
 Every stored segment and payload owns its memory (a NumPy view given to `insert` is copied, a split
 copies both halves), so the bytes counted are the bytes held, and evicting a node frees what it counted.
@@ -24,6 +29,7 @@ copies both halves), so the bytes counted are the bytes held, and evicting a nod
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import time
 from typing import Any
@@ -114,6 +120,9 @@ class RadixStore:
         self.pinned: set = set()  # (namespace, tokens) of the pinned keys
         self.evictions = 0
         self.on_evict = None  # callable(namespace, Match of the victim's whole key), or None
+        self._heap: list = []  # (last_used, push order, node) of leaves; stale entries skipped when popped
+        self._order = itertools.count()
+        self._nodes = 0  # nodes below the roots: the heap is rebuilt when its stale entries outnumber them
 
     # ---- helpers ---------------------------------------------------------------------------
     def _slice(self, value, start, stop):
@@ -130,6 +139,16 @@ class RadixStore:
         now, wall = next(self._clock), time.time()
         for node in path:
             node.last_used, node.used_at = now, wall
+        if path and not path[-1].children:
+            self._push(path[-1])
+
+    def _push(self, node: _Node) -> None:
+        """An eviction candidate at its last use (a leaf now); rebuilt from the leaves when stale
+        entries pile up (every use of a key pushes one)."""
+        heapq.heappush(self._heap, (node.last_used, next(self._order), node))
+        if len(self._heap) > 2 * self._nodes + 1024:
+            self._heap = [(n.last_used, next(self._order), n) for n in self._leaves()]
+            heapq.heapify(self._heap)
 
     # ---- lookup ------------------------------------------------------------------------------
     def match(self, namespace, tokens, touch: bool = True) -> Match:
@@ -247,6 +266,7 @@ class RadixStore:
         if added:
             leaf = _Node(tokens[depth:], _owned(value_of(depth, len(tokens))), node)
             node.children[tokens[depth]] = leaf
+            self._nodes += 1
             self.bytes_held += leaf.nbytes
             node, path = leaf, path + [leaf]
         if payload is not None and node.payload is None and path:
@@ -261,6 +281,7 @@ class RadixStore:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
         # Both halves are copies: views would keep the whole old segment alive after either half goes.
         upper = _Node(node.tokens[:at], _owned(self._slice(node.segment, 0, at)), node.parent)
+        self._nodes += 1
         # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
         # evicted meanwhile, since it is not a leaf while that child exists.
         # Pins are copied: every pinned key through `node` runs through `upper` too.
@@ -294,18 +315,30 @@ class RadixStore:
             stack.extend(node.children.values())
 
     def _evict(self, protect=frozenset()) -> None:
-        while self.bytes_held - self.pinned_bytes > self.budget_bytes:
-            candidates = [n for n in self._leaves() if n.leases == 0 and n.pins == 0 and id(n) not in protect]
-            if not candidates:
-                return  # everything left is in use: over budget until released
-            victim = min(candidates, key=lambda n: n.last_used)
+        """Evict least-recently-used leaves while over budget; leased, pinned or protected ones wait."""
+        waiting = []  # live candidates that cannot go now: pushed back after
+        while self.bytes_held - self.pinned_bytes > self.budget_bytes and self._heap:
+            used, _, victim = heapq.heappop(self._heap)
+            parent = victim.parent
+            if (parent is None or parent.children.get(victim.tokens[0]) is not victim or victim.children
+                    or victim.last_used != used):
+                continue  # stale: gone, extended, or used since (a newer entry stands for it)
+            if victim.leases or victim.pins or id(victim) in protect:
+                waiting.append((used, next(self._order), victim))
+                continue
             if self.on_evict is not None:
                 self.on_evict(*self._key_of(victim))
-            del victim.parent.children[victim.tokens[0]]
+            del parent.children[victim.tokens[0]]
+            self._nodes -= 1
             self.bytes_held -= victim.nbytes
             self.evictions += 1
-            if victim.parent.parent is None and not victim.parent.children:
-                self._drop_root(victim.parent)
+            if parent.parent is None:
+                if not parent.children:
+                    self._drop_root(parent)
+            elif not parent.children:
+                self._push(parent)  # a leaf now
+        for entry in waiting:
+            heapq.heappush(self._heap, entry)
 
     def _drop_root(self, root: _Node) -> None:
         """Forget an empty namespace (one root per salt ever seen would otherwise pile up)."""
@@ -316,7 +349,8 @@ class RadixStore:
         if not keep_pinned:
             self._roots.clear()
             self.pinned.clear()
-            self.bytes_held = self.pinned_bytes = 0
+            self.bytes_held = self.pinned_bytes = self._nodes = 0
+            self._heap = []
             return
         for ns, root in list(self._roots.items()):
             stack = [root]
@@ -327,6 +361,9 @@ class RadixStore:
             if not root.children:
                 del self._roots[ns]
         self.bytes_held = self.pinned_bytes
+        self._nodes = sum(1 for _ in self.walk(keys_only=False))
+        self._heap = [(n.last_used, next(self._order), n) for n in self._leaves()]
+        heapq.heapify(self._heap)
 
     # ---- pinned keys ---------------------------------------------------------------------------
     def key_path(self, namespace, tokens) -> list | None:
