@@ -70,3 +70,19 @@ def test_a_child_of_another_environment_is_refused_and_the_caller_compiles(engin
     loaded, prepared = programs.forward.loaded, programs.forward.prepared
     assert programs.compile_all(calls) == len(calls)
     assert programs.forward.prepared - prepared == len(calls) and programs.forward.loaded == loaded
+
+
+def test_a_jax_setting_made_in_code_keeps_the_child_out(engine, store):
+    """A setting the caller made in code (here the default matmul precision, which changes what XLA's
+    dots compute) is not in the child's environment: its store folder differs, so it is refused."""
+    import jax
+
+    from jaxsmol.runtime import program_store
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    program_store.environment.cache_clear()
+    try:
+        assert compile_apart.compile_in_child(_calls(engine), None) == 0
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
+        program_store.environment.cache_clear()

@@ -13,11 +13,11 @@ is prepared then (compiled, or loaded where a stored one exists), so a later pro
 
 A file is read only by the environment that wrote it: its folder is named by a hash of the jax and
 jaxlib versions, the backend and devices, the CPU, the C++ kernels' build, XLA_FLAGS and every source
-file of jaxsmol; anything unreadable or of another environment is refused (compiled afresh). The store
-takes the place of JAX's persistent cache (compile_cache.enable_compilation_cache switches that off):
-an executable JAX loaded from its cache, or found in its in-memory cache after such a load,
-serializes without its machine code, and a later load of it fails when it runs. So nothing is
-stored while JAX's cache is in use.
+file of jaxsmol, and the JAX settings in CONFIG; anything unreadable or of another environment is
+refused (compiled afresh). The store takes the place of JAX's persistent cache
+(compile_cache.enable_compilation_cache switches that off): an executable JAX loaded from its cache,
+or found in its in-memory cache after such a load, serializes without its machine code, and a later
+load of it fails when it runs. So nothing is stored while JAX's cache is in use.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from jax.sharding import SingleDeviceSharding
 from jaxsmol.system import program_memory
 
 FORMAT = 1
+# JAX settings a program's code depends on beyond its signature; a process may set them in code (a
+# compile child started from it sees only the environment, so it computes another folder: refused)
+CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl")
 _root: Path | None = None  # the store's directory (enable), None: executables are kept in memory only
 _defined: dict = {}  # every Program by name
 
@@ -210,7 +213,8 @@ def environment() -> str:
     h = hashlib.blake2b(digest_size=10)
     for part in (str(FORMAT), jax.__version__, jaxlib.__version__, platform.machine(), jax.default_backend(),
                  repr(sorted(d.device_kind for d in jax.devices())), cpu_kernels.cpu_signature(),
-                 str(kernels.library if kernels.in_use else "off"), os.environ.get("XLA_FLAGS", "")):
+                 str(kernels.library if kernels.in_use else "off"), os.environ.get("XLA_FLAGS", ""),
+                 *(repr(getattr(jax.config, k)) for k in CONFIG)):
         h.update(part.encode() + b"\0")
     for source in sorted(package.rglob("*.py")):
         h.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
