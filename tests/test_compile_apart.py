@@ -86,3 +86,16 @@ def test_a_jax_setting_made_in_code_keeps_the_child_out(engine, store):
     finally:
         jax.config.update("jax_default_matmul_precision", None)
         program_store.environment.cache_clear()
+
+
+def test_two_callers_at_once_compile_once(engine, store):
+    """Replicas started together share the store: one child compiles, the other caller waits its turn
+    and finds every program stored."""
+    calls, results = _calls(engine), []
+    before = compile_apart.children
+    threads = [threading.Thread(target=lambda: results.append(compile_apart.compile_in_child(calls))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [len(calls), len(calls)] and compile_apart.children - before == 1

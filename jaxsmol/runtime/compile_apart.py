@@ -10,21 +10,26 @@ the caller then loads each executable (~10 ms). The child gets the calls' shapes
 ShapeDtypeStructs), pickled on its stdin; it is the same interpreter with the same environment, so
 it computes the same store folder, or says it did not and the caller compiles in process.
 
-Run as `python -m jaxsmol.runtime.compile_apart` (by `compile_in_child` only).
+Processes sharing a store take turns (a lock file in its folder): replicas started together on one
+machine compile each program once, and the others load it. Run as `python -m
+jaxsmol.runtime.compile_apart` (by `compile_in_child` only).
 """
 
 from __future__ import annotations
 
+import fcntl
 import pickle
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 
 from jaxsmol.runtime import program_store
 
 MIN_CALLS = 6  # fewer than this many missing programs compile in process (a child costs ~2.5 s to start)
+children = 0  # compile children this process started
 
 
 def shapes_of(tree):
@@ -38,13 +43,39 @@ def shapes_of(tree):
 
 def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
     """Compile `calls` ((program, args, kwargs) triples) into the program store in a child process.
-    Returns how many it stored; 0 where it could not (no store, the child failed or computed another
-    store folder, `stop` was set): the caller then compiles what is still missing itself."""
+    Returns how many are stored then; 0 where it could not (no store, the child failed or computed
+    another store folder, `stop` was set): the caller then compiles what is still missing itself.
+    Processes sharing a store take turns (a lock file in its folder): replicas started together
+    compile each program once, and the ones that waited load what the first stored."""
     folder = program_store.store_dir()
     if folder is None or not calls:
         return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".compiling", "a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # another process compiles into this store: its turn first
+                if stop is None:
+                    time.sleep(0.2)
+                elif stop.wait(0.2):
+                    return 0
+        try:  # released when the file closes
+            still = [c for c in calls if c[0].missing(*c[1], **c[2])]
+            if len(still) >= MIN_CALLS and not _run_child(still, folder, stop):
+                return 0
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return sum(1 for p, args, kwargs in calls if not p.missing(*args, **kwargs))
+
+
+def _run_child(calls: list, folder, stop: threading.Event | None) -> bool:
+    """One child compiling `calls` into `folder`; whether it ran to its end."""
+    global children
     shapes = [(p.name, p.module, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in calls]
     payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder), "calls": shapes})
+    children += 1
     child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     done = threading.Thread(target=child.communicate, args=(payload,), daemon=True)
@@ -54,10 +85,8 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
         if stop is not None and stop.is_set():
             child.kill()
             done.join()
-            return 0
-    if child.returncode != 0:
-        return 0
-    return sum(1 for p, args, kwargs in calls if not p.missing(*args, **kwargs))
+            return False
+    return child.returncode == 0
 
 
 def _main() -> int:
