@@ -310,7 +310,7 @@ def test_len_counts_keys_no_other_extends():
 
 
 def test_common_prefix_len():
-    from cache.store.radix import common_prefix_len
+    from cache.store.values import common_prefix_len
 
     assert common_prefix_len((1, 2, 3), [1, 2, 4]) == 2
     assert common_prefix_len((1, 2), [1, 2, 3]) == 2 and common_prefix_len((1, 2, 3), (1, 2)) == 2

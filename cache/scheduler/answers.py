@@ -16,7 +16,7 @@ import collections
 import dataclasses
 
 from cache.prefix_cache import PrefixCache
-from cache.store.radix import common_prefix_len
+from cache.store.values import common_prefix_len
 from cache.records import AnswerSave
 from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.model.kv import KVCache

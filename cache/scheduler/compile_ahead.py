@@ -37,6 +37,16 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
     return programs.compile_all(batched_calls(engine, widths, slots, side_by_side), stop)
 
 
+def program_calls(scheduler, slots: int) -> tuple[list, list]:
+    """What a scheduler's requests of up to `slots` positions run, as (program, args, kwargs) calls:
+    (one prompt's chunks at the lengths it prefills with, the batched programs of compile_batched)."""
+    engine = scheduler.engine
+    lengths = set(engine.buckets(True)) | (set() if scheduler.cache.exact else set(engine.buckets(False)))
+    batched = [] if engine.mesh is not None else batched_calls(  # with a mesh: none (see compile_batched)
+        engine, scheduler.widths, slots, side_by_side=scheduler.side_by_side_most)
+    return engine.forward_calls(slots, lengths), batched
+
+
 def batched_calls(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:
     """compile_batched's programs, each as a (program, args, kwargs) call (programs.compile_all)."""
     cfg = engine.cfg

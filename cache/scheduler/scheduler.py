@@ -40,7 +40,7 @@ import numpy as np
 from cache.scheduler.admission import admitted, next_index
 from cache.scheduler.answers import AnswerQueue
 from cache.scheduler.settings import BatchSettings
-from cache.scheduler.compile_ahead import batched_calls, compile_batched, empty_batch
+from cache.scheduler.compile_ahead import compile_batched, empty_batch
 from cache.prefix_cache import PrefixCache
 from cache.scheduler.requests import Request
 from cache.scheduler.side_by_side import group_chunks
@@ -115,14 +115,6 @@ class Scheduler:
         """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);
         returns how many."""
         return compile_batched(self.engine, self.widths, slots, stop, side_by_side=self.side_by_side_most)
-
-    def program_calls(self, slots: int = MIN_CAPACITY) -> tuple[list, list]:
-        """What requests of up to `slots` positions run, as (program, args, kwargs) calls: (one prompt's
-        chunks at the lengths this scheduler prefills with, the batched programs of compile_programs)."""
-        lengths = set(self.engine.buckets(True)) | (set() if self.cache.exact else set(self.engine.buckets(False)))
-        batched = [] if self.engine.mesh is not None else batched_calls(  # as compile_programs: see compile_batched
-            self.engine, self.widths, slots, side_by_side=self.side_by_side_most)
-        return self.engine.forward_calls(slots, lengths), batched
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one

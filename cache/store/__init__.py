@@ -1,7 +1,8 @@
 """Where prefixes are kept, knowing nothing of models (a value is a pytree of host arrays sharing a
 sequence axis): the interface PrefixCache holds a store by (interface.py), the radix tree of many keys
 (radix.py), the course exercise's single snapshot (minimal.py), one snapshot as one safetensors file
-(snapshot.py) and the disk tier of such files (disk.py). Imports: jaxsmol (errors, durable writes, kv) only."""
+(snapshot.py), the disk tier of such files (disk.py), and helpers on keys and values (values.py).
+Imports: jaxsmol (errors, durable writes, kv) only."""
 
 from cache.store.interface import Hit, RadixPrefixStore
 

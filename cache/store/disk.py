@@ -22,7 +22,7 @@ import re
 import time
 from pathlib import Path
 
-from cache.store.radix import common_prefix_len
+from cache.store.values import common_prefix_len
 from cache.store.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
                                   save_snapshot, set_pinned)
 from jaxsmol.errors import JaxsmolError

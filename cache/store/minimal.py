@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from cache.store.radix import common_prefix_len
+from cache.store.values import common_prefix_len
 from cache.store.interface import Hit
 
 

@@ -38,43 +38,7 @@ from collections.abc import Hashable
 import jax
 import numpy as np
 
-
-def common_prefix_len(a, b, start: int = 0) -> int:
-    """How many leading items of `a` equal the items of `b` from index `start` on (the one
-    common-prefix helper of cache/). Sequences of one type compare in C slices of halving length (a
-    2000-token edge: tens of microseconds, not a Python loop over every token)."""
-    limit = min(len(a), len(b) - start)
-    if type(a) is not type(b) or not isinstance(a, (tuple, list)):
-        n = 0
-        while n < limit and a[n] == b[start + n]:
-            n += 1
-        return n
-    n = 0  # a[:n] == b[start:start + n]; find the first difference in ever shorter blocks
-    step = limit
-    while step:
-        if n + step <= limit and a[n:n + step] == b[start + n:start + n + step]:
-            n += step
-        else:
-            step //= 2
-    return n
-
-
-def _nbytes(tree) -> int:
-    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
-
-
-def _own(a):
-    """`a` if it owns its memory, else a copy with the same read-only flag: a view would keep its
-    whole base alive while only the view's bytes are counted."""
-    if not isinstance(a, np.ndarray) or a.base is None:
-        return a
-    out = np.array(a)  # np.array copies: a C-contiguous array that owns its buffer
-    out.flags.writeable = a.flags.writeable
-    return out
-
-
-def _owned(tree):
-    return jax.tree.map(_own, tree)
+from cache.store.values import common_prefix_len, owned, tree_bytes
 
 
 class _Node:
@@ -95,7 +59,7 @@ class _Node:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.segment) + _nbytes(self.payload)
+        return tree_bytes(self.segment) + tree_bytes(self.payload)
 
 
 @dataclasses.dataclass
@@ -264,15 +228,15 @@ class RadixStore:
             node, depth = child, depth + n
         added = len(tokens) - depth
         if added:
-            leaf = _Node(tokens[depth:], _owned(value_of(depth, len(tokens))), node)
+            leaf = _Node(tokens[depth:], owned(value_of(depth, len(tokens))), node)
             node.children[tokens[depth]] = leaf
             self._nodes += 1
             self.bytes_held += leaf.nbytes
             node, path = leaf, path + [leaf]
         if payload is not None and node.payload is None and path:
-            node.payload = _owned(payload)
-            self.bytes_held += _nbytes(payload)
-            self.pinned_bytes += _nbytes(payload) if node.pins else 0
+            node.payload = owned(payload)
+            self.bytes_held += tree_bytes(payload)
+            self.pinned_bytes += tree_bytes(payload) if node.pins else 0
         self._touch(path)
         self._evict(protect=set(map(id, path)))
         return added
@@ -280,15 +244,15 @@ class RadixStore:
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
         # Both halves are copies: views would keep the whole old segment alive after either half goes.
-        upper = _Node(node.tokens[:at], _owned(self._slice(node.segment, 0, at)), node.parent)
+        upper = _Node(node.tokens[:at], owned(self._slice(node.segment, 0, at)), node.parent)
         self._nodes += 1
         # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
         # evicted meanwhile, since it is not a leaf while that child exists.
         # Pins are copied: every pinned key through `node` runs through `upper` too.
         upper.last_used, upper.used_at, upper.pins, upper.hits = node.last_used, node.used_at, node.pins, node.hits
         node.parent.children[node.tokens[0]] = upper
-        lower_segment = _owned(self._slice(node.segment, at, len(node.tokens)))
-        grown = _nbytes(upper.segment) + _nbytes(lower_segment) - _nbytes(node.segment)
+        lower_segment = owned(self._slice(node.segment, at, len(node.tokens)))
+        grown = tree_bytes(upper.segment) + tree_bytes(lower_segment) - tree_bytes(node.segment)
         self.bytes_held += grown
         self.pinned_bytes += grown if node.pins else 0
         node.tokens, node.segment, node.parent = node.tokens[at:], lower_segment, upper
@@ -420,9 +384,9 @@ class RadixStore:
             stack = [(child, (), 0) for child in root.children.values()]
             while stack:
                 node, above, above_bytes = stack.pop()
-                tokens, nbytes = above + node.tokens, above_bytes + _nbytes(node.segment)
+                tokens, nbytes = above + node.tokens, above_bytes + tree_bytes(node.segment)
                 if not keys_only or node.payload is not None or not node.children:
-                    yield ns, tokens, node, nbytes + _nbytes(node.payload)
+                    yield ns, tokens, node, nbytes + tree_bytes(node.payload)
                 stack.extend((c, tokens, nbytes) for c in node.children.values())
 
     def __len__(self) -> int:

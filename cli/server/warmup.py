@@ -9,7 +9,7 @@ cores: one stream started while the batched programs compiled in the background 
   none        compile nothing ahead: ready at once, each program compiles when first used (holding
               every stream while it does).
 What is compiled: the programs the scheduler runs, one prompt's chunks and the continuous batch's
-(Scheduler.program_calls, cache/scheduler/compile_ahead.py). A later start finds them in the
+(cache/scheduler/compile_ahead.py: program_calls). A later start finds them in the
 program store (jaxsmol/runtime/program_store.py) and loads each without tracing it.
 """
 
@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from cache.scheduler.compile_ahead import program_calls
 from jaxsmol.runtime import programs
 
 MODES = ("block", "background", "none")
@@ -28,7 +29,7 @@ SLOTS = 512  # the programs of requests up to this many positions
 class Warmup:
     """Compiles the daemon's programs once (`run`, or `start` for a thread) and says whether it is ready.
 
-    The scheduler's programs: one prompt's chunks (Scheduler.program_calls) and the batched ones
+    The scheduler's programs: one prompt's chunks (compile_ahead.program_calls) and the batched ones
     (Scheduler.compile_programs, which checks the Event `stop` between them). All are made ready in
     one pass first, so that what the program store lacks compiles in one child process
     (jaxsmol/runtime/compile_apart.py). A failure only loses the head start (the programs then
@@ -63,7 +64,7 @@ class Warmup:
         """Make ready every program the scheduler runs (compiled or loaded); ready after, unless stopped."""
         self._began = t0 = time.perf_counter()
         try:
-            single, batched = self.scheduler.program_calls(SLOTS)
+            single, batched = program_calls(self.scheduler, SLOTS)
             programs.compile_all(single + batched, self.stop)
             n = self.scheduler.compile_programs(SLOTS, self.stop)  # ready by now: counted
             print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t0:.1f} s",
