@@ -50,8 +50,12 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
     folder = program_store.store_dir()
     if folder is None or not calls:
         return 0
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".compiling", "a") as lock:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".compiling", "a")
+    except OSError:  # a store that cannot be written: the caller compiles (and keeps) in process
+        return 0
+    with lock:
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,7 +65,7 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
                     time.sleep(0.2)
                 elif stop.wait(0.2):
                     return 0
-        try:  # released when the file closes
+        try:
             still = [c for c in calls if c[0].missing(*c[1], **c[2])]
             if len(still) >= MIN_CALLS and not _run_child(still, folder, stop):
                 return 0
