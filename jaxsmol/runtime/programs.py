@@ -22,9 +22,9 @@ from jaxsmol.runtime.program_store import Program
 from jaxsmol.model import forward as model, kv
 
 
-# XLA:CPU's older loop emitters for fusions: the daemon's programs compiled in 15.1 s against 20.6 s
-# with the MLIR fusion emitters, and ran as fast (prefill 512 394 vs 403 ms, decode 6.8 vs 7.3 ms a
-# token; 2 cores). Part of every program, so the jitted and the prepared paths compute the same bits.
+# XLA:CPU's older loop emitters for fusions: 25 of the daemon's programs compiled in 10.9-11.4 s
+# against 14.1-14.2 with the MLIR fusion emitters, and ran as fast (docs/design.md, "One layer,
+# looped"). Part of every program, so the jitted and the prepared paths compute the same bits.
 COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
