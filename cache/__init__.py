@@ -1,6 +1,6 @@
 """The prefix cache, in front of jaxsmol's engine: requests that share a prompt prefix reuse its KV state.
 
-    from cache import PrefixCache, generate_many, run_probe
+    from jaxsmol.cache import PrefixCache, generate_many, run_probe
 
 Here: `prefix_cache.py` (PrefixCache: bypass, lookup, restore, continue, save), `records.py` (what it
 reports and pins), `pins.py` (pinned prefixes, out of LRU eviction under a budget of their own),
@@ -13,11 +13,12 @@ Imports flow cli -> cache -> jaxsmol, never back.
 """
 
 __all__ = ["PrefixCache", "generate_many", "run_probe"]
-_PUBLIC = {"PrefixCache": "cache.prefix_cache", "generate_many": "cache.scheduler.many", "run_probe": "cache.probe"}
+_PUBLIC = {"PrefixCache": "jaxsmol.cache.prefix_cache", "generate_many": "jaxsmol.cache.scheduler.many",
+           "run_probe": "jaxsmol.cache.probe"}
 
 
 def __getattr__(name):
-    """The public names, imported when first asked for (`import cache.store.radix` stays light)."""
+    """The public names, imported when first asked for (`import jaxsmol.cache.store.radix` leaves the scheduler out)."""
     if name not in _PUBLIC:
         raise AttributeError(f"module 'cache' has no attribute {name!r}")
     import importlib

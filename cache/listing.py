@@ -11,8 +11,8 @@ keys) and its `cache_salt` within it.
 
 from __future__ import annotations
 
-from cache.store.disk import entry_key
-from cache.store.snapshot import identity
+from jaxsmol.cache.store.disk import entry_key
+from jaxsmol.cache.store.snapshot import identity
 from jaxsmol.errors import JaxsmolError
 
 MAX_LIMIT = 1000

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache.store.disk import SnapshotError
+from jaxsmol.cache.store.disk import SnapshotError
 from jaxsmol.errors import JaxsmolError
 
 DEFAULT_BUDGET_BYTES = 512 << 20

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.pins import DEFAULT_BUDGET_BYTES, Pins
-from cache.store.disk import DiskStore, Snapshot, SnapshotError
-from cache.store.minimal import SingleSnapshotStore
-from cache.records import AnswerSave, CacheReport, CacheStats, Lookup
-from cache.store.interface import RadixPrefixStore
+from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
+from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
+from jaxsmol.cache.store.minimal import SingleSnapshotStore
+from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
+from jaxsmol.cache.store.interface import RadixPrefixStore
 from jaxsmol.runtime.engine import Engine, Generation
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS, KVCache

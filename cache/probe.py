@@ -8,8 +8,8 @@ import time
 from jaxsmol.runtime.engine import Engine, Generation
 from jaxsmol.runtime.sampling import SamplingParams
 
-from cache.store.disk import load_prompt_cache, save_prompt_cache
-from cache.prefix_cache import CacheReport, PrefixCache
+from jaxsmol.cache.store.disk import load_prompt_cache, save_prompt_cache
+from jaxsmol.cache.prefix_cache import CacheReport, PrefixCache
 
 
 def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:

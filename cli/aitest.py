@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import sys
 
-from cli.common import (ArgumentParser, add_model_args, add_sampling_args, close_prompt_cache, load_engine,
-                        open_prompt_cache, warn_refused, sampling_kwargs, user_errors)
-from cli.main import add_probe_args
-from cli.tables import format_probe
+from jaxsmol.cli.common import (ArgumentParser, add_model_args, add_sampling_args, close_prompt_cache, load_engine,
+                                open_prompt_cache, warn_refused, sampling_kwargs, user_errors)
+from jaxsmol.cli.main import add_probe_args
+from jaxsmol.cli.tables import format_probe
 
 
 def build_parser() -> ArgumentParser:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if args.url and args.prompt_cache:
         p.error("--prompt-cache runs the model in this process; it does not go with --url")
     if args.url:
-        from cli.client import complete, remote_probe
+        from jaxsmol.cli.client import complete, remote_probe
 
         if args.cacheprobe:
             result = remote_probe(args.url, args.ids, args.predict, then_ids=args.then)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         return 0
     engine = load_engine(args)
     if args.cacheprobe:
-        from cache.probe import run_probe
+        from jaxsmol.cache.probe import run_probe
 
         result = run_probe(engine, args.ids, args.predict, mode=args.cache_mode, then_ids=args.then,
                            budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))

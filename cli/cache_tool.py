@@ -33,7 +33,7 @@ def add_cache_parser(sub) -> None:
 
 
 def _row(e) -> dict:
-    from cache.listing import split_salt
+    from jaxsmol.cache.listing import split_salt
 
     tenant, salt = split_salt(e.salt)
     return {"key": e.key, "namespace": tenant, "cache_salt": salt, "tokens": len(e.tokens), "bytes": e.nbytes,
@@ -41,8 +41,8 @@ def _row(e) -> dict:
 
 
 def _ls(directory, as_json: bool) -> int:
-    from cache.store.disk import list_dir
-    from cli.tables import format_table
+    from jaxsmol.cache.store.disk import list_dir
+    from jaxsmol.cli.tables import format_table
 
     entries, bad = list_dir(directory)
     rows = [_row(e) for e in entries]
@@ -61,7 +61,7 @@ def _ls(directory, as_json: bool) -> int:
 
 
 def run_cache(args) -> int:
-    from cache.store.disk import mark_entry, remove_entry
+    from jaxsmol.cache.store.disk import mark_entry, remove_entry
     from jaxsmol.errors import JaxsmolError
 
     if args.action == "ls":

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli.replicas import (POLICIES, Replica, Router, start_replicas, start_router, stop, usable_cpus,
-                          split_cpus, wait_until)
-from cli.serve_options import add_serve_options, serve_argv
+from jaxsmol.cli.replicas import (POLICIES, Replica, Router, start_replicas, start_router, stop, usable_cpus,
+                                  split_cpus, wait_until)
+from jaxsmol.cli.serve_options import add_serve_options, serve_argv
 from jaxsmol.errors import JaxsmolError
 
 
@@ -57,8 +57,8 @@ def _on_signal(signum, frame):
 
 
 def _check(args) -> None:
-    from cli.replicas import router_available
-    from cli.server.tenants import Tenants
+    from jaxsmol.cli.replicas import router_available
+    from jaxsmol.cli.server.tenants import Tenants
 
     if args.replicas < 1:
         raise JaxsmolError(f"--replicas must be >= 1, got {args.replicas}")

@@ -176,8 +176,8 @@ def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
 def open_prompt_cache(engine, path, prompt, mode: str = "radix"):
     """(PrefixCache seeded from FILE, PromptCacheReport) for --prompt-cache. A file that cannot be used
     is a one-line warning on stderr; the request then runs cold."""
-    from cache.store.disk import load_prompt_cache
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.store.disk import load_prompt_cache
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(engine, mode=mode)
     report = load_prompt_cache(cache, path, prompt)
@@ -195,7 +195,7 @@ def warn_refused(probe_result: dict) -> None:
 def close_prompt_cache(cache, report, tokens) -> None:
     """Save the state of `tokens` (the prompt, plus the answer where stored) to the prompt cache file;
     a file that is not a snapshot is left as it is (the warning when it was refused said so)."""
-    from cache.store.disk import save_prompt_cache
+    from jaxsmol.cache.store.disk import save_prompt_cache
     from jaxsmol.errors import JaxsmolError
 
     try:

@@ -6,10 +6,10 @@ import json
 import sys
 import time
 
-from cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
-                        add_structured_args, close_prompt_cache, load_engine, open_prompt_cache, prompt_ids,
-                        warn_refused, sampling_kwargs, structured_spec, user_errors)
-from cli.tables import format_probe
+from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
+                                add_structured_args, close_prompt_cache, load_engine, open_prompt_cache, prompt_ids,
+                                warn_refused, sampling_kwargs, structured_spec, user_errors)
+from jaxsmol.cli.tables import format_probe
 
 
 def _generate(args) -> int:
@@ -96,7 +96,7 @@ def _quantize(args) -> int:
 
 
 def _cacheprobe(args) -> int:
-    from cache.probe import run_probe
+    from jaxsmol.cache.probe import run_probe
 
     engine = load_engine(args)
     ids = prompt_ids(args, engine)
@@ -111,9 +111,9 @@ def _cacheprobe(args) -> int:
 
 
 def _serve(args) -> int:
-    from cache.scheduler.settings import CHUNK_ROWS_CHOICES, BatchSettings
-    from cli.server.serve import serve
-    from cli.server.tenants import Tenants
+    from jaxsmol.cache.scheduler.settings import CHUNK_ROWS_CHOICES, BatchSettings
+    from jaxsmol.cli.server.serve import serve
+    from jaxsmol.cli.server.tenants import Tenants
     from jaxsmol.errors import JaxsmolError
 
     tenants = Tenants.from_options(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
@@ -170,7 +170,7 @@ def _score(args) -> int:
 
 
 def _bench(args) -> int:
-    from cli.bench.run import run_bench
+    from jaxsmol.cli.bench.run import run_bench
 
     return run_bench(args)
 
@@ -226,7 +226,7 @@ def _add_cacheprobe(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    from cli.serve_options import add_serve_options
+    from jaxsmol.cli.serve_options import add_serve_options
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible daemon (keeps the prefix cache)")
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -236,14 +236,14 @@ def _add_serve(sub) -> None:
 
 
 def _add_cluster(sub) -> None:
-    from cli.cluster import add_cluster_parser
+    from jaxsmol.cli.cluster import add_cluster_parser
 
     add_cluster_parser(sub)
     sub.choices["cluster"].set_defaults(func=_cluster)
 
 
 def _cluster(args) -> int:
-    from cli.cluster import run_cluster
+    from jaxsmol.cli.cluster import run_cluster
 
     return run_cluster(args)
 
@@ -260,7 +260,7 @@ def _add_score(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from cli.bench.plans import EXTRA_SECTIONS, SECTIONS, add_section_flags
+    from jaxsmol.cli.bench.plans import EXTRA_SECTIONS, SECTIONS, add_section_flags
 
     b = sub.add_parser("bench", help="benchmark prefill, decode, prefix reuse, snapshot memory and compilations; "
                        "with --only, also forks, the prompt cache on disk, TTFT and serving against a peer server",
@@ -284,7 +284,7 @@ def _add_bench(sub) -> None:
 
 
 def _info(args) -> int:
-    from cli.info import run_info
+    from jaxsmol.cli.info import run_info
 
     return run_info(args)
 
@@ -317,7 +317,7 @@ def _add_quantize(sub) -> None:
 
 
 def _add_cache(sub) -> None:
-    from cli.cache_tool import add_cache_parser
+    from jaxsmol.cli.cache_tool import add_cache_parser
 
     add_cache_parser(sub)
 

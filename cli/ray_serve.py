@@ -2,7 +2,7 @@
 (`pip install 'jaxsmol[ray]'`; docs/serving.md shows how to run it).
 
     from ray import serve
-    from cli.ray_serve import build_app
+    from jaxsmol.cli.ray_serve import build_app
 
     serve.run(build_app({"replicas": 2, "serve_args": ["--model", "path/to/checkpoint"]}))
 
@@ -38,7 +38,7 @@ from ray import serve
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.config import RequestRouterConfig
 
-from cli.replicas import Replica, free_port, serve_command, stop, wait_until
+from jaxsmol.cli.replicas import Replica, free_port, serve_command, stop, wait_until
 
 START_TIMEOUT_S = 1800
 

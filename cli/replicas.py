@@ -1,7 +1,7 @@
 """Several `jaxsmol serve` processes on one machine, and sglang-router in front of them: what `jaxsmol
 cluster` (cli/cluster.py), the benchmark's cluster section (cli/bench/cluster.py) and the tests start.
 
-Each replica is `python -m cli.main serve` on a free loopback port, pinned to its own share of the
+Each replica is `python -m jaxsmol.cli.main serve` on a free loopback port, pinned to its own share of the
 CPUs this process may use (`split_cpus`): the kernel's affinity is set in the child before it starts,
 and XLA's intra-op thread pool, which the C++ kernels run on, sizes itself from that affinity, as do
 the tokenizer's threads, so two replicas do not fight over the same cores. Its output goes to a log
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import httpx
 
+import jaxsmol
 from jaxsmol.errors import JaxsmolError
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where `python -m cli.main` finds the package
+PACKAGE_ROOT = Path(jaxsmol.__file__).resolve().parents[1]  # where `python -m jaxsmol.cli.main` finds the package
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
@@ -122,7 +123,7 @@ class Process:
 
 
 def serve_command(port: int, serve_args: list[str], host: str = "127.0.0.1") -> list[str]:
-    return [sys.executable, "-m", "cli.main", "serve", "--host", host, "--port", str(port), *serve_args]
+    return [sys.executable, "-m", "jaxsmol.cli.main", "serve", "--host", host, "--port", str(port), *serve_args]
 
 
 def start_replicas(serve_args: list[list[str]], log_dir: Path, pin: bool = True) -> list[Replica]:

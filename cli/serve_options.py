@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.common import ArgumentParser, add_model_args
+from jaxsmol.cli.common import ArgumentParser, add_model_args
 
 
 def add_serve_options(s: argparse.ArgumentParser) -> None:

@@ -13,6 +13,9 @@ Subpackages, each importing only those before it in this list (tests/test_import
   runtime/     running it: Engine, generation, batched decode, the jitted programs, sampling, streams,
                structured output, scoring, compile cache
 `errors.py` (the one user-facing error type) may be imported from anywhere.
+Two more subpackages live in the repository's top-level folders and install here (pyproject.toml's
+package-dir): jaxsmol.cache (cache/, the prefix cache and the scheduler) and jaxsmol.cli (cli/, the
+commands and the daemon); nothing above imports them.
 """
 
 from jaxsmol.errors import JaxsmolError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.prefix_cache import CacheReport
+from jaxsmol.cache.prefix_cache import CacheReport
 from jaxsmol.runtime.sampling import SamplingParams
 
 SP = SamplingParams(max_tokens=3, logprobs=3)

@@ -41,7 +41,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
-        self.cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        self.cmd = [sys.executable, "-m", "jaxsmol.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--ctx", str(CTX), *extra] + ([] if compile_ahead else ["--no-compile-ahead"])
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)

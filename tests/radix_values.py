@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 
 ROW = 3  # values per position per leaf
 

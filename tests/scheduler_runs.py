@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.scheduler.many import generate_many
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import generate_many
+from jaxsmol.cache.prefix_cache import PrefixCache
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:

@@ -23,7 +23,8 @@ def _positive(x, what):
 
 def test_bench_quick_writes_every_section(tmp_path, tiny_model_dir):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "cli.main", "bench", "--quick", "--model", str(tiny_model_dir), "--json", str(out)]
+    cmd = [sys.executable, "-m", "jaxsmol.cli.main", "bench", "--quick", "--model", str(tiny_model_dir),
+           "--json", str(out)]
     plot = tmp_path / "bench.png"
     if importlib.util.find_spec("matplotlib") is not None:
         cmd += ["--plot", str(plot)]
@@ -87,7 +88,7 @@ def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
             "import sys\nfor m in ('torch', 'transformers'):\n    sys.modules[m] = None\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--compare", "hf", "--json",
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--compare", "hf", "--json",
                         str(tmp_path / "x.json")],
                        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
@@ -100,7 +101,8 @@ def test_bench_compare_hf_without_torch_is_one_line_exit_2(tmp_path):
 def _bench(tmp_path, model_dir, *flags: str, plot: bool = True):
     """`jaxsmol bench --quick` with `flags`: (its stdout, the JSON, whether a plot was drawn)."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    cmd = [sys.executable, "-m", "cli.main", "bench", "--quick", "--model", str(model_dir), "--json", str(out), *flags]
+    cmd = [sys.executable, "-m", "jaxsmol.cli.main", "bench", "--quick", "--model", str(model_dir),
+           "--json", str(out), *flags]
     plot = plot and importlib.util.find_spec("matplotlib") is not None
     r = subprocess.run(cmd + (["--plot", str(png)] if plot else []), capture_output=True, text=True, timeout=600,
                        cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -153,7 +155,7 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
 def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypatch):
     """serve (with long prompts arriving) and ttft-peer with --peer-url pointed at a jaxsmol daemon this
     test starts (it has no llama.cpp /completion route: asked on /v1/completions), and first-burst."""
-    from cli.bench.daemon import Daemon
+    from jaxsmol.cli.bench.daemon import Daemon
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     flags = ["--model", str(tiny_model_dir), "--ctx", "2048", "--max-batch", "2", "--no-compile-ahead"]

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.real  # the real tokenizer, random two-layer weights
 
 def test_admission_section_runs_both_orders_on_the_same_workload(tmp_path, tiny_model_dir):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "cli.main", "bench", "--quick", "--only", "admission", "--model", str(tiny_model_dir),
-           "--clients", "3", "--json", str(out)]
+    cmd = [sys.executable, "-m", "jaxsmol.cli.main", "bench", "--quick", "--only", "admission",
+           "--model", str(tiny_model_dir), "--clients", "3", "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["admission"]

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
-from cli.main import build_parser
+from jaxsmol.cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
+from jaxsmol.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
@@ -47,7 +47,7 @@ def test_flags_override_the_plan_and_nothing_else():
 
 
 def test_peer_url_without_a_peer_section_is_one_line_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--only", "prefill", "--peer-url", "http://127.0.0.1:9",
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--only", "prefill", "--peer-url", "http://127.0.0.1:9",
                         "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr

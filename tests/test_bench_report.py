@@ -15,10 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.bench.performance import HEADER, markdown, rows_of
-from cli.bench.plans import FULL, SECTIONS, with_flags
-from cli.bench.run import command_line
-from cli.main import build_parser
+from jaxsmol.cli.bench.performance import HEADER, markdown, rows_of
+from jaxsmol.cli.bench.plans import FULL, SECTIONS, with_flags
+from jaxsmol.cli.bench.run import command_line
+from jaxsmol.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,7 +168,7 @@ def test_report_of_results_files_loads_no_model(tmp_path):
     for i, res in enumerate([fake_results(["forks"], FULL), fake_results(["forks"], FULL, scale=2.0)]):
         files.append(tmp_path / f"run{i}.json")
         files[-1].write_text(json.dumps(res))
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", *map(str, files),
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--report", *map(str, files),
                         "--model", "/nonexistent"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -179,7 +179,7 @@ def test_report_of_results_files_loads_no_model(tmp_path):
 def test_report_of_a_file_that_is_not_results_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
-    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--report", str(bad),
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--report", str(bad),
                         str(tmp_path / "missing.json")],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})

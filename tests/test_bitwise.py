@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.model.config import Config
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.params import init_random

@@ -37,8 +37,9 @@ def test_written_checkpoint_loads_with_the_expected_shapes(tiny_dir):
 
 
 def _generate(model, *extra):
-    return subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", str(model), "--ids", "1", "2", "3",
-                           "--max-tokens", "4", *extra], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "generate", "--model", str(model),
+                           "--ids", "1", "2", "3", "--max-tokens", "4", *extra], capture_output=True, text=True,
+                          timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSMOL_COMPILE_CACHE": "off"})
 
 

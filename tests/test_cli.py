@@ -11,8 +11,8 @@ pytestmark = pytest.mark.real
 
 
 def run(*args, timeout=300):
-    """Run `python -m cli.main ...` (or cli.aitest when args[0] == 'aitest')."""
-    module = "cli.aitest" if args[0] == "aitest" else "cli.main"
+    """Run `python -m jaxsmol.cli.main ...` (or cli.aitest when args[0] == 'aitest')."""
+    module = "jaxsmol.cli.aitest" if args[0] == "aitest" else "jaxsmol.cli.main"
     args = args[1:] if args[0] == "aitest" else args
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})

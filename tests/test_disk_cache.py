@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache.store import snapshot
-from cache.store.disk import DiskStore, load_prompt_cache, save_prompt_cache
-from cache.store.snapshot import Snapshot, SnapshotError, load_snapshot
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.store import snapshot
+from jaxsmol.cache.store.disk import DiskStore, load_prompt_cache, save_prompt_cache
+from jaxsmol.cache.store.snapshot import Snapshot, SnapshotError, load_snapshot
+from jaxsmol.cache.prefix_cache import PrefixCache
 from cache_runs import toks
 from daemon import ROOT
 from jaxsmol.errors import JaxsmolError
@@ -315,7 +315,7 @@ def test_failed_replace_leaves_the_old_file(saved, tmp_path, monkeypatch):
 
 _WRITER = """
 import sys, numpy as np
-from cache.store.snapshot import Snapshot, save_snapshot
+from jaxsmol.cache.store.snapshot import Snapshot, save_snapshot
 k = np.random.default_rng(0).standard_normal((8, 1, 4, 4096, 64)).astype(np.float32)  # 32 MiB a tensor
 i = 0
 while True:

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache.store import snapshot
-from cache.store.disk import DiskStore
-from cache.prefix_cache import PrefixCache
-from cache.store.snapshot import Snapshot
+from jaxsmol.cache.store import snapshot
+from jaxsmol.cache.store.disk import DiskStore
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.store.snapshot import Snapshot
 from cache_runs import toks
 from daemon import ROOT, free_port
 from jaxsmol.runtime.sampling import SamplingParams
@@ -86,7 +86,7 @@ def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
 
 # ---- real model, separate processes ---------------------------------------------------------------------
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
@@ -125,7 +125,7 @@ def test_two_cli_runs_share_a_prompt_cache(tiny_model_dir, tmp_path):
 
 def _start_server(model: Path, cache_dir: Path, log):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "2048",
+    proc = subprocess.Popen([sys.executable, "-m", "jaxsmol.cli.main", "serve", "--port", str(port), "--ctx", "2048",
                              "--model", str(model), "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     import httpx

@@ -73,7 +73,7 @@ def test_the_cli_reference_is_generated_from_the_parsers():
 
 
 def test_every_serve_option_is_on_the_serving_page():
-    from cli.main import build_parser
+    from jaxsmol.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
     options = {o for a in sub.choices["serve"]._actions for o in a.option_strings if o not in ("-h", "--help")}
@@ -83,7 +83,7 @@ def test_every_serve_option_is_on_the_serving_page():
 
 
 def test_every_metric_is_on_the_serving_page():
-    from cli.server import metrics as M
+    from jaxsmol.cli.server import metrics as M
 
     names = {"jaxsmol_requests_total", "jaxsmol_prompt_tokens_total", "jaxsmol_completion_tokens_total",
              "jaxsmol_time_to_first_token_seconds", "jaxsmol_cancelled_total", "jaxsmol_rejected_total",
@@ -163,7 +163,7 @@ def test_a_skipped_block_names_the_test_that_covers_it():
 # ---- the blocks run ------------------------------------------------------------------------------------------
 def _commands_with_model() -> dict[str, bool]:
     """{"jaxsmol generate": True, "jaxsmol info": False, "aitest": True, ...}: whether each takes --model."""
-    from cli.main import build_parser
+    from jaxsmol.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
     out = {f"jaxsmol {name}": any("--model" in a.option_strings for a in p._actions) for name, p in sub.choices.items()}

@@ -406,7 +406,7 @@ def test_warmup_for_a_prompt_compiles_what_its_probe_runs(caplog, n):
 
     import jax
 
-    from cache.probe import run_probe
+    from jaxsmol.cache.probe import run_probe
     from jaxsmol.model.config import Config
     from jaxsmol.model.params import init_random
     from jaxsmol.runtime.engine import Engine

@@ -121,8 +121,8 @@ def client(model_dir, tmp_path_factory):
     tokenizer and chat template."""
     from fastapi.testclient import TestClient
 
-    from cache.scheduler.settings import BatchSettings
-    from cli.server.serve import create_app
+    from jaxsmol.cache.scheduler.settings import BatchSettings
+    from jaxsmol.cli.server.serve import create_app
     from jaxsmol.model.config import Config
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random

@@ -113,7 +113,7 @@ def test_the_metadata_and_layout_llama_cpp_reads(tiny_model_dir, small_dirs, tmp
 
 
 def quantize_cli(*args, capsys):
-    from cli.main import main
+    from jaxsmol.cli.main import main
 
     rc = main(["quantize", *map(str, args)])
     out, err = capsys.readouterr()

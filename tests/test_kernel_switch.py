@@ -90,7 +90,7 @@ def test_off_is_silent_and_the_engine_runs_xla(monkeypatch, capsys, tiny_cfg):
 
 
 def run_cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache import PrefixCache
-from cache.store.disk import load_prompt_cache, save_prompt_cache
+from jaxsmol.cache import PrefixCache
+from jaxsmol.cache.store.disk import load_prompt_cache, save_prompt_cache
 from jaxsmol import Engine, JaxsmolError, SamplingParams, score
 
 

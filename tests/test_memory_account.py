@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.server.memory import MemoryAccount
-from cli.server.metrics import MEMORY_GAUGES, Metrics
+from jaxsmol.cli.server.memory import MemoryAccount
+from jaxsmol.cli.server.metrics import MEMORY_GAUGES, Metrics
 from jaxsmol.system import host_memory, program_memory
 from jaxsmol.model.kv import KVCache
 

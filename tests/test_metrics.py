@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache.prefix_cache import PrefixCache
-from cli.server.metrics import OTHER, ROUTES, TTFT_BUCKETS, Metrics
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cli.server.metrics import OTHER, ROUTES, TTFT_BUCKETS, Metrics
 from jaxsmol.runtime.sampling import SamplingParams
 
 CRAFTED = [

@@ -270,7 +270,7 @@ REAL_BF16_NATS = 0.75  # among tokens with float32 log-prob > -10
 def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_path, monkeypatch, kernels):
     """On the CPU kernels (only the matrices bfloat16; a float32 cache) and on XLA's ops (as with a
     mesh, or without a C++ compiler: products and cache bfloat16)."""
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.kernels import cpu_kernels
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.runtime.sampling import SamplingParams
@@ -298,7 +298,7 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     seg = cache.snapshot_of(ids)
     assert seg.k.dtype == cache_dtype and seg.logits[100].dtype == np.float32
     # a snapshot file passes the engine's dtype check and restores exactly
-    from cache.store.disk import load_prompt_cache, save_prompt_cache
+    from jaxsmol.cache.store.disk import load_prompt_cache, save_prompt_cache
 
     save_prompt_cache(cache, tmp_path / "bf16.safetensors", ids)
     loaded = PrefixCache(e16)

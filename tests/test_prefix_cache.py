@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.model.kv import KVCache
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.prefix_cache import PrefixCache
 from cache_runs import SP, distinct, run, toks
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
@@ -242,7 +242,7 @@ def test_statistics_radix(eng, bpt, payload_bytes):
 def test_generate_many_lives_beside_the_scheduler_not_on_the_cache(eng):
     """generate_many is a function of the scheduler's package (the cache does not import its scheduler:
     no import circle); the method PrefixCache had in 0.1 is gone since 0.3.0."""
-    from cache import generate_many
+    from jaxsmol.cache import generate_many
 
     prompts, sp = [list(range(10, 30)), list(range(10, 25)) + [99]], SamplingParams(max_tokens=3)
     first = generate_many(PrefixCache(eng), prompts, sp)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.prefix_cache import PrefixCache
 from cache_runs import SP, assert_same, distinct, run, toks
 from jaxsmol.model.config import Config
 from jaxsmol.runtime.engine import Engine

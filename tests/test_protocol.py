@@ -9,10 +9,11 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from cli.api import protocol as P
-from cli.api import responses as R
-from cli.api.events import ChoiceResult, ChoiceSpec, Job, JobEnd, TokenEvent
-from cli.server.tenants import OPEN, Tenants, cache_salt, parse_keys_file
+from jaxsmol.cli.api import protocol as P
+from jaxsmol.cli.api import responses as R
+from jaxsmol.cache.scheduler.requests import ChoiceResult
+from jaxsmol.cli.api.events import ChoiceSpec, Job, JobEnd, TokenEvent
+from jaxsmol.cli.server.tenants import OPEN, Tenants, cache_salt, parse_keys_file
 from jaxsmol.runtime.stream import Step
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams

@@ -103,7 +103,7 @@ def test_programs_compiled_ahead_see_the_loaded_layout(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_warm_runs_equal_cold_runs_on_quantized_weights(tiny_model_dir, fmt):
-    from cache import PrefixCache
+    from jaxsmol.cache import PrefixCache
 
     engine = Engine.load(tiny_model_dir, quantize=fmt, progress=False)
     assert engine.cfg.quant == fmt
@@ -145,7 +145,7 @@ def test_the_bundled_q4_1_file_runs_as_it_is(real_engine, model_dir):
     q4 = Engine.load(model_dir, quantize="q4_1", progress=False)
     assert np.array_equal(_logprobs(q4), _logprobs(real_engine))
     assert q4.params.nbytes < real_engine.params.nbytes / 5  # 112 MB against 651
-    from cli.info import weight_bytes  # what `jaxsmol info` prints, from the config alone
+    from jaxsmol.cli.info import weight_bytes  # what `jaxsmol info` prints, from the config alone
 
     assert weight_bytes(model_dir)["q4_1"] == q4.params.nbytes
     assert weight_bytes(model_dir)["float32"] == real_engine.params.nbytes
@@ -211,7 +211,7 @@ def test_a_shared_token_table_is_counted_once(tiny_model_dir):
     """A quantized tied model's token table is one array in two fields of the params: the weights
     gauge counts it once, as Params.nbytes and `jaxsmol info` do (it was counted twice: 53 MB too
     many on a 360M at Q8_0). Here, not in test_memory_account.py: it needs no glibc."""
-    from cli.server.memory import MemoryAccount
+    from jaxsmol.cli.server.memory import MemoryAccount
 
     engine = Engine.load(tiny_model_dir, quantize="q8_0", progress=False)
     leaves = jax.tree.leaves(engine.params)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 from radix_values import BIG, BYTES_PER_POS, ROW, all_nodes, assert_tree_equal, put, tree_bytes, value
 
 
@@ -310,7 +310,7 @@ def test_len_counts_keys_no_other_extends():
 
 
 def test_common_prefix_len():
-    from cache.store.values import common_prefix_len
+    from jaxsmol.cache.store.values import common_prefix_len
 
     assert common_prefix_len((1, 2, 3), [1, 2, 4]) == 2
     assert common_prefix_len((1, 2), [1, 2, 3]) == 2 and common_prefix_len((1, 2, 3), (1, 2)) == 2

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 
 
 class ScanningStore(RadixStore):

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 from radix_values import BIG, BYTES_PER_POS, assert_owned, put, tree_bytes
 
 # ---- bytes counted are bytes held ------------------------------------------------------------------
@@ -79,9 +79,9 @@ def test_an_empty_namespace_drops_its_root():
 def test_add_snapshot_of_a_loaded_file_holds_what_it_counts(tiny_engine, tmp_path):
     """A snapshot read from disk is inserted as copies, not as views that keep the whole file (and
     its logits) alive; evicting it then frees its bytes."""
-    from cache.store.disk import save_prompt_cache
-    from cache.store.snapshot import identity, load_snapshot
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.store.disk import save_prompt_cache
+    from jaxsmol.cache.store.snapshot import identity, load_snapshot
+    from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.runtime.sampling import SamplingParams
 
     P = [int(t) for t in np.random.default_rng(0).integers(3, 256, 300)]

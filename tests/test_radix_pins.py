@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 
-from cache.store.interface import RadixPrefixStore
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.interface import RadixPrefixStore
+from jaxsmol.cache.store.radix import RadixStore
 from radix_values import BIG, BYTES_PER_POS, all_nodes, assert_tree_equal, put, tree_bytes, value
 
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 from radix_values import BIG, BYTES_PER_POS, all_nodes, assert_owned, assert_tree_equal, put, tree_bytes, value
 
 # ---- properties against a brute-force reference -------------------------------------------------

@@ -29,7 +29,7 @@ def url(tiny_model_dir, tmp_path_factory):
     import ray
     from ray import serve
 
-    from cli.ray_serve import build_app
+    from jaxsmol.cli.ray_serve import build_app
 
     keys = tmp_path_factory.mktemp("ray-keys") / "keys.txt"
     keys.write_text(KEYS)

@@ -12,11 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache.scheduler.requests import Collector, Request
-from cli.api.events import ChoiceSpec, Job
-from cli.server.replica import read_load
-from cli.server.serve import create_app
-from cli.server.tenants import Tenants, parse_keys_file
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cli.api.events import ChoiceSpec, Job
+from jaxsmol.cli.server.replica import read_load
+from jaxsmol.cli.server.serve import create_app
+from jaxsmol.cli.server.tenants import Tenants, parse_keys_file
 from jaxsmol.runtime.sampling import SamplingParams
 
 KEYS = "sk-admin - admin\nsk-user\n"
@@ -69,7 +69,7 @@ def test_get_load_counts_queued_pending_and_running_requests(app, tiny_engine):
 
 
 def test_kv_usage_is_a_share_of_the_kv_budget_at_most_one(tiny_engine):
-    from cache.scheduler.settings import BatchSettings
+    from jaxsmol.cache.scheduler.settings import BatchSettings
 
     bpt = tiny_engine.kv_bytes_per_token
     app = create_app(tiny_engine, model_name="tiny", batch=BatchSettings(kv_bytes=10 * bpt))

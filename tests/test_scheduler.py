@@ -11,11 +11,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Collector, Request
-from cache.scheduler.many import generate_many
-from cache.scheduler.settings import widths_for
-from cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.many import generate_many
+from jaxsmol.cache.scheduler.settings import widths_for
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.runtime.sampling import SamplingParams

@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Collector, Request
-from cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 from cache_runs import distinct
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
@@ -157,7 +157,7 @@ def test_pins_beyond_the_budget_or_without_the_radix_cache_are_refused_with_the_
 
 
 def test_admission_settings_are_checked():
-    from cache.scheduler.settings import BatchSettings
+    from jaxsmol.cache.scheduler.settings import BatchSettings
 
     with pytest.raises(JaxsmolError, match="admission must be one of lpm, fifo"):
         BatchSettings(admission="sjf")

@@ -4,9 +4,9 @@ shortest prompt first; every answer still bitwise its run alone."""
 
 from __future__ import annotations
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Collector, Request
-from cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone

@@ -51,8 +51,8 @@ def test_score_refuses_bad_input(tiny_engine, ids, top_k):
 def worker_loop():
     """(loop, start_worker): an event loop on its own thread (the jobs' events live there) and
     start_worker(cache) -> a started Worker; all stopped after the test."""
-    from cli.server.metrics import Metrics
-    from cli.server.worker import Worker
+    from jaxsmol.cli.server.metrics import Metrics
+    from jaxsmol.cli.server.worker import Worker
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -74,7 +74,7 @@ def worker_loop():
 
 
 async def _events_until_end(job) -> list:
-    from cli.api.events import JobEnd
+    from jaxsmol.cli.api.events import JobEnd
 
     events = []
     while not isinstance(events[-1:] and events[-1], JobEnd):
@@ -85,7 +85,7 @@ async def _events_until_end(job) -> list:
 @pytest.fixture
 def run_job(worker_loop):
     """run_job(cache, choices, salt=None) -> the job's events, in order (the worker thread runs it)."""
-    from cli.api.events import Job
+    from jaxsmol.cli.api.events import Job
 
     loop, start_worker = worker_loop
 
@@ -97,8 +97,9 @@ def run_job(worker_loop):
 
 
 def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, run_job):
-    from cache.prefix_cache import PrefixCache
-    from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, JobEnd, TokenEvent
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.requests import ChoiceResult
+    from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, JobEnd, TokenEvent
 
     cache = PrefixCache(tiny_engine)
     prompt = list(range(3, 40))
@@ -131,8 +132,8 @@ def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, ru
 
 
 def test_worker_reports_bad_input_on_the_job(tiny_engine, run_job):
-    from cache.prefix_cache import PrefixCache
-    from cli.api.events import ChoiceSpec, JobEnd, JobError
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cli.api.events import ChoiceSpec, JobEnd, JobError
 
     events = run_job(PrefixCache(tiny_engine), [ChoiceSpec(0, [1, 10**6], SamplingParams(max_tokens=1))])
     assert isinstance(events[0], JobError) and isinstance(events[0].error, JaxsmolError)
@@ -163,7 +164,8 @@ def test_scores_match_hf_reference(real_engine):
 @pytest.mark.real
 def test_score_cli(tiny_model_dir):  # the command's behaviour, on the two-layer checkpoint (real tokenizer)
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "cli.main", "score", "--model", str(tiny_model_dir), *args],
+        return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "score", "--model", str(tiny_model_dir),
+                               *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
     p = run("--ids", "504", "3575", "282", "4649", "314", "--top-k", "2", "--json")
     assert p.returncode == 0, p.stderr
@@ -181,9 +183,9 @@ def test_an_idle_worker_admits_a_burst_arriving_ms_apart_together(tiny_engine, w
     """Jobs arriving a few ms apart at an idle worker are admitted in its first step (ARRIVAL_GAP_S):
     four prompts of 20 tokens share one side-by-side forward, where the first alone would have run
     its own before the other three arrived."""
-    from cache.prefix_cache import PrefixCache
-    from cli.api.events import ChoiceSpec, Job
-    from cli.server.worker import ARRIVAL_GAP_S
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cli.api.events import ChoiceSpec, Job
+    from jaxsmol.cli.server.worker import ARRIVAL_GAP_S
 
     loop, start_worker = worker_loop
     worker = start_worker(PrefixCache(tiny_engine, mode="off"))

@@ -4,7 +4,7 @@ metrics and the aitest client.
 Bad requests are in tests/test_serve_bad_requests.py, a client that leaves, a full queue and SIGTERM in
 tests/test_serve_admission.py, the OpenAI API in depth and tenants in tests/test_openai_api.py.
 
-Every test talks to a REAL server process (`python -m cli.main serve`) over loopback, mostly through
+Every test talks to a REAL server process (`python -m jaxsmol.cli.main serve`) over loopback, mostly through
 the official `openai` client, else through httpx. The daemons are shared by tests/test_serve*.py
 (fixtures in conftest; they start two at a time, so that their start-ups overlap, and stop when the run
 moves on to other tests). They serve the two-layer checkpoint with the real tokenizer (conftest's
@@ -352,7 +352,7 @@ def test_metrics_prometheus_text(server):
 
 # ---- the aitest client --------------------------------------------------------------------------------
 def test_aitest_cacheprobe_against_server(server):
-    p = subprocess.run([sys.executable, "-m", "cli.aitest", "--url", server, "--cacheprobe", "--predict", "4",
+    p = subprocess.run([sys.executable, "-m", "jaxsmol.cli.aitest", "--url", server, "--cacheprobe", "--predict", "4",
                         "1", "2", "3", "4", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     row = next(line for line in p.stdout.splitlines() if line.startswith("cached tokens"))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cli.main import main as jaxsmol
+from jaxsmol.cli.main import main as jaxsmol
 
 pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), random two-layer weights
 
@@ -29,7 +29,7 @@ def make_client(engine):
     """make_client(**create_app options) -> a started TestClient; stopped (shutdown run) after the test."""
     from fastapi.testclient import TestClient
 
-    from cli.server.serve import create_app
+    from jaxsmol.cli.server.serve import create_app
 
     clients = []
 
@@ -120,7 +120,7 @@ def test_chat_messages_pin_the_prefix_later_chats_share(make_client):
 
 
 def test_listing_pages_and_namespaces_with_api_keys(make_client, tmp_path):
-    from cli.server.tenants import Tenants
+    from jaxsmol.cli.server.tenants import Tenants
 
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-ops team-b admin\nsk-bob team-b\nsk-eve\n")

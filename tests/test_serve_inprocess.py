@@ -18,7 +18,7 @@ def make_client(tiny_cfg, model_dir, tmp_path_factory):
     real one with this chat template (None: the tokenizer has none)."""
     from fastapi.testclient import TestClient
 
-    from cli.server.serve import create_app
+    from jaxsmol.cli.server.serve import create_app
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random
     from jaxsmol.checkpoint.tokenizer import Tokenizer

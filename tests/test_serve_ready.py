@@ -22,7 +22,7 @@ STATE_TIMEOUT_S = 120
 def held_compile(monkeypatch):
     """Scheduler.compile_programs waits for the returned Event (or its stop), then compiles nothing;
     `.calls` lists its calls."""
-    from cache.scheduler.scheduler import Scheduler
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
 
     release, calls = threading.Event(), []
 
@@ -40,7 +40,7 @@ def held_compile(monkeypatch):
 def _app(engine, warmup: str):
     from fastapi.testclient import TestClient
 
-    from cli.server.serve import create_app
+    from jaxsmol.cli.server.serve import create_app
 
     return TestClient(create_app(engine, model_name="tiny", warmup=warmup))
 
@@ -84,7 +84,7 @@ def test_no_warmup_is_ready_at_once_and_compiles_nothing_ahead(tiny_engine, held
 
 def test_a_failed_warmup_still_ends_ready(tiny_engine, monkeypatch):
     """Only the head start is lost: the programs then compile on first use."""
-    from cache.scheduler.scheduler import Scheduler
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
 
     def fails(self, slots=0, stop=None):
         raise RuntimeError("no compiler today")

@@ -26,7 +26,7 @@ from jaxsmol.model.params import init_random
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.sharding import make_mesh
 from jaxsmol.runtime.sampling import SamplingParams
-from cache.prefix_cache import PrefixCache
+from jaxsmol.cache.prefix_cache import PrefixCache
 cfg = Config.tiny(n_heads=8, n_kv_heads=4)
 params = init_random(cfg)
 single = Engine(cfg, params, None, ctx=1024)
@@ -86,7 +86,7 @@ def test_real_model_tensor_parallel_over_3_devices():
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.sharding import make_mesh
     from jaxsmol.runtime.sampling import SamplingParams
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
     single = Engine.load(ctx=2048, quantize="none", progress=False)  # float32: a mesh splits float matrices
     tp = Engine(single.cfg, single.params, single.tokenizer, ctx=2048, mesh=make_mesh(tp=3))
     tok = single.tokenizer
@@ -107,7 +107,7 @@ def test_real_model_tensor_parallel_over_3_devices():
 
 
 def test_cli_refuses_a_mesh_larger_than_the_devices():
-    r = subprocess.run([sys.executable, "-m", "cli.main", "generate", "hi", "--tp", "8"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "generate", "hi", "--tp", "8"], capture_output=True,
                        text=True, timeout=300, env=ENV)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "needs 8 devices, but only 4 are visible" in r.stderr
@@ -125,7 +125,7 @@ def test_daemon_serves_with_a_mesh(tmp_path, tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--ctx", "1024",
+    proc = subprocess.Popen([sys.executable, "-m", "jaxsmol.cli.main", "serve", "--port", str(port), "--ctx", "1024",
                              "--model", str(tiny_model_dir), "--tp", "2"],
                             stdout=log, stderr=subprocess.STDOUT, env=ENV)
     url = f"http://127.0.0.1:{port}"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Collector, Request
-from cache.scheduler.scheduler import Scheduler
-from cache.scheduler.side_by_side import GROUP_SIZES, MAX_ROWS, group_chunks, group_sizes
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.scheduler.side_by_side import GROUP_SIZES, MAX_ROWS, group_chunks, group_sizes
 from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone

@@ -22,7 +22,7 @@ import uuid
 import httpx
 import pytest
 
-from cli.server.serve import ROUTES
+from jaxsmol.cli.server.serve import ROUTES
 from daemon import Server, assert_healthy, metrics, post
 
 pytestmark = [pytest.mark.soak, pytest.mark.real]

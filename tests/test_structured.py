@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from cli.api.structured_request import structured_from_request
+from jaxsmol.cli.api.structured_request import structured_from_request
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams, sample, unpack_bitmask
 from jaxsmol.runtime.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
@@ -250,7 +250,7 @@ def test_real_length_cut_is_reported(real_engine):
 
 @pytest.mark.real
 def test_real_prefix_cache_cold_and_warm(real_engine):
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     prompt, schema = SCHEMAS["enums"]
     ids, spec = _chat(real_engine, prompt), _schema_spec(schema)
@@ -277,7 +277,7 @@ def _cli(*args):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 

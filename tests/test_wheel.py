@@ -26,12 +26,17 @@ import pytest
 from jaxsmol.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jaxsmol", "cache", "cli")
+PACKAGES = ("jaxsmol", "cache", "cli")  # the repository's folders; installed as jaxsmol, jaxsmol.cache, jaxsmol.cli
 KERNEL_FILES = (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS)
 
 
+def installed(folder: str) -> str:
+    """A path under the repository's folders -> its path in the wheel (cache/x.py -> jaxsmol/cache/x.py)."""
+    return folder if folder.split("/")[0] == "jaxsmol" else f"jaxsmol/{folder}"
+
+
 def checkout_files() -> set[str]:
-    """Every module and kernel file of the three packages in the checkout, as paths inside a wheel."""
+    """Every module and kernel file of the three folders in the checkout, as paths in the sdist."""
     return {p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*")
             if p.suffix in (".py", ".cc", ".h") and "__pycache__" not in p.parts}
 
@@ -42,7 +47,7 @@ def test_pyproject_packages_every_folder_and_kernel_source():
     from setuptools.config.pyprojecttoml import read_configuration
 
     config = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
-    folders = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for pkg in PACKAGES
+    folders = {installed(p.parent.relative_to(ROOT).as_posix()).replace("/", ".") for pkg in PACKAGES
                for p in (ROOT / pkg).rglob("__init__.py")}
     assert set(config["packages"]) == folders
     patterns = config["package-data"]["jaxsmol.kernels"]
@@ -83,7 +88,8 @@ def test_the_sdist_and_the_wheel_hold_every_module_and_kernel_source(archives):
     expected = checkout_files()
     assert {f"jaxsmol/kernels/{f.name}" for f in KERNEL_FILES} <= expected
     assert expected - in_sdist == set() and {"pyproject.toml", "README.md"} <= in_sdist
-    assert expected - in_wheel == set()
+    assert {installed(f) for f in expected} - in_wheel == set()
+    assert {name.split("/")[0] for name in in_wheel if not name.startswith("jaxsmol-")} == {"jaxsmol"}
 
 
 def test_the_installed_wheel_compiles_and_uses_the_kernels(archives, tmp_path, tiny_model_dir):

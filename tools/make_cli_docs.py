@@ -130,8 +130,8 @@ def _section(title: str, prog: str, parser: argparse.ArgumentParser, summary: st
 
 def render() -> str:
     """docs/cli.md's text, from the parsers."""
-    from cli.aitest import build_parser as aitest_parser
-    from cli.main import build_parser
+    from jaxsmol.cli.aitest import build_parser as aitest_parser
+    from jaxsmol.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

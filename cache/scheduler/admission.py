@@ -14,7 +14,7 @@ as often as any other, so it is the one to check. "fifo": by arrival.
 
 from __future__ import annotations
 
-from cache.scheduler.settings import BatchSettings
+from jaxsmol.cache.scheduler.settings import BatchSettings
 
 
 def next_index(pending, settings: BatchSettings, cache, stored: dict) -> int:

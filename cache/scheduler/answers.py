@@ -15,9 +15,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from cache.prefix_cache import PrefixCache
-from cache.store.values import common_prefix_len
-from cache.records import AnswerSave
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.store.values import common_prefix_len
+from jaxsmol.cache.records import AnswerSave
 from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.model.kv import KVCache
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache.scheduler.side_by_side import MAX_ROWS, group_sizes
+from jaxsmol.cache.scheduler.side_by_side import MAX_ROWS, group_sizes
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.chunks import capacity_for

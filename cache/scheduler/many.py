@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Collector, Finished, Request
-from cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import ChoiceResult, Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.runtime.sampling import SamplingParams
 
 
 def generate_many(cache: PrefixCache, prompts, sp: SamplingParams = SamplingParams(), *, n: int = 1,
                   salt: str | None = None, max_batch: int = 16, batch_invariant: bool = False,
-                  scheduler: Scheduler | None = None) -> list[list[Finished]]:
+                  scheduler: Scheduler | None = None) -> list[list[ChoiceResult]]:
     """Run every prompt (n samples each: seeds sp.seed + i, prefilled once) as one continuous batch.
 
     Returns, per prompt, its n results. Raises the first request's error, if any."""

@@ -1,7 +1,7 @@
 """What goes in and out of the scheduler (cache/scheduler/scheduler.py): requests, their sinks, their results.
 
 A `Request` is n choices of one prompt; its `Sink` receives each choice's streamed steps and result
-(`Finished`: plain data, no device buffers, no cache entries), or one error. `Collector` is the sink
+(`ChoiceResult`: plain data, no device buffers, no cache entries), or one error. `Collector` is the sink
 that keeps everything, for library calls (`generate_many`) and tests.
 """
 
@@ -18,22 +18,30 @@ from jaxsmol.runtime.stream import Step
 
 
 @dataclasses.dataclass
-class Finished:
-    """One choice's result: plain data (no device buffers, no cache entries)."""
+class ChoiceResult:
+    """One finished choice, as plain data (no device buffers, no cache entries): what the scheduler
+    hands its sink, `generate_many` returns and the daemon answers with.
+
+    cached_tokens: prompt positions this choice restored from the prefix cache;
+    logprobs: per generated token {"token", "logprob", "top": [(id, logprob)]} (empty when not asked);
+    prompt_logprobs: per prompt position the same dict, None at position 0 (None when not asked: the
+    daemon's scoring fills it).
+    """
     index: int
     prompt_tokens: int
-    cached_tokens: int  # prompt positions restored from the prefix cache
+    cached_tokens: int
     output_ids: list[int]
     text: str
     finish_reason: str
     logprobs: list[dict]
-    ttft_s: float
+    ttft_s: float = 0.0
+    prompt_logprobs: list | None = None
 
 
 class Sink(Protocol):
     """Where a request's events go (the daemon's job, or `generate_many`'s collector)."""
     def token(self, index: int, step: Step) -> None: ...
-    def done(self, result: Finished) -> None: ...
+    def done(self, result: ChoiceResult) -> None: ...
     def error(self, error: Exception) -> None: ...
     def cancelled(self) -> bool: ...
 
@@ -79,7 +87,7 @@ class Collector:
     def token(self, index: int, step: Step) -> None:
         self.steps.setdefault(index, []).append(step)
 
-    def done(self, result: Finished) -> None:
+    def done(self, result: ChoiceResult) -> None:
         self.results[result.index] = result
 
     def error(self, error: Exception) -> None:

@@ -37,14 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache.scheduler.admission import admitted, next_index
-from cache.scheduler.answers import AnswerQueue
-from cache.scheduler.settings import BatchSettings
-from cache.scheduler.compile_ahead import compile_batched, empty_batch
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Request
-from cache.scheduler.side_by_side import group_chunks
-from cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask, step_inputs
+from jaxsmol.cache.scheduler.admission import admitted, next_index
+from jaxsmol.cache.scheduler.answers import AnswerQueue
+from jaxsmol.cache.scheduler.settings import BatchSettings
+from jaxsmol.cache.scheduler.compile_ahead import compile_batched, empty_batch
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import Request
+from jaxsmol.cache.scheduler.side_by_side import group_chunks
+from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask, step_inputs
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache.records import Lookup
-from cache.scheduler.requests import Finished, Request
+from jaxsmol.cache.records import Lookup
+from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.sampling import SamplingParams
@@ -51,10 +51,10 @@ class Row:
             self.constraint.advance(token)
         self.request.sink.token(self.index, self.stream.push(token, logprob, top))
 
-    def finished(self) -> Finished:
+    def finished(self) -> ChoiceResult:
         """This row's result so far (its stream's tokens, text and finish reason)."""
         s, lk = self.stream, self.lookup
-        return Finished(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
+        return ChoiceResult(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
                         output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
                         logprobs=list(s.logprobs), ttft_s=self.ttft_s)
 

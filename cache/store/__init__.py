@@ -4,6 +4,6 @@ sequence axis): the interface PrefixCache holds a store by (interface.py), the r
 (snapshot.py), the disk tier of such files (disk.py), and helpers on keys and values (values.py).
 Imports: jaxsmol (errors, durable writes, kv) only."""
 
-from cache.store.interface import Hit, RadixPrefixStore
+from jaxsmol.cache.store.interface import Hit, RadixPrefixStore
 
 __all__ = ["Hit", "RadixPrefixStore"]

@@ -22,9 +22,9 @@ import re
 import time
 from pathlib import Path
 
-from cache.store.values import common_prefix_len
-from cache.store.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot, read_manifest,
-                                  save_snapshot, set_pinned)
+from jaxsmol.cache.store.values import common_prefix_len
+from jaxsmol.cache.store.snapshot import (Snapshot, SnapshotError, identity, is_snapshot_file, load_snapshot,
+                                          read_manifest, save_snapshot, set_pinned)
 from jaxsmol.errors import JaxsmolError
 
 # The snapshot names are re-exported: callers of the prompt cache and the second tier import from here.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cache.store.radix import RadixStore
+from jaxsmol.cache.store.radix import RadixStore
 
 
 @dataclasses.dataclass

@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
-from cache.store.values import common_prefix_len
-from cache.store.interface import Hit
+from jaxsmol.cache.store.values import common_prefix_len
+from jaxsmol.cache.store.interface import Hit
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ from collections.abc import Hashable
 import jax
 import numpy as np
 
-from cache.store.values import common_prefix_len, owned, tree_bytes
+from jaxsmol.cache.store.values import common_prefix_len, owned, tree_bytes
 
 
 class _Node:

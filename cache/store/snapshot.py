@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache.store.values import common_prefix_len
+from jaxsmol.cache.store.values import common_prefix_len
 from jaxsmol.system.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS, seq_index

@@ -2,9 +2,9 @@
 
 The HTTP side turns a request into a `Job` of `ChoiceSpec`s and submits it; the worker answers on the
 job's own bounded event queue, in this order for each choice: `TokenEvent`s, then one `ChoiceDone`;
-a `JobError` for a failure; always one `JobEnd` last. Events are plain data: a `ChoiceDone` carries a
-`ChoiceResult`, never the `Generation` (which would keep its restored prefix alive for as long as a
-slow client leaves the event unread).
+a `JobError` for a failure; always one `JobEnd` last. Events are plain data: a `ChoiceDone` carries
+the scheduler's `ChoiceResult` (cache/scheduler/requests.py), never the `Generation` (which would
+keep its restored prefix alive for as long as a slow client leaves the event unread).
 
 Back-pressure: `Job.emit` (called on the worker thread) never waits; events past the queue's room
 wait in a bounded backlog, and a client that leaves them unread for the job's write timeout has its
@@ -21,8 +21,9 @@ import itertools
 import threading
 import time
 
-from jaxsmol.runtime.stream import Step
+from jaxsmol.cache.scheduler.requests import ChoiceResult
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.runtime.stream import Step
 
 DEFAULT_MAX_EVENTS = 256  # events a job may hold unread (one token each: ~a few KB in all)
 DEFAULT_WRITE_TIMEOUT_S = 30.0
@@ -41,24 +42,6 @@ class ChoiceSpec:
     sampling: SamplingParams
     echo: bool = False
     prompt_logprobs: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ChoiceResult:
-    """A finished choice, as plain data.
-
-    cached_tokens: prompt positions this choice restored from the prefix cache;
-    logprobs: per generated token {"token", "logprob", "top": [(id, logprob)]} (empty when not asked);
-    prompt_logprobs: per prompt position the same dict, None at position 0 (None when not asked).
-    """
-    index: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[dict]
-    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)

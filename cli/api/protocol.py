@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from cli.api.structured_request import GUIDED_FIELDS, structured_from_request
+from jaxsmol.cli.api.structured_request import GUIDED_FIELDS, structured_from_request
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 

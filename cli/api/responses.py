@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from cli.api.events import ChoiceResult, ChoiceSpec
+from jaxsmol.cache.scheduler.requests import ChoiceResult
+from jaxsmol.cli.api.events import ChoiceSpec
 from jaxsmol.runtime.stream import Step
 
 Decode = Callable[[int], str]

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from cli.bench.measure import loadavg, log
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import loadavg, log
+from jaxsmol.cli.tables import format_table
 
 ORDERS = ("lpm", "fifo")
 WORKLOADS = ("bursts", "churn")
@@ -36,7 +36,7 @@ WORKLOADS = ("bursts", "churn")
 
 def _workload(plan, kind: str, seed: int) -> list[list[str]]:
     """Per client, its prompts in order (the same for both admission orders)."""
-    from cli.bench.clients import text
+    from jaxsmol.cli.bench.clients import text
 
     rng, n = random.Random(seed), plan["admission_block_tokens"]
     count = plan["admission_blocks"] if kind == "bursts" else plan["admission_churn_blocks"]
@@ -99,7 +99,7 @@ def _summary(kind: str, order: str, rnd: int, results: list, wall: float) -> dic
 
 
 def _flags(args, engine, plan, kind: str, order: str) -> list[str]:
-    from cli.bench.daemon import model_flags
+    from jaxsmol.cli.bench.daemon import model_flags
 
     flags = ["--admission", order, "--max-batch", str(plan["admission_max_batch"])]
     if kind == "churn":  # a cache of about admission_cache_blocks prompts, with their answers' logits
@@ -112,7 +112,7 @@ def _flags(args, engine, plan, kind: str, order: str) -> list[str]:
 def _measure(args, engine, plan, kind: str, order: str, rnd: int) -> tuple[dict, list[str]]:
     import httpx
 
-    from cli.bench.daemon import Daemon
+    from jaxsmol.cli.bench.daemon import Daemon
 
     flags = _flags(args, engine, plan, kind, order)
     load0 = loadavg()

@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.bench.measure import log
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log
+from jaxsmol.cli.tables import format_table
 
 POLICIES = ("round_robin", "cache_aware")
 VARIANTS = ("completions", "chat")
@@ -62,7 +62,7 @@ def _work_counts(replicas, before: list[dict]) -> dict:
 
 def _settle(replicas, flush: bool) -> None:
     """Wait until no replica has work left (answers being stored included); then empty their caches."""
-    from cli.bench.clients import wait_idle
+    from jaxsmol.cli.bench.clients import wait_idle
 
     for r in replicas:
         wait_idle(r.url, timeout_s=1800)
@@ -72,8 +72,8 @@ def _settle(replicas, flush: bool) -> None:
 
 def run_policy(replicas, work, variant: str, policy: str, plan, log_dir: Path) -> dict:
     """One run: a fresh router with `policy` in front of the (flushed) replicas, the variant's requests."""
-    from cli.bench.tenants import send
-    from cli.replicas import Router, free_port, start_router, stop, wait_until
+    from jaxsmol.cli.bench.tenants import send
+    from jaxsmol.cli.replicas import Router, free_port, start_router, stop, wait_until
 
     _settle(replicas, flush=True)
     router = start_router([r.url for r in replicas], policy, "127.0.0.1", free_port(), log_dir / f"router-{policy}.log")
@@ -97,7 +97,7 @@ def _warm(replicas, work, plan) -> None:
     lengths take are compiled before any run."""
     import dataclasses
 
-    from cli.bench.tenants import send
+    from jaxsmol.cli.bench.tenants import send
 
     some = dataclasses.replace(work, completions=work.completions[:4], chats=work.chats[:1])
     for r in replicas:
@@ -120,9 +120,9 @@ def compare(rows: list[dict]) -> list[dict]:
 
 
 def section_cluster(args, engine, plan) -> dict:
-    from cli.bench.daemon import model_flags
-    from cli.bench.tenants import build_workload
-    from cli.replicas import Replica, start_replicas, stop, wait_until
+    from jaxsmol.cli.bench.daemon import model_flags
+    from jaxsmol.cli.bench.tenants import build_workload
+    from jaxsmol.cli.replicas import Replica, start_replicas, stop, wait_until
 
     tok = engine.tokenizer
     work = build_workload(args.seed, plan["cluster_tenants"], plan["cluster_per_tenant"], plan["cluster_prefix"],

@@ -1,4 +1,4 @@
-"""A `jaxsmol serve` daemon for the serving sections: started (`python -m cli.main serve`) on a free
+"""A `jaxsmol serve` daemon for the serving sections: started (`python -m jaxsmol.cli.main serve`) on a free
 loopback port with the benchmark's model flags, ready once /health answers, stopped on exit. Its
 output goes to a log file, whose tail an error quotes."""
 
@@ -12,9 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import cli
-
-PACKAGE_ROOT = Path(cli.__file__).resolve().parents[1]  # where `python -m cli.main` finds the package
+from jaxsmol.cli.replicas import PACKAGE_ROOT
 
 
 def free_port() -> int:
@@ -53,7 +51,8 @@ class Daemon:
 
         port = free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxsmol-bench-serve-", suffix=".log")
-        cmd = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
+        cmd = [sys.executable, "-m", "jaxsmol.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+               *self.flags]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT,

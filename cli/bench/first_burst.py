@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 
-from cli.bench.measure import log, now
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log, now
+from jaxsmol.cli.tables import format_table
 
 SETTINGS = (("compile ahead", []), ("--no-compile-ahead", ["--no-compile-ahead"]))
 
 
 def _bursts(url: str, plan) -> list[dict]:
-    from cli.bench.clients import clients_row
+    from jaxsmol.cli.bench.clients import clients_row
 
     out = []
     for seed, label in ((1, "first burst"), (2, "second burst")):
@@ -31,7 +31,7 @@ def _bursts(url: str, plan) -> list[dict]:
 
 
 def section_first_burst(args, plan) -> dict:
-    from cli.bench.daemon import Daemon, model_flags
+    from jaxsmol.cli.bench.daemon import Daemon, model_flags
 
     base = ["--max-batch", str(plan["burst_max_batch"])] + model_flags(args)
     rows = []

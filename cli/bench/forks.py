@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cli.bench.measure import log, median, now
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log, median, now
+from jaxsmol.cli.tables import format_table
 
 
 def sequential(engine, prompt, sp, n):
@@ -24,7 +24,7 @@ def sequential(engine, prompt, sp, n):
 
 
 def cached(engine, prompt, sp, n):
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(engine)
     for i in range(n):
@@ -32,8 +32,8 @@ def cached(engine, prompt, sp, n):
 
 
 def batched(engine, prompt, sp, n):
-    from cache.scheduler.many import generate_many
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate_many
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     generate_many(PrefixCache(engine), [prompt], sp, n=n, max_batch=n)
 

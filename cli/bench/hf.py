@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 
-from cli.bench.measure import Warmup, log, measure_decode, measure_prefill, median, now, timed
-from cli.bench.plans import HEADLINE, rand_ids, two_suffixes
+from jaxsmol.cli.bench.measure import Warmup, log, measure_decode, measure_prefill, median, now, timed
+from jaxsmol.cli.bench.plans import HEADLINE, rand_ids, two_suffixes
 
 
 def hf_available() -> bool:
@@ -67,7 +67,7 @@ class HFModel:
 
 def _one_round(engine, hf: HFModel, plan, rng, sizes, positions, add) -> None:
     """One measurement of each metric with each engine, alternating."""
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     vocab, steps = engine.cfg.vocab_size, plan["decode_steps"]
     p, s = HEADLINE

@@ -58,7 +58,7 @@ class Warmup:
             self.capacity(s)
         if not self.requests_warm:
             self.requests_warm = True
-            from cache.prefix_cache import PrefixCache
+            from jaxsmol.cache.prefix_cache import PrefixCache
             from jaxsmol.runtime.sampling import SamplingParams
 
             cache = PrefixCache(eng)
@@ -112,7 +112,7 @@ def measure_decode(engine, position: int, steps: int) -> float:
 
 def timed(cache, prompt) -> dict:
     """One request of one token through the cache (cache.probe.timed_request), as a plain row."""
-    from cache.probe import timed_request
+    from jaxsmol.cache.probe import timed_request
     from jaxsmol.runtime.sampling import SamplingParams
 
     t = timed_request(cache, prompt, SamplingParams(max_tokens=1))
@@ -122,7 +122,7 @@ def timed(cache, prompt) -> dict:
 
 def cold_warm_exact(engine, mode, exact, prefix, sfx_a, sfx_b) -> dict:
     """On a fresh cache: prefix+sfx_a cold, prefix+sfx_b warm (shares the prefix), prefix+sfx_b again."""
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(engine, mode=mode, exact=exact)
     cold = timed(cache, prefix + sfx_a)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 
-from cli.bench.first_burst import plot_first_burst
-from cli.bench.forks import plot_forks
-from cli.bench.plans import SECTIONS
-from cli.bench.prompt_cache import plot_prompt_cache
-from cli.bench.serve import plot_serve
-from cli.bench.ttft_peer import plot_ttft_peer
+from jaxsmol.cli.bench.first_burst import plot_first_burst
+from jaxsmol.cli.bench.forks import plot_forks
+from jaxsmol.cli.bench.plans import SECTIONS
+from jaxsmol.cli.bench.prompt_cache import plot_prompt_cache
+from jaxsmol.cli.bench.serve import plot_serve
+from jaxsmol.cli.bench.ttft_peer import plot_ttft_peer
 
 
 def _prefill(ax, res: dict) -> None:

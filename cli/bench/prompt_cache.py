@@ -13,16 +13,16 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from cli.bench.measure import log, median, now
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log, median, now
+from jaxsmol.cli.tables import format_table
 
 
 def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
     """`repeats` times: a cold request, then the prefix loaded from `path` and the request again."""
     import numpy as np
 
-    from cache.store.disk import load_prompt_cache
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.store.disk import load_prompt_cache
+    from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=1)
@@ -49,9 +49,9 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
 def section_prompt_cache(engine, plan) -> dict:
     import numpy as np
 
-    from cache.store.disk import save_prompt_cache
-    from cache.prefix_cache import PrefixCache
-    from cache.store.snapshot import identity, load_snapshot
+    from jaxsmol.cache.store.disk import save_prompt_cache
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.store.snapshot import identity, load_snapshot
     from jaxsmol.runtime.sampling import SamplingParams
 
     p, s = plan["pc_prefix"], plan["pc_suffix"]

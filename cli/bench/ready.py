@@ -16,8 +16,8 @@ import asyncio
 import statistics
 import tempfile
 
-from cli.bench.measure import log
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log
+from jaxsmol.cli.tables import format_table
 
 PROMPT = "The history of the printing press begins"
 
@@ -26,7 +26,7 @@ def _stream_tok_s(url: str, tokens: int) -> float:
     """One streaming completion's decode speed: tokens after the first over their span."""
     import httpx
 
-    from cli.bench.clients import stream_one
+    from jaxsmol.cli.bench.clients import stream_one
 
     async def one():
         async with httpx.AsyncClient() as client:
@@ -51,8 +51,8 @@ def _gauges(url: str) -> dict[str, float]:
 def section_ready(args, plan) -> dict:
     import os
 
-    from cli.bench.clients import clients_row
-    from cli.bench.daemon import Daemon, model_flags
+    from jaxsmol.cli.bench.clients import clients_row
+    from jaxsmol.cli.bench.daemon import Daemon, model_flags
 
     flags, tokens, rows = model_flags(args) + ["--max-batch", str(plan["ready_max_batch"])], plan["ready_tokens"], []
     env = {k: v for k, v in os.environ.items() if k != "JAXSMOL_COMPILE_CACHE"}

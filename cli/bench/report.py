@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from cli.bench.admission import format_admission
-from cli.bench.cluster import format_cluster
-from cli.bench.first_burst import format_first_burst
-from cli.bench.ready import format_ready
-from cli.bench.forks import format_forks
-from cli.bench.plans import HEADLINE
-from cli.bench.prompt_cache import format_prompt_cache
-from cli.bench.serve import format_serve
-from cli.bench.ttft_peer import format_ttft_peer
-from cli.tables import format_table
+from jaxsmol.cli.bench.admission import format_admission
+from jaxsmol.cli.bench.cluster import format_cluster
+from jaxsmol.cli.bench.first_burst import format_first_burst
+from jaxsmol.cli.bench.ready import format_ready
+from jaxsmol.cli.bench.forks import format_forks
+from jaxsmol.cli.bench.plans import HEADLINE
+from jaxsmol.cli.bench.prompt_cache import format_prompt_cache
+from jaxsmol.cli.bench.serve import format_serve
+from jaxsmol.cli.bench.ttft_peer import format_ttft_peer
+from jaxsmol.cli.tables import format_table
 
 
 def _ms(s: float) -> str:

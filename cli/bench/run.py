@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from cli.bench.hf import hf_available
-from cli.bench.measure import Warmup, log, loadavg, now, peak_rss_bytes
-from cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
+from jaxsmol.cli.bench.hf import hf_available
+from jaxsmol.cli.bench.measure import Warmup, log, loadavg, now, peak_rss_bytes
+from jaxsmol.cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
 
 
 def cpu_model() -> str:
@@ -63,16 +63,16 @@ def _meta(args, engine, plan, sections, load0) -> dict:
 
 def _calls(args, engine, plan, rng) -> dict:
     """Each section's function and its arguments."""
-    from cli.bench import sections as s
-    from cli.bench.admission import section_admission
-    from cli.bench.cluster import section_cluster
-    from cli.bench.first_burst import section_first_burst
-    from cli.bench.forks import section_forks
-    from cli.bench.hf import section_hf
-    from cli.bench.prompt_cache import section_prompt_cache
-    from cli.bench.ready import section_ready
-    from cli.bench.serve import section_serve
-    from cli.bench.ttft_peer import section_ttft_peer
+    from jaxsmol.cli.bench import sections as s
+    from jaxsmol.cli.bench.admission import section_admission
+    from jaxsmol.cli.bench.cluster import section_cluster
+    from jaxsmol.cli.bench.first_burst import section_first_burst
+    from jaxsmol.cli.bench.forks import section_forks
+    from jaxsmol.cli.bench.hf import section_hf
+    from jaxsmol.cli.bench.prompt_cache import section_prompt_cache
+    from jaxsmol.cli.bench.ready import section_ready
+    from jaxsmol.cli.bench.serve import section_serve
+    from jaxsmol.cli.bench.ttft_peer import section_ttft_peer
 
     warm = Warmup(engine)
     return {"compilations": (s.section_compilations, engine, plan, rng),  # first: counts from a process
@@ -110,7 +110,7 @@ def run_bench(args) -> int:
     from jaxsmol.errors import JaxsmolError
 
     if getattr(args, "report", None):  # earlier runs' results: print their table, run nothing
-        from cli.bench.performance import report_files
+        from jaxsmol.cli.bench.performance import report_files
 
         print(report_files(args.report), end="")
         return 0
@@ -125,8 +125,8 @@ def run_bench(args) -> int:
 
     import numpy as np
 
-    from cli.bench.report import format_results
-    from cli.common import load_engine
+    from jaxsmol.cli.bench.report import format_results
+    from jaxsmol.cli.common import load_engine
     from jaxsmol.runtime.engine import compiled_programs
 
     plan = with_flags(QUICK if args.quick else FULL, args)
@@ -145,13 +145,13 @@ def run_bench(args) -> int:
 
     print(format_results(res))
     if getattr(args, "report", None) is not None:
-        from cli.bench.performance import markdown
+        from jaxsmol.cli.bench.performance import markdown
 
         print("\n" + markdown([res]), end="")
     Path(args.json).write_text(json.dumps(res, indent=1))
     print(f"\nwrote {args.json}", file=sys.stderr)
     if args.plot:
-        from cli.bench.plot import write_plot
+        from jaxsmol.cli.bench.plot import write_plot
 
         write_plot(res, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -9,9 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli.bench.measure import (Warmup, cold_warm_exact, log, measure_decode, measure_prefill, median, now,
-                               summarize_cells)
-from cli.bench.plans import HEADLINE, rand_ids, two_suffixes
+from jaxsmol.cli.bench.measure import (Warmup, cold_warm_exact, log, measure_decode, measure_prefill, median, now,
+                                       summarize_cells)
+from jaxsmol.cli.bench.plans import HEADLINE, rand_ids, two_suffixes
 
 
 def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
@@ -27,7 +27,7 @@ def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
 
 def section_compilations(engine, plan, rng) -> dict:
     """A mixed workload through the radix cache; count the forward programs it compiles."""
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.runtime.chunks import compile_bound
     from jaxsmol.runtime.engine import compiled_programs
     from jaxsmol.runtime.sampling import SamplingParams
@@ -125,7 +125,7 @@ def section_ttft(engine, plan, rng, warm: Warmup) -> dict:
 
 
 def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
-    from cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.runtime.sampling import SamplingParams
 
     vocab, trunk_n, branch_n = engine.cfg.vocab_size, plan["trunk"], plan["branch"]
@@ -151,14 +151,14 @@ def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
 
 
 def _model_args(args) -> list[str]:
-    from cli.bench.daemon import model_flags
+    from jaxsmol.cli.bench.daemon import model_flags
 
     return model_flags(args, default_ctx=None)
 
 
 def _fresh_process(args, ids, cache_dir) -> dict:
     env = {**os.environ, "JAXSMOL_COMPILE_CACHE": str(cache_dir)}
-    cmd = [sys.executable, "-m", "cli.main", "generate", "--ids", *map(str, ids), "--max-tokens", "1", "--json",
+    cmd = [sys.executable, "-m", "jaxsmol.cli.main", "generate", "--ids", *map(str, ids), "--max-tokens", "1", "--json",
            *_model_args(args)]
     t0 = now()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import math
 
-from cli.bench.measure import log
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log
+from jaxsmol.cli.tables import format_table
 
 
 def daemon_flags(args, plan) -> list[str]:
-    from cli.bench.daemon import model_flags
+    from jaxsmol.cli.bench.daemon import model_flags
 
     return (["--max-batch", str(plan["serve_max_batch"]), "--prefill-chunk", str(plan["serve_prefill_chunk"])]
             + (["--batch-invariant"] if plan["serve_batch_invariant"] else []) + model_flags(args))
 
 
 def _measure(url: str, targets: list, plan) -> list[dict]:
-    from cli.bench.clients import clients_row, wait_idle
+    from jaxsmol.cli.bench.clients import clients_row, wait_idle
 
     clients, tokens = list(plan["serve_clients"]), plan["serve_tokens"]
     longs = (False, True) if plan["serve_long"] else (False,)
@@ -54,7 +54,7 @@ def _measure(url: str, targets: list, plan) -> list[dict]:
 
 
 def section_serve(args, plan, peer_url: str | None) -> dict:
-    from cli.bench.daemon import Daemon
+    from jaxsmol.cli.bench.daemon import Daemon
 
     flags = daemon_flags(args, plan)
     log(f"serve: starting `jaxsmol serve {' '.join(flags)}`")

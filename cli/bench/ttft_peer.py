@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import random
 
-from cli.bench.measure import log, median
-from cli.tables import format_table
+from jaxsmol.cli.bench.measure import log, median
+from jaxsmol.cli.tables import format_table
 
 
 def ours(engine, prefix, suffix, exact: bool) -> tuple[float, float]:
     """(cold s, warm s) to the first token of prefix + suffix (the answer's save for the next turn,
     which follows the token, is not counted)."""
-    from cache.prefix_cache import PrefixCache
-    from cache.probe import timed_request
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.probe import timed_request
     from jaxsmol.runtime.sampling import SamplingParams
 
     one = SamplingParams(max_tokens=1)
@@ -46,7 +46,7 @@ def section_ttft_peer(engine, plan, peer_url: str | None) -> dict:
     ways = {"jaxsmol exact": lambda a, b: ours(engine, a, b, True),
             "jaxsmol fast": lambda a, b: ours(engine, a, b, False)}
     if peer_url:
-        from cli.bench.clients import PromptCacheServer
+        from jaxsmol.cli.bench.clients import PromptCacheServer
 
         ways["peer"] = PromptCacheServer(peer_url).cold_warm
     for f in ways.values():  # compile / wake up

@@ -20,14 +20,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from cache.listing import find_pinned, listing, split_salt
-from cache.store.disk import SUFFIX, entry_key
-from cache.store.snapshot import identity
-from cli.api import protocol as P
-from cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError
-from cli.server.completions import EventReader
-from cli.server.tenants import cache_salt
-from cli.server.worker import QueueFull
+from jaxsmol.cache.listing import find_pinned, listing, split_salt
+from jaxsmol.cache.store.disk import SUFFIX, entry_key
+from jaxsmol.cache.store.snapshot import identity
+from jaxsmol.cli.api import protocol as P
+from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError
+from jaxsmol.cli.server.completions import EventReader
+from jaxsmol.cli.server.tenants import cache_salt
+from jaxsmol.cli.server.worker import QueueFull
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 

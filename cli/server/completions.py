@@ -16,11 +16,12 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cli.api import protocol as P
-from cli.api import responses as R
-from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
-from cli.server.tenants import Tenant, cache_salt
-from cli.server.worker import QueueFull, Worker
+from jaxsmol.cli.api import protocol as P
+from jaxsmol.cli.api import responses as R
+from jaxsmol.cache.scheduler.requests import ChoiceResult
+from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.cli.server.tenants import Tenant, cache_salt
+from jaxsmol.cli.server.worker import QueueFull, Worker
 from jaxsmol.errors import JaxsmolError
 
 RETRY_AFTER_S = 1

@@ -22,18 +22,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.settings import BatchSettings
-from cli.api import protocol as P
-from cli.server.cache_routes import CacheRoutes, install_cache_routes
-from cli.server.completions import Completions
-from cli.api.events import DEFAULT_WRITE_TIMEOUT_S
-from cli.server.memory import MemoryAccount
-from cli.server.replica import model_info, read_load, server_info
-from cli.server.metrics import Metrics
-from cli.server.tenants import Tenants
-from cli.server.warmup import Warmup
-from cli.server.worker import Worker
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.settings import BatchSettings
+from jaxsmol.cli.api import protocol as P
+from jaxsmol.cli.server.cache_routes import CacheRoutes, install_cache_routes
+from jaxsmol.cli.server.completions import Completions
+from jaxsmol.cli.api.events import DEFAULT_WRITE_TIMEOUT_S
+from jaxsmol.cli.server.memory import MemoryAccount
+from jaxsmol.cli.server.replica import model_info, read_load, server_info
+from jaxsmol.cli.server.metrics import Metrics
+from jaxsmol.cli.server.tenants import Tenants
+from jaxsmol.cli.server.warmup import Warmup
+from jaxsmol.cli.server.worker import Worker
 from jaxsmol.errors import JaxsmolError
 
 MAX_BODY_BYTES = 4 << 20
@@ -238,7 +238,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                warmup: str = "none", pinned_bytes: int = 512 << 20) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
-        from cache.store.disk import DiskStore, identity
+        from jaxsmol.cache.store.disk import DiskStore, identity
 
         disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes)
         for name, reason in disk.skipped:

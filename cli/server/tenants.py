@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from cli.api.protocol import ProtocolError
+from jaxsmol.cli.api.protocol import ProtocolError
 from jaxsmol.errors import JaxsmolError
 
 

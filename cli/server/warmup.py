@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from cache.scheduler.compile_ahead import program_calls
+from jaxsmol.cache.scheduler.compile_ahead import program_calls
 from jaxsmol.runtime import programs
 
 MODES = ("block", "background", "none")

@@ -15,11 +15,11 @@ import dataclasses
 import queue
 import threading
 
-from cache.prefix_cache import PrefixCache
-from cache.scheduler.requests import Finished, Request
-from cache.scheduler.settings import BatchSettings
-from cache.scheduler.scheduler import Scheduler
-from cli.api.events import ChoiceDone, ChoiceResult, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
+from jaxsmol.cache.scheduler.settings import BatchSettings
+from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.scoring import score
 from jaxsmol.runtime.stream import Step
@@ -49,12 +49,9 @@ class JobSink:
     def token(self, index: int, step: Step) -> None:
         self.job.emit(TokenEvent(index, step))
 
-    def done(self, r: Finished) -> None:
+    def done(self, r: ChoiceResult) -> None:
         self.metrics.observe(r.prompt_tokens, len(r.output_ids), r.ttft_s)
-        self.job.emit(ChoiceDone(ChoiceResult(
-            index=r.index, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-            output_ids=r.output_ids, text=r.text, finish_reason=r.finish_reason, logprobs=r.logprobs,
-            prompt_logprobs=self.prompt_logprobs.get(r.index))))
+        self.job.emit(ChoiceDone(dataclasses.replace(r, prompt_logprobs=self.prompt_logprobs.get(r.index))))
         self.remaining -= 1
         if self.remaining == 0:
             self._end()
