@@ -5,8 +5,8 @@
 Here: `prefix_cache.py` (PrefixCache: bypass, lookup, restore, continue, save), `records.py` (what it
 reports and pins), `pins.py` (pinned prefixes, out of LRU eviction under a budget of their own),
 `listing.py` (what is stored, for inspection), `probe.py` (the cold vs warm probe). Two subpackages:
-  store/       where prefixes are kept, model-agnostic: the store interface, the radix tree, the single
-               snapshot of the course exercise, snapshot files and the disk tier (imports jaxsmol only)
+  store/       where prefixes are kept, model-agnostic: the radix tree (many keys, or the single
+               snapshot), snapshot files and the disk tier (imports jaxsmol only)
   scheduler/   continuous batching on top of the cache: admission, prefill chunks side by side, forks,
                answers kept for the next turn, compile-ahead, and generate_many (imports everything here)
 Imports flow cli -> cache -> jaxsmol, never back.

@@ -26,22 +26,16 @@ def split_salt(salt: str) -> tuple[str, str | None]:
     return tenant, rest or None
 
 
-def _entries(cache, ident) -> list[dict]:
-    if cache.mode == "minimal":
-        out = []
-        for ns, tokens in cache.single.entries():
-            out.append({"ns": ns, "tokens": tokens, "bytes": cache.single.bytes_held, "hits": None,
-                        "last_used": None, "pinned": False})
-        return out
-    pinned = cache.radix.pinned
+def _entries(cache) -> list[dict]:
+    pinned = cache.store.pinned
     return [{"ns": ns, "tokens": tokens, "bytes": nbytes, "hits": node.hits,
              "last_used": round(node.used_at, 3) if node.used_at else None, "pinned": (ns, tokens) in pinned}
-            for ns, tokens, node, nbytes in cache.radix.walk() if ns[0] == cache.engine.fingerprint]
+            for ns, tokens, node, nbytes in cache.store.walk() if ns[0] == cache.engine.fingerprint]
 
 
 def _namespaces(cache, entries: list[dict]) -> list[dict]:
     held: dict = {}
-    for ns, _, node, _ in cache.radix.walk(keys_only=False):
+    for ns, _, node, _ in cache.store.walk(keys_only=False):
         b = held.setdefault(ns, [0, 0])
         b[0] += node.nbytes
         b[1] += node.nbytes if node.pins else 0
@@ -51,7 +45,7 @@ def _namespaces(cache, entries: list[dict]) -> list[dict]:
     out = []
     for ns, n in counts.items():
         tenant, salt = split_salt(ns[1])
-        nbytes, pinned = held.get(ns, (cache.single.bytes_held, 0))
+        nbytes, pinned = held[ns]
         out.append({"namespace": tenant, "cache_salt": salt, "entries": n, "bytes": nbytes, "pinned_bytes": pinned})
     return sorted(out, key=lambda d: (-d["bytes"], d["namespace"], d["cache_salt"] or ""))
 
@@ -63,7 +57,7 @@ def listing(cache, limit: int = 100, offset: int = 0) -> dict:
     if offset < 0:
         raise JaxsmolError(f"offset must be >= 0, got {offset}")
     ident = identity(cache.engine)
-    entries = _entries(cache, ident) if cache.mode != "off" else []
+    entries = _entries(cache)
     namespaces = _namespaces(cache, entries)
     entries.sort(key=lambda e: (-e["bytes"], -len(e["tokens"]), str(e["ns"][1]), e["tokens"]))
     page = []

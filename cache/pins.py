@@ -1,7 +1,7 @@
 """Pinned prefixes: stored keys of the radix store kept out of LRU eviction, under a budget of their own.
 
 `PrefixCache` holds a `Pins` as `cache.pins`. A pin is a key of the radix store (a namespace and its
-token ids) whose nodes are never evicted (cache/store/radix.py `pin`); their bytes are counted as
+token ids) whose nodes are never evicted (cache/store/pinned_keys.py `pin`); their bytes are counted as
 `held` (the store's `pinned_bytes`) against `budget_bytes` (the daemon's `--pinned-bytes`), not against
 the LRU budget. `unpin` returns a key to the LRU. With a disk tier each pin is written there at once
 as a snapshot marked pinned (cache/store/snapshot.py), and `PrefixCache.warm_from_disk` pins those
@@ -39,14 +39,14 @@ class Pins:
 
     @property
     def held(self) -> int:
-        return self.cache.radix.pinned_bytes
+        return self.cache.store.pinned_bytes
 
     def keys(self) -> list[tuple]:
         """(namespace, tokens) of every pinned key."""
-        return sorted(self.cache.radix.pinned, key=lambda k: (str(k[0]), k[1]))
+        return sorted(self.cache.store.pinned, key=lambda k: (str(k[0]), k[1]))
 
     def is_pinned(self, ns, tokens) -> bool:
-        return (ns, tuple(tokens)) in self.cache.radix.pinned
+        return (ns, tuple(tokens)) in self.cache.store.pinned
 
     def check(self, lk) -> None:
         """Before a prompt is prefilled to be pinned: JaxsmolError if it cannot be, naming why (the
@@ -59,7 +59,7 @@ class Pins:
         if self.is_pinned(lk.ns, lk.prompt):
             return
         covered = 0  # leading positions already on pinned nodes
-        for node in cache.radix.match(lk.ns, lk.prompt, touch=False).path:
+        for node in cache.store.match(lk.ns, lk.prompt, touch=False).path:
             if not node.pins:
                 break
             covered += len(node.tokens)
@@ -75,19 +75,19 @@ class Pins:
     def pin(self, ns, tokens, write: bool = True) -> Pinned:
         """Pin the stored key `tokens` of namespace `ns` (JaxsmolError if it is not stored or would
         exceed the budget); with a disk tier and `write`, also write it there marked pinned."""
-        radix, tokens = self.cache.radix, tuple(tokens)
-        cost = radix.pin_cost(ns, tokens)
+        store, tokens = self.cache.store, tuple(tokens)
+        cost = store.pin_cost(ns, tokens)
         if cost is None:
             raise JaxsmolError(f"cannot pin {len(tokens)} tokens: they are not stored (evicted meanwhile?)")
         self._refuse_over_budget(len(tokens), cost)
-        radix.pin(ns, tokens)
+        store.pin(ns, tokens)
         on_disk = write and self.write(ns, tokens)
         self.cache.sync()
         return Pinned(len(tokens), cost, self.held, on_disk)
 
     def unpin(self, ns, tokens) -> bool:
         """Return a pinned key to the LRU (and delete its pinned file); False if it was not pinned."""
-        if not self.cache.radix.unpin(ns, tuple(tokens)):
+        if not self.cache.store.unpin(ns, tuple(tokens)):
             return False
         if self.cache.disk is not None:
             try:

@@ -1,12 +1,11 @@
 """The prefix cache in front of the engine: bypass, lookup, restore, continue, save.
 
-Modes:
-  "minimal"  the single-snapshot cache of the course exercise: one snapshot of the first prompt_n - 1 tokens
-             (cache/store/minimal.py)
-  "radix"    many prefixes in a radix tree (cache/store/radix.py), longest match at token granularity,
-             the last prompt position's logits kept for an exact full hit (no forward at all),
-             generated tokens saved too (the next chat turn repeats them), LRU under a byte budget
-  "off"      every request bypasses
+Modes, each one radix store (cache/store/radix.py) used its own way:
+  "radix"    many prefixes, longest match at token granularity, the last prompt position's logits kept
+             for an exact full hit (no forward at all), generated tokens saved too (the next chat turn
+             repeats them), LRU under a byte budget
+  "single"   one snapshot of the first prompt_n - 1 tokens (the store holds one key; a save replaces it)
+  "off"      every request bypasses (the store stays empty)
 
 Keys are namespaced by the model fingerprint (config, dtype, weights) and an optional salt.
 
@@ -33,17 +32,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxsmol.cache.answers import AnswerPrefill
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
-from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
-from jaxsmol.cache.store.minimal import SingleSnapshotStore
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
-from jaxsmol.cache.store.interface import RadixPrefixStore
+from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
+from jaxsmol.cache.store.radix import RadixStore
 from jaxsmol.runtime.engine import Engine, Generation
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS, KVCache
 from jaxsmol.runtime.sampling import SamplingParams
 
-MODES = ("radix", "minimal", "off")
+MODES = ("radix", "single", "off")
 
 
 class PrefixCache:
@@ -58,19 +57,14 @@ class PrefixCache:
         self.save_generated, self.exact = save_generated, exact
         self.bytes_per_token = engine.kv_bytes_per_token
         self.budget_bytes = budget_bytes
-        self.radix = RadixPrefixStore(budget_bytes, seq_axis=SEQ_AXIS)
-        self.single = SingleSnapshotStore()
+        self.store = RadixStore(budget_bytes, seq_axis=SEQ_AXIS, max_keys=1 if mode == "single" else None)
+        self.keeps_last_position = mode == "radix"  # a whole prompt, its last logits as the payload
         self.stats = CacheStats()
         self.pins = Pins(self, pinned_bytes)
         self.disk = disk if mode != "off" else None
         if self.disk is not None and mode == "radix":
-            self.radix.on_evict = self._spill
+            self.store.on_evict = self._spill
         _ = engine.fingerprint  # hash the weights now, not inside the first request's time to first token
-
-    @property
-    def store(self):
-        """The store this mode uses (cache/store/interface.py), None when off."""
-        return {"radix": self.radix, "minimal": self.single}.get(self.mode)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def namespace(self, salt: str | None = None) -> tuple:
@@ -79,17 +73,16 @@ class PrefixCache:
     @property
     def capacity_tokens(self) -> int:
         """Positions whose state fits the byte budget (radix mode also keeps a prompt's last logits)."""
-        logits_bytes = 4 * self.engine.cfg.vocab_size if self.mode != "off" and self.store.keeps_last_position else 0
+        logits_bytes = 4 * self.engine.cfg.vocab_size if self.keeps_last_position else 0
         return max(self.budget_bytes - logits_bytes, 0) // self.bytes_per_token
 
     @property
     def bytes_held(self) -> int:
-        return self.radix.bytes_held + self.single.bytes_held
+        return self.store.bytes_held
 
     def flush(self) -> None:
         """Forget every entry but the pinned ones, the disk tier's too (unpin a prefix to forget it)."""
-        self.radix.clear(keep_pinned=True)
-        self.single.clear()
+        self.store.clear(keep_pinned=True)
         if self.disk is not None:
             self.disk.clear(keep_pinned=True)
         self.sync()
@@ -103,8 +96,8 @@ class PrefixCache:
 
     def sync(self) -> None:
         self.stats.bytes_held = self.bytes_held
-        self.stats.pinned_bytes = self.radix.pinned_bytes
-        self.stats.evictions = self.radix.evictions
+        self.stats.pinned_bytes = self.store.pinned_bytes
+        self.stats.evictions = self.store.evictions
         if self.disk is not None:
             self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
 
@@ -113,7 +106,7 @@ class PrefixCache:
             return "cache disabled"
         if n <= 1:
             return "prompt has at most one token"
-        stored = n if self.store.keeps_last_position else n - 1  # a single snapshot leaves out the last token
+        stored = n if self.keeps_last_position else n - 1  # a single snapshot leaves out the last token
         if stored > self.capacity_tokens:
             return f"prompt exceeds the cache capacity ({self.capacity_tokens} tokens)"
         return None
@@ -136,14 +129,14 @@ class PrefixCache:
             self.stats.bypasses[report.bypass] += 1
             return lk
         self.stats.lookups += 1
-        hit = self.store.lookup(lk.ns, prompt)
-        if self.disk is not None and hit.payload is None:
-            hit = self._from_disk(lk.ns, prompt, hit, report)
-        report.matched, report.reused, report.nearest_len = hit.matched, hit.reused, hit.nearest_len
-        report.exact_hit = hit.payload is not None
+        match = self.store.lookup(lk.ns, prompt)
+        if self.disk is not None and match.payload is None:
+            match = self._from_disk(lk.ns, prompt, match, report)
+        report.matched, report.reused, report.nearest_len = match.length, match.reused, match.nearest_len
+        report.exact_hit = match.payload is not None
         if report.reused:
-            lk.lease, lk.logits = hit.lease, hit.payload
-            lk.prefix = KVCache.from_segment(hit.value)
+            lk.match, lk.logits = match, match.payload
+            lk.prefix = KVCache.from_segment(match.value)
         if report.matched < n:
             report.divergence_pos = report.matched
         if report.reused:
@@ -157,9 +150,9 @@ class PrefixCache:
 
     def release(self, lk: Lookup) -> None:
         """Unpin what `lookup` pinned (once; later calls do nothing)."""
-        if lk.lease is not None:
-            self.store.release(lk.lease)
-            lk.lease = None
+        if lk.match is not None:
+            self.store.release(lk.match)
+            lk.match = None
 
     def finish(self, lk: Lookup, prefilled: int) -> None:
         """Account a request whose prompt is done: `prefilled` positions were computed."""
@@ -182,10 +175,10 @@ class PrefixCache:
 
     # ---- moving snapshots in and out (files, the disk tier) ----------------------------------------
     def snapshot_of(self, tokens, salt: str | None = None) -> Snapshot | None:
-        """The stored state of the longest stored prefix of `tokens` (a single-snapshot store: its one
-        snapshot), with the logits of every stored key along it; None if nothing is stored."""
+        """The stored state of the longest stored prefix of `tokens`, with the logits of every stored key
+        along it; None if nothing is stored."""
         ns = self.namespace(salt)
-        state = self.store.state(ns, tokens) if self.store is not None else None
+        state = self.store.state(ns, tokens)
         if state is None:
             return None
         stored, value, payloads = state
@@ -193,7 +186,7 @@ class PrefixCache:
 
     def add_snapshot(self, snap: Snapshot, salt: str | None = None) -> None:
         """Store `snap` (and an exact entry for each prefix it has logits for); `salt` defaults to its own."""
-        if self.store is not None:
+        if self.mode != "off":
             self.store.add(self.namespace(snap.salt if salt is None else salt), snap.tokens, snap.segment,
                            snap.logits)
         self.sync()
@@ -202,29 +195,29 @@ class PrefixCache:
         """The radix store is evicting this key: keep it on disk if the disk budget allows."""
         if ns[0] != self.engine.fingerprint:
             return
-        seg = self.radix.gather(match)
-        snap = Snapshot(self.radix.tokens(match), seg["k"], seg["v"], self.radix.payloads(match), salt=ns[1])
+        seg = self.store.gather(match)
+        snap = Snapshot(self.store.tokens(match), seg["k"], seg["v"], self.store.payloads(match), salt=ns[1])
         try:
             self.disk.put(snap)
         except OSError:  # a full or broken disk costs the entry, never the request
             pass
 
-    def _from_disk(self, ns, prompt, hit, report: CacheReport):
+    def _from_disk(self, ns, prompt, match, report: CacheReport):
         """On a memory miss or partial match: if the disk tier holds a longer usable prefix, bring it
         into memory and look up again."""
         n = len(prompt)
         entry, common = self.disk.find(ns[1], prompt)
         if entry is None:
-            return hit
+            return match
         usable = n if common == n and n in entry.logits_at else min(common, n - 1)
-        if usable <= hit.reused:
-            return hit
+        if usable <= match.reused:
+            return match
         try:
             snap = self.disk.load(entry, prompt)
         except SnapshotError:
             self.stats.disk_refused += 1
-            return hit
-        self.store.release(hit.lease)
+            return match
+        self.store.release(match)
         self.add_snapshot(snap, salt=ns[1])
         self.stats.disk_loads += 1
         report.disk_loaded = usable
@@ -281,10 +274,10 @@ class PrefixCache:
             return
         ns, prompt, report = lk.ns, lk.prompt, lk.report
         n = len(prompt)
-        if self.store.keeps_last_position:
+        if self.keeps_last_position:
             payload = np.array(np.asarray(logits)[0])  # [V]: answers an identical prompt with no forward
             report.saved = self.store.insert(ns, prompt, kv.segment, payload=payload)
-        else:  # the course exercise's snapshot: the first prompt_n - 1 positions
+        else:  # the single snapshot: the first prompt_n - 1 positions
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)
         self.stats.saves += 1
@@ -292,7 +285,7 @@ class PrefixCache:
 
     def wants_answer(self, lk: Lookup, output_ids) -> bool:
         """Whether prompt + answer should be stored (a store of many keys, consulted, and an answer)."""
-        return (lk.report.bypass is None and self.store.max_keys is None and self.save_generated
+        return (lk.report.bypass is None and self.mode == "radix" and self.save_generated
                 and bool(output_ids))
 
     def begin_answer(self, lk: Lookup, output_ids) -> AnswerSave | None:
@@ -302,12 +295,12 @@ class PrefixCache:
         it has the bits a cold prefill of the next turn would compute (see the module docstring).
         None if the prompt was evicted meanwhile (nothing to extend)."""
         tokens = list(lk.prompt) + list(output_ids)
-        hit = self.store.lookup(lk.ns, tokens, gather=False, count=False)
-        if hit.matched < len(lk.prompt) or hit.matched == len(tokens):
-            self.store.release(hit.lease)  # evicted meanwhile, or already stored: nothing to do
+        match = self.store.lookup(lk.ns, tokens, gather=False, count=False)
+        if match.length < len(lk.prompt) or match.length == len(tokens):
+            self.store.release(match)  # evicted meanwhile, or already stored: nothing to do
             return None
-        store, lease, n = self.store, hit.lease, hit.reused
-        return AnswerSave(lk, tokens, lease, lambda: KVCache.from_segment(store.gather(lease, n)))
+        store = self.store
+        return AnswerSave(lk, tokens, match, lambda: KVCache.from_segment(store.gather(match, match.reused)))
 
     def finish_answer(self, save: AnswerSave, kv: KVCache | None, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
@@ -318,7 +311,7 @@ class PrefixCache:
                 save.lookup.report.saved += added
                 self.stats.saves += 1
         finally:
-            self.store.release(save.lease)
+            self.store.release(save.match)
             self.sync()
 
     def _save_generated(self, lk: Lookup, gen: Generation) -> None:
@@ -327,16 +320,9 @@ class PrefixCache:
             save = self.begin_answer(lk, gen.output_ids)
             if save is None:
                 return
-            kv, logits = None, None
-            self.engine.recycle(gen.kv, gen.held)  # done with it: the restore below may take it as it is
+            self.engine.recycle(gen.kv, gen.held)  # done with it: the answer's restore may take it as it is
             gen.kv = None
-            try:
-                n = len(lk.prompt)
-                kv = self.engine.restore(save.prefix, self.engine.slots_needed(n, len(save.tokens), 0), n, save.tokens)
-                logits, kv = self.engine.prefill(save.tokens, kv)
-            finally:
-                self.finish_answer(save, kv, logits)
-            self.engine.recycle(kv, save.tokens)
+            AnswerPrefill(save).store_now(self)
         elif gen.kv is not None:
             tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
             lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)

@@ -23,7 +23,7 @@ def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
     }
 
 
-def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "minimal",
+def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "single",
               then_ids=None, budget_bytes: int = 2 << 30, warmup: bool = True, prompt_cache=None,
               **sampling) -> dict:
     """Cold run on an empty cache, then a warm run of the same prompt (or of `then_ids`).

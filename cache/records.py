@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxsmol.cache.store.radix import Match
 from jaxsmol.model.kv import KVCache
 
 
@@ -67,21 +68,21 @@ class Lookup:
     ns: tuple
     prompt: list[int]
     report: CacheReport
-    lease: object = None  # what the store pinned for this request (None once released)
+    match: Match | None = None  # what the store found, held for this request (None once released)
     prefix: KVCache | None = None  # host snapshot whose first report.reused positions are reused
     logits: np.ndarray | None = None  # [V] after the whole prompt, on an exact full hit
 
 
 @dataclasses.dataclass
 class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, pinned by `lease`).
+    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, held by `match`).
 
     The prefix is read from the store when first needed: at the save's first chunk, not when the
     request finishes (a 700-token prompt's state is a 32 MB copy, which delayed the decode step of
     every other row)."""
     lookup: Lookup
     tokens: list[int]
-    lease: object
+    match: Match
     read_prefix: Callable[[], KVCache]
 
     @functools.cached_property

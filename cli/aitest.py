@@ -5,7 +5,7 @@
     aitest --url http://127.0.0.1:8000 ...      the same against a running `jaxsmol serve`
 
 Without --url the model runs in this process. The course exercise's daemon keeps one snapshot of the first
-prompt_n - 1 tokens, so the in-process default cache mode is `minimal`; `--cache-mode radix`
+prompt_n - 1 tokens, so the in-process default cache mode is `single`; `--cache-mode radix`
 uses the full prefix store.
 """
 
@@ -25,7 +25,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
     p.add_argument("--cacheprobe", action="store_true", help="run the request cold, then warm, and compare")
     p.add_argument("--url", help="send the requests to a running `jaxsmol serve` at this address")
-    add_probe_args(p, default_mode="minimal")
+    add_probe_args(p, default_mode="single")
     add_sampling_args(p)
     add_model_args(p)
     return p

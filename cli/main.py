@@ -179,8 +179,8 @@ def add_probe_args(p, default_mode: str) -> None:
     p.add_argument("--predict", type=int, default=1, metavar="N", help="tokens to generate (default 1)")
     p.add_argument("--then", type=int, nargs="+", metavar="ID",
                    help="a second prompt (token ids) for the warm run, sharing a prefix with the first")
-    p.add_argument("--cache-mode", default=default_mode, choices=["radix", "minimal", "off"],
-                   help="radix: many prefixes in a radix tree; minimal: the course exercise's single snapshot; "
+    p.add_argument("--cache-mode", default=default_mode, choices=["radix", "single", "off"],
+                   help="radix: many prefixes in a radix tree; single: one snapshot of the first prompt_n - 1 tokens; "
                         "off: every request cold")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -12,9 +12,9 @@ from jaxsmol.cli.common import ArgumentParser, add_model_args
 def add_serve_options(s: argparse.ArgumentParser) -> None:
     """Every `jaxsmol serve` option but --host and --port, with the model's (cli/common.py)."""
     s.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes (default 2 GiB)")
-    s.add_argument("--cache-mode", default="radix", choices=["radix", "minimal"],
+    s.add_argument("--cache-mode", default="radix", choices=["radix", "single"],
                    help="radix: many prefixes in a radix tree (default); "
-                        "minimal: the course exercise's single snapshot")
+                        "single: one snapshot of the first prompt_n - 1 tokens")
     s.add_argument("--no-prefix-cache", action="store_true", help="serve every request cold")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
     s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "

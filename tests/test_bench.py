@@ -51,7 +51,7 @@ def test_bench_quick_writes_every_section(tmp_path, tiny_model_dir):
             _positive(row[k], f"{row['mode']} {row['prefix']}+{row['suffix']} {k}")
         assert row["warm_reused"] == row["prefix"]  # the warm prompt reuses exactly the shared prefix
     modes = {(row["mode"], row["exact"]) for row in t["modes"]}
-    assert {("radix", True), ("radix", False), ("minimal", True)} <= modes
+    assert {("radix", True), ("radix", False), ("single", True)} <= modes
     assert all(row["exact_is_full_hit"] for row in t["modes"] if row["mode"] == "radix")
     h = t["headline"]
     assert (h["prefix"], h["suffix"]) == (1008, 16) and h["reused"] == 1008

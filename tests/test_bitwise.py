@@ -1,7 +1,7 @@
 """THE property of the prefix cache: a warm run gives the bits of a cold run.
 
 For random prompts, split points and request sequences on the tiny config, every request is run
-through prefix caches (radix and minimal, exact=True) that have seen the earlier requests, and cold
+through prefix caches (radix and single, exact=True) that have seen the earlier requests, and cold
 on the bare engine; the last prompt position's logits, the generated ids and the reported
 log-probabilities must be equal bit for bit. Then the same on the real model.
 """
@@ -87,7 +87,7 @@ def test_split_points_at_chunk_and_block_boundaries(engines, which, split):
     prompt = tokens(1, 400, vocab)
     seen = prompt[:split] + tokens(2, 30, vocab)
     seen[split] = (prompt[split] + 1) % vocab
-    for mode in ("radix", "minimal"):
+    for mode in ("radix", "single"):
         cache = PrefixCache(eng, mode=mode, save_generated=False)
         cache.generate(seen, GREEDY)
         gen, r = cache.generate(prompt, GREEDY)
@@ -110,7 +110,7 @@ def test_random_split_points(engines, data):
     if extra and split < n:
         seen[split] = (prompt[split] + 1) % vocab  # diverge exactly at the split
     cold = Cold(eng)(prompt, sp)
-    for mode in ("radix", "minimal"):
+    for mode in ("radix", "single"):
         cache = PrefixCache(eng, mode=mode)
         cache.generate(seen, sp)
         gen, r = cache.generate(prompt, sp)
@@ -131,7 +131,7 @@ def test_random_request_sequences(engines, data):
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     rng = np.random.default_rng(seed)
     cold = Cold(eng)
-    caches = {mode: PrefixCache(eng, mode=mode) for mode in ("radix", "minimal")}
+    caches = {mode: PrefixCache(eng, mode=mode) for mode in ("radix", "single")}
     pool = [tokens(seed, data.draw(uniform(2, 400), label="base length"), vocab)]
     for i in range(data.draw(st.integers(2, 5), label="requests")):
         src = pool[data.draw(st.integers(0, len(pool) - 1), label="source")]
@@ -164,15 +164,15 @@ def test_multi_turn_reuses_the_saved_answer_bitwise(engines, data):
     sp = data.draw(st.sampled_from([GREEDY, sampled(seed % 1000)]), label="sampling")
     cold = Cold(eng)
     cache = PrefixCache(eng, mode="radix")
-    minimal = PrefixCache(eng, mode="minimal")
+    single = PrefixCache(eng, mode="single")
     prompt = tokens(seed, n, vocab)
     previous_answer_end = 0  # len(prompt + answer) of the previous turn; checked from turn 1 on
     for turn in range(3):
         gen, r = cache.generate(prompt, sp)
         reference = cold(prompt, sp)
         assert_bitwise(gen, reference, f"turn {turn} radix")
-        gm, _ = minimal.generate(prompt, sp)
-        assert_bitwise(gm, reference, f"turn {turn} minimal")
+        gm, _ = single.generate(prompt, sp)
+        assert_bitwise(gm, reference, f"turn {turn} single")
         if turn:
             assert r.reused >= previous_answer_end, "the previous answer was not reused"
         answer = prompt + gen.output_ids
@@ -204,7 +204,7 @@ def test_real_model_split_points_and_chat_continuation(real_engine):
     reference = cold(prompt, sp)
     for split in (37, 128, 257):
         seen = prompt[:split] + tok.encode(" something else entirely, and then more words")
-        for mode in ("radix", "minimal"):
+        for mode in ("radix", "single"):
             cache = PrefixCache(eng, mode=mode, save_generated=False)
             cache.generate(seen, sp)
             gen, r = cache.generate(prompt, sp)

@@ -22,7 +22,7 @@ def test_lab_probe_reuses_prompt_n_minus_1():
     r = run("aitest", "--cacheprobe", "--predict", 1, 0, 1, 2, 3, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["mode"] == "minimal"
+    assert out["mode"] == "single"
     assert out["cold"]["tokens_reused"] == 0 and out["cold"]["tokens_prefilled"] == 4
     assert out["warm"]["tokens_reused"] == 3 and out["warm"]["tokens_prefilled"] == 1
     assert out["identical"] is True

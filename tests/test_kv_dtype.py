@@ -24,7 +24,7 @@ def test_a_bfloat16_cache_takes_half_the_bytes(engines):
     assert bf16.fingerprint != f32.fingerprint  # their caches never mix
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_warm_runs_equal_cold_runs_with_a_bfloat16_cache(engines, mode):
     engine = engines["bfloat16"]
     sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
@@ -41,10 +41,10 @@ def test_warm_runs_equal_cold_runs_with_a_bfloat16_cache(engines, mode):
 def test_a_snapshot_of_the_other_kv_dtype_is_refused_by_name(engines, tmp_path):
     path = tmp_path / "prompt.snap"
     prompt = list(range(100, 150))
-    f32 = PrefixCache(engines["float32"], mode="minimal")
+    f32 = PrefixCache(engines["float32"], mode="single")
     list(f32.generate(prompt, SamplingParams(max_tokens=1))[0])
     assert save_prompt_cache(f32, path, prompt) > 0
-    report = load_prompt_cache(PrefixCache(engines["bfloat16"], mode="minimal"), path, prompt)
+    report = load_prompt_cache(PrefixCache(engines["bfloat16"], mode="single"), path, prompt)
     assert report.refused and "holds a float32 KV cache; this engine's is bfloat16 (--kv-dtype)" in report.refused
 
 

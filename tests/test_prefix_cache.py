@@ -41,7 +41,7 @@ def test_bypass_mode_off(eng):
     assert cache.bytes_held == 0 and s.bytes_held == 0
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_bypass_per_request(eng, mode):
     cache = PrefixCache(eng, mode=mode)
     p = toks(20, 2)
@@ -56,7 +56,7 @@ def test_bypass_per_request(eng, mode):
     assert cache.stats.lookups == 1
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_bypass_one_token_prompt(eng, mode):
     cache = PrefixCache(eng, mode=mode)
     run(cache, [7, 8, 9])  # something stored that starts with 7
@@ -66,12 +66,12 @@ def test_bypass_one_token_prompt(eng, mode):
     assert cache.stats.bypasses == {"prompt has at most one token": 1}
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_bypass_prompt_exceeds_capacity(eng, bpt, mode):
     logits_bytes = 4 * eng.cfg.vocab_size if mode == "radix" else 0  # radix also keeps the last logits
     cache = PrefixCache(eng, mode=mode, budget_bytes=10 * bpt + bpt // 2 + logits_bytes)  # capacity: 10 tokens
     assert cache.capacity_tokens == 10
-    longest = 11 if mode == "minimal" else 10  # minimal stores prompt_n - 1 positions, radix all n
+    longest = 11 if mode == "single" else 10  # single stores prompt_n - 1 positions, radix all n
     gen, r = run(cache, toks(longest, 3))
     assert r.bypass is None
     assert cache.bytes_held <= cache.budget_bytes
@@ -83,7 +83,7 @@ def test_bypass_prompt_exceeds_capacity(eng, bpt, mode):
 
 
 def test_bypass_reasons_counted_separately(eng, bpt):
-    cache = PrefixCache(eng, mode="minimal", budget_bytes=30 * bpt)
+    cache = PrefixCache(eng, mode="single", budget_bytes=30 * bpt)
     run(cache, toks(5, 5), bypass=True)
     run(cache, [9])
     run(cache, [10])
@@ -98,13 +98,14 @@ def test_bypass_reasons_counted_separately(eng, bpt):
 # ---- the course exercise: the prompt_n - 1 cap, match length, restore position ---------------------------
 
 def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
-    cache = PrefixCache(eng, mode="minimal")
+    cache = PrefixCache(eng, mode="single")
     p = toks(50, 10)
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled, r.saved) == (0, 0, 50, 49)
-    assert cache.single.snapshot.tokens == tuple(p[:49])
-    assert int(KVCache.from_segment(cache.single.snapshot.value).pos) == 49
-    assert cache.single.snapshot.value["k"].shape[3] == 49  # trimmed to its length
+    assert cache.store.entries() == [(cache.namespace(), tuple(p[:49]))]
+    stored, value, _ = cache.store.state(cache.namespace(), p)
+    assert int(KVCache.from_segment(value).pos) == 49
+    assert value["k"].shape[3] == 49  # trimmed to its length
     assert cache.bytes_held == 49 * bpt
     gen, r = run(cache, p)
     assert (r.matched, r.reused, r.prefilled) == (49, 49, 1)
@@ -113,7 +114,7 @@ def test_minimal_identical_prompt_reuses_n_minus_1(eng, bpt):
     assert r.snapshot_bytes == 49 * bpt
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_match_length_for_a_shared_prefix(eng, mode):
     cache = PrefixCache(eng, mode=mode, save_generated=False)
     p = toks(60, 11)
@@ -125,7 +126,7 @@ def test_match_length_for_a_shared_prefix(eng, mode):
     assert r.divergence_pos == 23
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_prompt_that_is_a_prefix_of_the_stored_one(eng, mode):
     cache = PrefixCache(eng, mode=mode, save_generated=False)
     p = toks(60, 13)
@@ -133,10 +134,10 @@ def test_prompt_that_is_a_prefix_of_the_stored_one(eng, mode):
     gen, r = run(cache, p[:20])
     assert (r.reused, r.prefilled) == (19, 1)  # capped at prompt_n - 1: no logits stored for p[:20]
     assert not r.exact_hit
-    assert r.matched == (19 if mode == "minimal" else 20)
+    assert r.matched == 20  # found in the store; restored only up to prompt_n - 1
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_restore_position_and_continuation(eng, mode):
     cache = PrefixCache(eng, mode=mode, save_generated=False)
     p = toks(100, 14)
@@ -152,7 +153,7 @@ def test_restore_position_and_continuation(eng, mode):
         assert gen.pos == len(q) + SP.max_tokens - 1  # continued from the restored position
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_miss_when_the_first_token_differs(eng, mode):
     """Everything after the first token equal is still a miss: only a common *prefix* is reused."""
     cache = PrefixCache(eng, mode=mode, save_generated=False)
@@ -164,7 +165,7 @@ def test_miss_when_the_first_token_differs(eng, mode):
 
 # ---- the course exercise: stale entries ignored -----------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_stale_entries_from_a_longer_sequence_are_ignored(eng, mode):
     cache = PrefixCache(eng, mode=mode, save_generated=False)
     a = toks(300, 16)
@@ -195,7 +196,7 @@ def test_stale_slots_beyond_pos_in_a_device_cache_never_matter(eng):
 # ---- the course exercise: statistics ---------------------------------------------------------------------------
 
 def test_statistics_minimal(eng, bpt):
-    cache = PrefixCache(eng, mode="minimal")
+    cache = PrefixCache(eng, mode="single")
     p = distinct(40, 20, 21)
     reports = []
     reports.append(run(cache, p)[1])  # miss
@@ -235,7 +236,7 @@ def test_statistics_radix(eng, bpt, payload_bytes):
     assert s.bypasses == {"prompt has at most one token": 1}
     assert s.tokens_reused == 50
     assert s.tokens_prefilled == 40 + 0 + 20 + 1 == sum(r.prefilled for r in (r1, r2, r3, r4))
-    assert s.bytes_held == cache.radix.bytes_held == (40 + 20) * bpt + 2 * payload_bytes
+    assert s.bytes_held == cache.store.bytes_held == (40 + 20) * bpt + 2 * payload_bytes
     assert s.saves >= 2
 
 

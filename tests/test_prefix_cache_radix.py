@@ -102,7 +102,7 @@ def test_fork_samples_share_one_snapshot(eng, bpt, payload_bytes):
     assert len(set(outs)) > 1  # the samples did differ
     # the prompt is stored once; each distinct answer adds its own positions and logits
     answer_positions = len({o[: i + 1] for o in outs for i in range(len(o))})
-    assert cache.radix.bytes_held == (80 + answer_positions) * bpt + (1 + len(set(outs))) * payload_bytes
+    assert cache.store.bytes_held == (80 + answer_positions) * bpt + (1 + len(set(outs))) * payload_bytes
     # branches of one prompt (tree of thought) reuse the shared trunk
     for j, o in enumerate(sorted(set(outs))):
         gen, r = run(cache, list(p) + list(o) + toks(5, 60 + j))
@@ -111,7 +111,7 @@ def test_fork_samples_share_one_snapshot(eng, bpt, payload_bytes):
 
 # ---- radix: namespaces ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_salt_namespace_never_hits(eng, mode):
     cache = PrefixCache(eng, mode=mode)
     p = toks(40, 70)
@@ -119,12 +119,12 @@ def test_salt_namespace_never_hits(eng, mode):
     gen, r = run(cache, p, salt="tenant-b")
     assert r.matched == 0 and r.reused == 0 and not r.exact_hit
     salted = PrefixCache(eng, mode=mode, salt="tenant-b")
-    salted.radix, salted.single = cache.radix, cache.single  # one store, two salts
+    salted.store = cache.store  # one store, two salts
     gen, r = run(salted, p)
-    assert r.reused == (39 if mode == "minimal" else 40)  # what tenant-b itself stored in radix
+    assert r.reused == (39 if mode == "single" else 40)  # what tenant-b itself stored in radix
 
 
-@pytest.mark.parametrize("mode", ["minimal", "radix"])
+@pytest.mark.parametrize("mode", ["single", "radix"])
 def test_other_model_fingerprint_never_hits(eng, mode):
     cache = PrefixCache(eng, mode=mode)
     p = toks(40, 71)
@@ -132,7 +132,7 @@ def test_other_model_fingerprint_never_hits(eng, mode):
     other = Engine(eng.cfg, eng.params, None, ctx=eng.ctx)
     other._fingerprint = "tiny-other"
     other_cache = PrefixCache(other, mode=mode)
-    other_cache.radix, other_cache.single = cache.radix, cache.single  # one store, two models
+    other_cache.store = cache.store  # one store, two models
     gen, r = run(other_cache, p)
     assert r.matched == 0 and r.reused == 0
     if mode == "radix":
@@ -198,13 +198,13 @@ def test_entry_in_use_is_not_evicted(eng, bpt, payload_bytes):
     assert req.report.exact_hit
     for i in range(3):  # a is the least recently used throughout
         run(cache, distinct(40, 91 + i, 92 + i))
-    assert cache.radix.match(ns, a).length == 40  # still there
+    assert cache.store.match(ns, a).length == 40  # still there
     steps = list(req)
     assert len(steps) == 3
     assert_same(req.gen, eng.generate(a, SP))
     for i in range(3):
         run(cache, distinct(40, 95 + i, 96 + i))
-    assert cache.radix.match(ns, a).length == 0  # released: evicted like any other
+    assert cache.store.match(ns, a).length == 0  # released: evicted like any other
     assert cache.bytes_held <= cache.budget_bytes
 
 
@@ -219,7 +219,7 @@ def test_partial_hits_leave_nothing_pinned(eng, bpt, payload_bytes):
     b[20] = a[20] + 1 if a[20] < 255 else 3
     gen, r = run(cache, b)
     assert r.reused == 20
-    assert _leased(cache.radix) == []  # no request is in flight
+    assert _leased(cache.store) == []  # no request is in flight
     for i in range(4):  # a, b and their shared trunk are now the least recently used
         run(cache, distinct(40, 103 + i, 104 + i))
     gen, r = run(cache, a)

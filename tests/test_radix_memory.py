@@ -101,10 +101,10 @@ def test_add_snapshot_of_a_loaded_file_holds_what_it_counts(tiny_engine, tmp_pat
     held, _ = held_by(load_three_prefixes)
     assert cache.bytes_held == 304 * tiny_engine.kv_bytes_per_token + 2 * 4 * tiny_engine.cfg.vocab_size
     assert held <= cache.bytes_held + SLACK, (held, cache.bytes_held)
-    assert_owned(cache.radix)
-    cache.radix.budget_bytes = 150 * tiny_engine.kv_bytes_per_token
-    freed, _ = held_by(cache.radix._evict)
-    assert cache.bytes_held <= cache.radix.budget_bytes
+    assert_owned(cache.store)
+    cache.store.budget_bytes = 150 * tiny_engine.kv_bytes_per_token
+    freed, _ = held_by(cache.store._evict)
+    assert cache.bytes_held <= cache.store.budget_bytes
     assert -freed >= held - cache.bytes_held - SLACK  # the evicted bytes were really released
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-from jaxsmol.cache.store.interface import RadixPrefixStore
 from jaxsmol.cache.store.radix import RadixStore
 from radix_values import BIG, BYTES_PER_POS, all_nodes, assert_tree_equal, put, tree_bytes, value
 
@@ -112,14 +111,14 @@ def test_peek_reads_the_match_length_without_touching_the_lru():
 
 
 def test_hits_count_the_nodes_a_lookup_restores_entirely_and_walk_lists_every_key():
-    s = RadixPrefixStore(BIG)
+    s = RadixStore(BIG)
     system, q1 = (1, 2, 3, 4), (1, 2, 3, 4, 5, 6)
     put(s, "ns", system, payload={"p": value(system, 0, 1)["a"]})
     put(s, "ns", q1, payload={"p": value(q1, 0, 1)["a"]})
     for _ in range(3):
-        s.release(s.lookup("ns", (1, 2, 3, 4, 5, 9)).lease)  # restores system and 5: q1 not entirely
-    s.release(s.lookup("ns", q1 + (7,)).lease)
-    s.release(s.lookup("ns", q1 + (8,), count=False).lease)  # e.g. an answer extending its prompt
+        s.release(s.lookup("ns", (1, 2, 3, 4, 5, 9)))  # restores system and 5: q1 not entirely
+    s.release(s.lookup("ns", q1 + (7,)))
+    s.release(s.lookup("ns", q1 + (8,), count=False))  # e.g. an answer extending its prompt
     entries = {tokens: (node, nbytes) for ns, tokens, node, nbytes in s.walk()}
     assert set(entries) == {system, q1}
     assert entries[system][0].hits == 4 and entries[q1][0].hits == 1

@@ -177,8 +177,8 @@ def test_cached_prompt_state_is_bitwise_cold_with_batching(tiny_engine):
     [[cold]] = generate_many(cold_cache, [second], SamplingParams(max_tokens=3))
     assert warm.output_ids == cold.output_ids
     ns = warm_cache.namespace()
-    warm_logits = warm_cache.radix.match(ns, second).payload
-    cold_logits = cold_cache.radix.match(cold_cache.namespace(), second).payload
+    warm_logits = warm_cache.store.match(ns, second).payload
+    cold_logits = cold_cache.store.match(cold_cache.namespace(), second).payload
     assert warm_logits is not None and np.array_equal(warm_logits, cold_logits)
 
 
@@ -196,7 +196,7 @@ def test_answers_are_stored_for_the_next_turn(tiny_engine):
     cold_cache = PrefixCache(tiny_engine, mode="radix")
     [[cold]] = generate_many(cold_cache, [follow_up], SamplingParams(max_tokens=2))
     assert cold.cached_tokens == 0 and cold.output_ids == second.output_ids
-    stored = [c.radix.match(c.namespace(), follow_up).payload for c in (cache, cold_cache)]
+    stored = [c.store.match(c.namespace(), follow_up).payload for c in (cache, cold_cache)]
     assert stored[0] is not None and np.array_equal(*stored)
 
 

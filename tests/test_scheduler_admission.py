@@ -151,7 +151,7 @@ def test_pins_beyond_the_budget_or_without_the_radix_cache_are_refused_with_the_
     assert not pin_request(sched, first).errors
     [error] = pin_request(sched, distinct(60, 72, 23)).errors  # fits alone, not beside the first
     assert "pinned budget" in str(error) and cache.pins.keys() == [(cache.namespace(), tuple(first))]
-    for mode in ("minimal", "off"):
+    for mode in ("single", "off"):
         [error] = pin_request(Scheduler(PrefixCache(tiny_engine, mode=mode), max_batch=1), first).errors
         assert "radix" in str(error)
 

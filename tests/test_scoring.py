@@ -110,7 +110,7 @@ def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, ru
     assert [r.index for r in done] == [0, 1]
     for r in done:
         assert type(r) is ChoiceResult  # plain data: no Generation, no cache state
-        assert all(isinstance(getattr(r, f), (int, str, list, type(None))) for f in r.__dataclass_fields__)
+        assert all(isinstance(getattr(r, f), (int, float, str, list, type(None))) for f in r.__dataclass_fields__)
         assert r.output_ids == [e.step.token for e in events if isinstance(e, TokenEvent) and e.index == r.index]
     # both choices are forks of one cold prefill: nothing came from the cache, for either
     assert (done[0].cached_tokens, done[1].cached_tokens) == (0, 0)

@@ -31,14 +31,14 @@ FALLBACK_HELP = {
     ("*", "--model"): "a Hugging Face SmolLM checkpoint directory (default: the bundled SmolLM2-135M-Instruct)",
     ("*", "--chat"): "apply the model's chat template to the text",
     ("*", "--json"): "print one JSON object",
-    ("cacheprobe", "--cache-mode"): "the prefix cache: radix (many prefixes, longest match), minimal (one snapshot "
+    ("cacheprobe", "--cache-mode"): "the prefix cache: radix (many prefixes, longest match), single (one snapshot "
                                     "of the first prompt_n - 1 tokens), off",
-    ("aitest", "--cache-mode"): "the prefix cache: minimal (the course exercise's one snapshot), radix, off",
+    ("aitest", "--cache-mode"): "the prefix cache: single (one snapshot of the first prompt_n - 1 tokens), radix, off",
     ("cacheprobe", "--max-tokens"): "ignored: --predict sets the tokens to generate",
     ("aitest", "--max-tokens"): "ignored: --predict sets the tokens to generate",
     ("serve", "--host"): "the address to listen on (loopback by default; other addresses want API keys)",
     ("serve", "--port"): "the TCP port",
-    ("serve", "--cache-mode"): "radix (many prefixes, longest match) or minimal (one snapshot of the first "
+    ("serve", "--cache-mode"): "radix (many prefixes, longest match) or single (one snapshot of the first "
                                "prompt_n - 1 tokens)",
     ("tokenize", "text"): "the text to tokenize",
     ("import-gguf", "file"): "the GGUF file (Llama architecture)",

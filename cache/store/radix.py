@@ -10,6 +10,9 @@ Lookup is at token granularity: the match may end inside an edge, and any stored
 the matched tokens provides the value of the match (the first `length` positions of a sequence only
 depend on those positions' tokens, which is what a causal model's KV state is).
 
+`lookup` returns a `Match` holding the positions to restore and their value, kept from eviction until
+`release(match)`. `max_keys=1` makes it the single-snapshot store: an insert replaces the one key.
+
 Memory is bounded: least-recently-used leaves are evicted while the bytes held exceed the budget;
 nodes on the path of a lease (an entry in use) are never evicted. A pinned key (`pin`) is never
 evicted either: its nodes' bytes are counted apart (`pinned_bytes`, bounded by the caller's pinned
@@ -18,9 +21,8 @@ set, is called with a victim's whole key before it goes (a second tier may keep 
 root goes when its last key does. Victims come from a heap of leaves by last use, as SGLang's radix
 cache takes them: an entry is pushed when a leaf is used or when a node becomes a leaf, and stale
 entries (a node used since, extended, or gone) are skipped when popped, so an eviction costs
-O(log n) where a scan of every leaf cost O(n): an insert into a full store that evicts took 15.6 us
-at 10k keys and 18.9 us at 100k, where the scan took 1327 us at 10k (tests/test_radix_eviction.py
-checks the heap's victims against the scan's).
+O(log n), not a scan of every leaf (docs/design.md; tests/test_radix_eviction.py checks the heap's
+victims against a scan's).
 
 Every stored segment and payload owns its memory (a NumPy view given to `insert` is copied, a split
 copies both halves), so the bytes counted are the bytes held, and evicting a node frees what it counted.
@@ -38,6 +40,7 @@ from collections.abc import Hashable
 import jax
 import numpy as np
 
+from jaxsmol.cache.store.pinned_keys import PinnedKeys
 from jaxsmol.cache.store.values import common_prefix_len, owned, tree_bytes
 
 
@@ -64,19 +67,24 @@ class _Node:
 
 @dataclasses.dataclass
 class Match:
-    """The result of a lookup: `length` tokens of the query are stored."""
+    """What a lookup found for a query of n tokens: `length` of them are stored."""
     length: int
     path: list  # nodes from the root's child to the node holding position length-1 (inclusive)
     payload: Any = None  # the payload of a stored key equal to the query, if any
     nearest_len: int = 0  # length of the nearest stored key (for miss diagnostics)
+    reused: int = 0  # positions to restore: length, capped at n - 1 unless `payload` (an exact full hit)
+    value: Any = None  # the state of the first `reused` positions (lookup with gather=True)
+    held: bool = False  # acquired: its nodes stay until release(match)
 
 
-class RadixStore:
+class RadixStore(PinnedKeys):
     """Longest-prefix store for token-keyed, sequence-sliceable values, LRU under a byte budget."""
 
-    def __init__(self, budget_bytes: int, seq_axis: int = 0):
+    def __init__(self, budget_bytes: int, seq_axis: int = 0, max_keys: int | None = None):
+        if max_keys not in (None, 1):
+            raise ValueError(f"max_keys must be None or 1, got {max_keys!r}")
         self.budget_bytes = int(budget_bytes)
-        self.seq_axis = seq_axis
+        self.seq_axis, self.max_keys = seq_axis, max_keys
         self._roots: dict[Hashable, _Node] = {}
         self._clock = itertools.count(1)
         self.bytes_held = 0
@@ -141,6 +149,21 @@ class RadixStore:
         if touch:
             self._touch(path)
         return Match(length=depth, path=path, payload=path[-1].payload if exact else None, nearest_len=nearest)
+
+    def lookup(self, namespace, tokens, gather: bool = True, count: bool = True) -> Match:
+        """The longest stored prefix of `tokens`, held (never evicted) until `release(match)` if it
+        restores anything. gather=False leaves match.value None: `gather(match, match.reused)` reads it
+        later. count: a hit on every node whose positions are all restored (what inspection reports)."""
+        match = self.match(namespace, tokens)
+        match.reused = len(tokens) if match.payload is not None else min(match.length, len(tokens) - 1)
+        if match.reused:
+            self.acquire(match)
+            match.value = self.gather(match, match.reused) if gather else None
+            depth = 0
+            for node in match.path if count else ():
+                depth += len(node.tokens)
+                node.hits += depth <= match.reused
+        return match
 
     def peek(self, namespace, tokens) -> int:
         """How many leading tokens of `tokens` are stored: a walk of the tree, nothing gathered or touched."""
@@ -207,6 +230,17 @@ class RadixStore:
         for leaf in sorted(self._leaves(), key=lambda n: n.last_used):
             yield self._key_of(leaf)
 
+    def entries(self) -> list:
+        """(namespace, tokens) of every stored key that no other extends, least recently used first."""
+        return [(ns, self.tokens(m)) for ns, m in self.keys()]
+
+    def state(self, namespace, tokens):
+        """(tokens, value, {length: payload}) of the longest stored prefix of `tokens`, or None."""
+        match = self.match(namespace, tokens)
+        if match.length == 0:
+            return None
+        return self.tokens(match), self.gather(match), self.payloads(match)
+
     # ---- insert ------------------------------------------------------------------------------
     def insert(self, namespace, tokens, value_of, payload=None) -> int:
         """Store the value of `tokens`; `value_of(start, stop)` gives the value of positions
@@ -215,6 +249,8 @@ class RadixStore:
         tokens = tuple(tokens)
         if not tokens:
             return 0
+        if self.max_keys == 1:  # the single snapshot: saving replaces it
+            self.clear()
         node, depth = self._root(namespace), 0
         path = []
         while depth < len(tokens):
@@ -241,6 +277,12 @@ class RadixStore:
         self._evict(protect=set(map(id, path)))
         return added
 
+    def add(self, namespace, tokens, value_of, payloads: dict) -> None:
+        """Store a key and an exact entry (a payload) for each of its prefixes in `payloads` (files, disk)."""
+        for n in sorted(payloads) if self.max_keys is None else ():  # shorter first: each stores what is new
+            self.insert(namespace, tokens[:n], value_of, payload=payloads[n])
+        self.insert(namespace, tokens, value_of)
+
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
         # Both halves are copies: views would keep the whole old segment alive after either half goes.
@@ -264,8 +306,13 @@ class RadixStore:
         """Pin the nodes of a match while a request uses them (they are never evicted meanwhile)."""
         for node in match.path:
             node.leases += 1
+        match.held = True
 
-    def release(self, match: Match) -> None:
+    def release(self, match: Match | None) -> None:
+        """Unpin what `acquire` (or `lookup`) pinned; once (a match not held: nothing to do)."""
+        if match is None or not match.held:
+            return
+        match.held = False
         for node in match.path:
             node.leases -= 1
         self._evict()
@@ -328,53 +375,6 @@ class RadixStore:
         self._nodes = sum(1 for _ in self.walk(keys_only=False))
         self._heap = [(n.last_used, next(self._order), n) for n in self._leaves()]
         heapq.heapify(self._heap)
-
-    # ---- pinned keys ---------------------------------------------------------------------------
-    def key_path(self, namespace, tokens) -> list | None:
-        """The nodes of the stored key `tokens`, the last one ending where the key ends (its edge is
-        split there if the key ends inside it); None if the key is not stored."""
-        tokens = tuple(tokens)
-        match = self.match(namespace, tokens, touch=False)
-        if not tokens or match.length < len(tokens):
-            return None
-        path, end = match.path, sum(len(n.tokens) for n in match.path)
-        if end > len(tokens):
-            last = path[-1]
-            path = path[:-1] + [self._split(last, len(last.tokens) - (end - len(tokens)))]
-        return path
-
-    def pin_cost(self, namespace, tokens) -> int | None:
-        """The bytes pinning the stored key `tokens` would add to pinned_bytes (None: not stored)."""
-        path = self.key_path(namespace, tokens)
-        if path is None:
-            return None
-        return 0 if (namespace, tuple(tokens)) in self.pinned else sum(n.nbytes for n in path if not n.pins)
-
-    def pin(self, namespace, tokens) -> bool:
-        """Keep the stored key `tokens` (and every node it runs through) out of eviction until `unpin`;
-        False if it is not stored. Pinning a pinned key again does nothing."""
-        tokens = tuple(tokens)
-        path = self.key_path(namespace, tokens)
-        if path is None:
-            return False
-        if (namespace, tokens) not in self.pinned:
-            self.pinned.add((namespace, tokens))
-            for node in path:
-                self.pinned_bytes += node.nbytes if node.pins == 0 else 0
-                node.pins += 1
-        return True
-
-    def unpin(self, namespace, tokens) -> bool:
-        """Return a pinned key to the LRU (evicted when its turn comes); False if it was not pinned."""
-        tokens = tuple(tokens)
-        if (namespace, tokens) not in self.pinned:
-            return False
-        self.pinned.discard((namespace, tokens))
-        for node in self.key_path(namespace, tokens):  # pinned nodes stay: the key is still there
-            node.pins -= 1
-            self.pinned_bytes -= node.nbytes if node.pins == 0 else 0
-        self._evict()
-        return True
 
     def walk(self, keys_only: bool = True):
         """(namespace, tokens, node, bytes of its whole state) of every stored key: a node that ends a

@@ -102,7 +102,7 @@ def section_ttft(engine, plan, rng, warm: Warmup) -> dict:
         warm.request(p + s, generated=1)
         for exact in (True, False):
             warm.request(p + s, start=p, generated=int(exact), exact=exact)
-        warm.request(p + s, start=p + s - 1)  # minimal mode, same prompt again
+        warm.request(p + s, start=p + s - 1)  # single mode, same prompt again
 
     grid = []
     for exact in plan["ttft_exact"]:
@@ -142,7 +142,7 @@ def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
     for i, br in enumerate(branches, 1):
         cache.generate(trunk + br, SamplingParams(max_tokens=1))
         if i in plan["branches"]:
-            held = cache.radix.bytes_held
+            held = cache.store.bytes_held
             full = i * (trunk_n + branch_n) * bpt
             rows.append({"n": i, "bytes_held": held, "kv_bytes_held": held - i * payload,
                          "full_copies_bytes": full, "held_over_full": held / full})
