@@ -34,7 +34,7 @@ class AnswerPrefill:
             if int(self.kv.pos) < len(tokens):
                 return False
             cache.finish_answer(self.save, self.kv, logits)
-            engine.recycle(self.kv, cache.exact_state(tokens) or ())  # prompt + answer, prefilled exactly
+            engine.recycle(self.kv)
             self.kv = None
         except Exception:
             self.drop(cache)

@@ -113,7 +113,7 @@ class PrefixCache:
 
     def exact_state(self, tokens):
         """tokens, where this cache's entries are their exact state (exact mode), else None: what
-        Engine.restore and Engine.recycle take so that a kept cache may stand in for a copy."""
+        Engine.restore takes so that a kept cache holding that state may stand in for a copy."""
         return tokens if self.exact else None
 
     # ---- a request ------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ class PrefixCache:
             save = self.begin_answer(lk, gen.output_ids)
             if save is None:
                 return
-            self.engine.recycle(gen.kv, gen.held)  # done with it: the answer's restore may take it as it is
+            self.engine.recycle(gen.kv)  # done with it: the answer's restore may take it as it is
             gen.kv = None
             AnswerPrefill(save).store_now(self)
         elif gen.kv is not None:
@@ -353,6 +353,6 @@ class CachedRequest:
             cache.finish(lk, self.gen.timings.prefilled_tokens)
         if self.gen.finish_reason and cache.wants_answer(lk, self.gen.output_ids):
             cache._save_generated(lk, self.gen)
-        cache.engine.recycle(self.gen.kv, self.gen.held)  # the request is over: its buffer can serve the next one
+        cache.engine.recycle(self.gen.kv)  # the request is over: its buffer can serve the next one
         self.gen.kv = None
         cache.sync()

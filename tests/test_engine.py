@@ -345,9 +345,9 @@ def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
 
 
 def test_a_restore_takes_a_finished_cache_holding_its_prefix_without_copying(tiny_cfg):
-    """A cache recycled with the tokens whose exact state it holds serves a restore of a prefix of
-    them as it is (same buffer, no staging copy), with the snapshot's values in those slots; a
-    restore of other tokens, or one not told its tokens, copies the snapshot in."""
+    """A recycled cache holding the exact state of its tokens (the engine knows which) serves a restore
+    of a prefix of them as it is (same buffer, no staging copy), with the snapshot's values in those
+    slots; a restore of other tokens, or one not told its tokens, copies the snapshot in."""
     from jaxsmol.model.params import init_random
 
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
@@ -355,34 +355,40 @@ def test_a_restore_takes_a_finished_cache_holding_its_prefix_without_copying(tin
     _, kv = engine.prefill(prompt, engine.new_cache(engine.slots_needed(0, 300, 0)))
     snapshot = jax.device_get(kv)
     address = kv.k.unsafe_buffer_pointer()
-    engine.recycle(kv, prompt)
+    assert engine.exact_prefix(kv) == tuple(prompt)  # a cold prefill of exact chunks
+    engine.recycle(kv)
     del kv
     got = engine.restore(snapshot, 512, 200, prompt)
     assert got.k.unsafe_buffer_pointer() == address and int(got.pos) == 200
     assert engine.staging.nbytes == 0 and engine.pool.taken_holding == 1  # nothing was copied
     for a, b in ((got.k, snapshot.k), (got.v, snapshot.v)):
         np.testing.assert_array_equal(np.asarray(a)[..., :200, :], b[..., :200, :])
-    engine.recycle(got, prompt)
+    engine.recycle(got)
     del got
     other = prompt[:199] + [prompt[199] + 1]
     copied = engine.restore(snapshot, 512, 200, other)  # the same slots would be another prompt's state
     assert engine.pool.taken_holding == 1 and engine.staging.nbytes > 0
-    engine.recycle(copied, prompt)
+    engine.recycle(copied)
     del copied
     assert engine.restore(snapshot, 512, 200) is not None and engine.pool.taken_holding == 1  # not told: copies
 
 
 def test_only_exact_states_are_recycled_as_reusable(tiny_engine):
-    """A generation's `held` (what its cache is recycled with): the prompt after a cold prefill or an
-    exact one onto an exact prefix; nothing after the fast path or onto a prefix not known exact."""
+    """The tokens whose exact state a generation's cache holds after its decode steps (what it is
+    recycled with): the prompt after a cold prefill or exact chunks onto an exact prefix; nothing after
+    a one-row chunk (the fast path's, not exact) or onto a prefix not known exact."""
     prompt = _ids(40, 1)
     snapshot = jax.device_get(tiny_engine.prefill(prompt, tiny_engine.new_cache(64))[1])
     sp = SamplingParams(max_tokens=2)
-    assert tiny_engine.generate(prompt, sp).held == tuple(prompt)
+
+    def held(**kw):
+        return tiny_engine.exact_prefix(tiny_engine.generate(prompt, sp, **kw).kv)
+
+    assert held() == tuple(prompt)
     warm = dict(prefix=snapshot, prefix_len=30)
-    assert tiny_engine.generate(prompt, sp, **warm, prefix_exact=True).held == tuple(prompt)
-    assert tiny_engine.generate(prompt, sp, **warm, prefix_exact=True, exact=False).held == ()
-    assert tiny_engine.generate(prompt, sp, **warm).held == ()
+    assert held(**warm, prefix_exact=True) == tuple(prompt)
+    assert held(prefix=snapshot, prefix_len=39, prefix_exact=True, exact=False) == ()
+    assert held(**warm) == ()
 
 
 def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):

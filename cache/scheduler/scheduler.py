@@ -281,7 +281,7 @@ class Scheduler:
                 going_on.append(row)
         if going_on:
             self._insert(going_on, p.kv)
-        self.engine.recycle(p.kv, lk.prompt if self._exact(p) else ())  # exact: the prompt's state, reusable
+        self.engine.recycle(p.kv)
         self.prefills.remove(p)
 
     def _pin(self, req: Request, lk) -> JaxsmolError | None:

@@ -222,13 +222,17 @@ class Engine:
         return check_prompt(self.cfg, self.ctx, ids, max_tokens)
 
     # ---- the forward, chunked -------------------------------------------------------------------
-    def recycle(self, kv: KVCache | None, held=()) -> None:
-        """Hand back a one-row cache that nothing will read again (the caller must drop its reference);
-        `held`: the tokens whose exact state (what an exact prefill computes) its slots 0.. hold, so
-        that a restore of a prefix of them may take it without copying (see `restore`)."""
+    def recycle(self, kv: KVCache | None) -> None:
+        """Hand back a one-row cache nothing will read again (drop your reference): a restore of a
+        prefix of its `exact_prefix` may take it without copying (see `restore`)."""
         if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
             return  # (deleted: donated to a call that failed)
-        self.pool.give(kv, held)
+        self.pool.give(kv)
+
+    def exact_prefix(self, kv: KVCache) -> tuple:
+        """The tokens whose exact state (an exact prefill's bits) kv's first slots hold, as the engine
+        made it: restores told their tokens, exact chunks onto such a state, decode steps after it."""
+        return self.pool.marked(kv)
 
     @property
     def pool_bytes(self) -> int:
@@ -237,9 +241,8 @@ class Engine:
 
     def new_cache(self, slots: int) -> KVCache:
         cap = capacity_for(slots)
-        if (kept := self.pool.take(cap)) is not None:
-            return kept
-        return KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
+        kept = self.pool.take(cap)
+        return kept if kept is not None else KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
 
     def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
@@ -251,9 +254,9 @@ class Engine:
         check_snapshot(snapshot, self.cfg, n)
         if n > capacity_for(slots):
             raise JaxsmolError(f"a prefix of {n} positions does not fit a cache of {slots} slots")
-        if tokens is not None and len(tokens) >= n and self.mesh is None:
-            if (kept := self.pool.take_holding(capacity_for(slots), tuple(tokens[:n]))) is not None:
-                return kept
+        exact = tuple(tokens[:n]) if tokens is not None and len(tokens) >= n else ()
+        if exact and self.mesh is None and (kept := self.pool.take_holding(capacity_for(slots), exact)) is not None:
+            return kept
         kv = self.new_cache(slots)  # a recycled buffer when one is free
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
@@ -261,7 +264,7 @@ class Engine:
             k, v = self.staging.stage(snapshot.k, snapshot.v, n, ATTN_BLOCK)
             kernel = self.cfg.cpu_kernels and self.mesh is None  # the copy on both threads (not sharded)
             kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n), kernel=kernel)
-            return jax.block_until_ready(kv)  # done reading them before the next restore rewrites them
+            return self.pool.mark(jax.block_until_ready(kv), exact)  # read before the next restore rewrites them
 
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
         """The prefill chunk lengths this engine uses (see prefill_buckets)."""
@@ -293,8 +296,12 @@ class Engine:
         returns (logits [1, V] after the chunk's last token, kv). (A chunk that would run past the
         capacity starts earlier: see _next_chunk.)"""
         T = self.chunk_rows(len(ids) - int(kv.pos), max_rows, exact)
-        chunk, n, kv = _next_chunk(ids, kv, T)
-        return programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), kv, self.cfg)
+        held = self.pool.marked(kv)
+        chunk, n, ready = _next_chunk(ids, kv, T)
+        start = int(ready.pos)  # read before the call donates it
+        logits, out = programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), ready, self.cfg)
+        self.pool.mark_chunk(out, ids, held, start, n, T in self.buckets(True))
+        return logits, out
 
     def prefill_side_by_side(self, prompts: list[list[int]], kvs: list[KVCache], T: int
                              ) -> tuple[jax.Array, list[KVCache]]:
@@ -304,11 +311,15 @@ class Engine:
         them: only with the C++ kernels (`side_by_side`), whose rows do not depend on the others."""
         if not self.side_by_side:
             raise ValueError("prompts are prefilled side by side only with the CPU kernels")
+        held = [self.pool.marked(kv) for kv in kvs]
         chunks, lengths, ready = zip(*(_next_chunk(ids, kv, T) for ids, kv in zip(prompts, kvs)))
-        window = self.side_by_side_window(max(int(kv.pos) for kv in ready) + T, ready[0].capacity)
-        logits, kvs = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
+        starts = [int(kv.pos) for kv in ready]  # read before the call donates them
+        window = self.side_by_side_window(max(starts) + T, ready[0].capacity)
+        logits, out = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
                                             jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg, window=window)
-        return logits, list(kvs)
+        for ids, h, after, start, n in zip(prompts, held, out, starts, lengths):
+            self.pool.mark_chunk(after, ids, h, start, n, T in self.buckets(True))
+        return logits, list(out)
 
     def side_by_side_window(self, slots: int, capacity: int) -> int | None:
         """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
@@ -326,7 +337,9 @@ class Engine:
 
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
-        return programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
+        held = self.pool.marked(kv)  # the step writes after the positions held: they stay exact
+        logits, out = programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
+        return logits, self.pool.mark(out, held)
 
     def warmup(self, slots: int, prompt_len: int | None = None) -> int:
         """Compile every program a request touching `slots` cache slots may need (prefill buckets and
@@ -378,7 +391,7 @@ class Engine:
         with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
         exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold).
         prefix_exact: the prefix is the exact state of its tokens (an exact prefix cache's entry), so
-        a recycled cache holding it may stand in for its copy (see `restore`, `Generation.held`)."""
+        a recycled cache holding it may stand in for its copy (see `restore`)."""
         return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
                           prefix_logits, on_prefill, exact, prefix_exact)
 

@@ -85,9 +85,6 @@ class Generation:
         self.engine, self.prompt_ids, self.sp = engine, prompt_ids, sp
         self._prefix, self._prefix_len, self._prefix_logits = (prefix, prefix_len if prefix is not None else 0,
                                                                prefix_logits)
-        # the tokens whose exact state kv's first slots hold (Engine.recycle): the whole prompt when
-        # it was prefilled exactly onto nothing or onto an exact prefix, else none
-        self.held = tuple(prompt_ids) if prefix is None or (exact and prefix_exact) else ()
         self._restore_tokens = prompt_ids if prefix_exact else None  # (restore takes its first prefix_len)
         self._on_prefill, self._exact = on_prefill, exact
         self.output_ids: list[int] = []
