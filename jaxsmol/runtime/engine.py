@@ -4,14 +4,13 @@ Compiled programs come from programs.py (the one jit site). Prompts are prefille
 buckets, with the true length traced, and caches are allocated with capacities from a doubling
 ladder (chunks.py), so the number of compiled forward programs is bounded (`compile_bound`).
 
-A prompt prefilled from a restored prefix gives exactly the bits of a prompt prefilled from zero,
-because a prompt row's bits do not depend on the chunk that carries it. That is what makes the
-prefix cache exact. On XLA:CPU the rows of `x @ W` are bit-identical for any row count >= 64 (not
-for 1..56), so every prefill chunk has at least 64 rows, wherever it starts, and attention blocks
-are aligned to absolute positions (see model.py). With the CPU kernels (cpu_kernels.py; float32 or
-bfloat16 weights on one CPU device) every row of a chunk of >= 2 rows gets the same bits whatever its size, so exact
-prefill may also use 8-, 16- and 32-row chunks: a short suffix after a restore costs 8 rows, not 64.
-(Single rows are decode steps, whose attention takes another path: never a prefill chunk.)
+A prompt prefilled from a restored prefix gives exactly the bits of a prompt prefilled from zero, because a
+prompt row's bits do not depend on the chunk that carries it: that makes the prefix cache exact. On XLA:CPU the
+rows of `x @ W` are bit-identical for any row count >= 64 (not for 1..56), so every prefill chunk has at least
+64 rows, wherever it starts, and attention blocks are aligned to absolute positions (see model.py). With the
+CPU kernels (cpu_kernels.py; float32 or bfloat16 weights on one CPU device) every row of a chunk of >= 2 rows
+gets the same bits whatever its size, so exact prefill may also use 8-, 16- and 32-row chunks: a short suffix
+after a restore costs 8 rows, not 64. (Single rows are decode steps, whose attention takes another path.)
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ from jaxsmol.runtime.structured import all_allowed
 
 def compiled_programs(program: str = "forward") -> int:
     """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
-    process so far: what compile_bound bounds, counted by the benchmark and the tests.
-    programs.clear() resets it."""
+    process so far (what compile_bound bounds; programs.clear() resets it)."""
     return programs.compiled_count(program)
 
 
