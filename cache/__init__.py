@@ -1,6 +1,6 @@
 """The prefix cache, in front of jaxsmol's engine: requests that share a prompt prefix reuse its KV state.
 
-    from jaxsmol.cache import PrefixCache, generate_many, run_probe
+    from jaxsmol.cache import PrefixCache, generate, generate_many, run_probe
 
 Here: `prefix_cache.py` (PrefixCache: bypass, lookup, restore, continue, save), `records.py` (what it
 reports and pins), `pins.py` (pinned prefixes, out of LRU eviction under a budget of their own),
@@ -8,12 +8,14 @@ reports and pins), `pins.py` (pinned prefixes, out of LRU eviction under a budge
   store/       where prefixes are kept, model-agnostic: the radix tree (many keys, or the single
                snapshot), snapshot files and the disk tier (imports jaxsmol only)
   scheduler/   continuous batching on top of the cache: admission, prefill chunks side by side, forks,
-               answers kept for the next turn, compile-ahead, and generate_many (imports everything here)
+               answers kept for the next turn, compile-ahead, and the library's calls generate and
+               generate_many: every request runs through the scheduler (imports everything here)
 Imports flow cli -> cache -> jaxsmol, never back.
 """
 
-__all__ = ["PrefixCache", "generate_many", "run_probe"]
-_PUBLIC = {"PrefixCache": "jaxsmol.cache.prefix_cache", "generate_many": "jaxsmol.cache.scheduler.many",
+__all__ = ["PrefixCache", "generate", "generate_many", "run_probe"]
+_PUBLIC = {"PrefixCache": "jaxsmol.cache.prefix_cache", "generate": "jaxsmol.cache.scheduler.many",
+           "generate_many": "jaxsmol.cache.scheduler.many",
            "run_probe": "jaxsmol.cache.probe"}
 
 

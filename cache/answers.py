@@ -2,8 +2,7 @@
 prompt, so that the next turn restores the bits a cold prefill of it computes (cache/prefix_cache.py's
 docstring says why an answer's decode-step state is not stored as it is).
 
-One implementation for both drivers: a library request stores its answer at once (`store_now`), the
-scheduler queues it and runs a chunk in a step with room (cache/scheduler/answers.py).
+The scheduler queues it and runs a chunk in a step with room (cache/scheduler/answers.py).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import dataclasses
 
 from jaxsmol.cache.records import AnswerSave
 from jaxsmol.model.kv import KVCache
-from jaxsmol.runtime.chunks import PREFILL_BUCKETS, capacity_for
+from jaxsmol.runtime.chunks import capacity_for
 
 
 @dataclasses.dataclass
@@ -45,8 +44,3 @@ class AnswerPrefill:
         cache.finish_answer(self.save, None, None)
         cache.engine.recycle(self.kv)
         self.kv = None
-
-    def store_now(self, cache) -> None:
-        """Every chunk at once (a library request, after its last token)."""
-        while not self.step(cache, PREFILL_BUCKETS[-1]):
-            pass

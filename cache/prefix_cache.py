@@ -20,11 +20,13 @@ cache-aware admission orders waiting requests by).
 Exactness: a warm run gives the bits of a cold run. Prefill chunks come from the engine's exact
 buckets wherever they start (see jaxsmol/runtime/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
 the CPU kernels), and the generated tokens' state is saved only after re-prefilling it the same way
-(`exact=True`), because single-token decode rows differ from prefill rows in the last bits. With
+(cache/answers.py), because single-token decode rows differ from prefill rows in the last bits. With
 exact=False (the non-bitwise fast path) a short suffix after a restore may take fewer rows than the
-exact buckets allow (one row for one token; 16 or 32 on XLA's matmul), and the decode state is saved
-as is: cheaper, but a warm run may then differ from a cold one in the last bits (and rarely in a
-sampled token).
+exact buckets allow (one row for one token; 16 or 32 on XLA's matmul): cheaper, but a warm run may
+then differ from a cold one in the last bits (and rarely in a sampled token).
+
+Requests run through the scheduler (cache/scheduler/), the library's one at a time too
+(`jaxsmol.cache.generate`): it calls lookup, save_prompt, finish, release and the answer's saves here.
 """
 
 from __future__ import annotations
@@ -32,15 +34,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxsmol.cache.answers import AnswerPrefill
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
 from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
 from jaxsmol.cache.store.radix import RadixStore
-from jaxsmol.runtime.engine import Engine, Generation
+from jaxsmol.runtime.engine import Engine
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS, KVCache
-from jaxsmol.runtime.sampling import SamplingParams
 
 MODES = ("radix", "single", "off")
 
@@ -161,18 +161,6 @@ class PrefixCache:
         self.stats.tokens_prefilled += prefilled
         self.sync()
 
-    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, salt: str | None = None,
-              bypass: bool = False) -> CachedRequest:
-        """Look the prompt up and start its generation; iterate the result for tokens."""
-        return CachedRequest(self, self.lookup(prompt_ids, sp.max_tokens, salt=salt, bypass=bypass), sp)
-
-    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw):
-        """Run a request to the end; returns (Generation, CacheReport)."""
-        req = self.start(prompt_ids, sp, **kw)
-        for _ in req:
-            pass
-        return req.gen, req.report
-
     # ---- moving snapshots in and out (files, the disk tier) ----------------------------------------
     def snapshot_of(self, tokens, salt: str | None = None) -> Snapshot | None:
         """The stored state of the longest stored prefix of `tokens`, with the logits of every stored key
@@ -289,7 +277,7 @@ class PrefixCache:
                 and bool(output_ids))
 
     def begin_answer(self, lk: Lookup, output_ids) -> AnswerSave | None:
-        """Exact mode: pin the stored prompt that prompt + answer extends, for `finish_answer`.
+        """Pin the stored prompt that prompt + answer extends, for `finish_answer`.
 
         The answer's state is recomputed with prefill-shaped chunks from the stored prompt, so that
         it has the bits a cold prefill of the next turn would compute (see the module docstring).
@@ -313,46 +301,3 @@ class PrefixCache:
         finally:
             self.store.release(save.match)
             self.sync()
-
-    def _save_generated(self, lk: Lookup, gen: Generation) -> None:
-        """Store prompt + generated tokens, so the next chat turn reuses the answer too."""
-        if self.exact:
-            save = self.begin_answer(lk, gen.output_ids)
-            if save is None:
-                return
-            self.engine.recycle(gen.kv)  # done with it: the answer's restore may take it as it is
-            gen.kv = None
-            AnswerPrefill(save).store_now(self)
-        elif gen.kv is not None:
-            tokens = (list(lk.prompt) + gen.output_ids)[: int(gen.kv.pos)]
-            lk.report.saved += self.store.insert(lk.ns, tokens, gen.kv.segment)
-            self.stats.saves += 1
-            self.sync()
-
-
-class CachedRequest:
-    """A generation with the cache's work around it; iterate for `Step`s."""
-
-    def __init__(self, cache: PrefixCache, lk: Lookup, sp: SamplingParams):
-        self.cache, self.lookup, self.sp, self.report = cache, lk, sp, lk.report
-        def on_prefill(kv, logits):  # save_prompt does nothing for a bypass or an exact full hit
-            cache.save_prompt(lk, kv, logits)
-        self.gen = cache.engine.start(lk.prompt, sp, prefix=lk.prefix, prefix_len=lk.report.reused,
-                                      prefix_logits=lk.logits, on_prefill=on_prefill, exact=cache.exact,
-                                      prefix_exact=cache.exact)
-
-    def __del__(self):  # a request dropped before it ran still unpins its entries
-        self.cache.release(self.lookup)
-
-    def __iter__(self):
-        cache, lk = self.cache, self.lookup
-        try:
-            yield from self.gen
-        finally:
-            cache.release(lk)
-            cache.finish(lk, self.gen.timings.prefilled_tokens)
-        if self.gen.finish_reason and cache.wants_answer(lk, self.gen.output_ids):
-            cache._save_generated(lk, self.gen)
-        cache.engine.recycle(self.gen.kv)  # the request is over: its buffer can serve the next one
-        self.gen.kv = None
-        cache.sync()

@@ -1,25 +1,27 @@
-"""The course exercise's cache probe: one request cold (empty cache), then warm, side by side, in one process."""
+"""The cache probe (`aitest --cacheprobe`): one request cold (empty cache), then warm, side by side, in one process."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from jaxsmol.runtime.engine import Engine, Generation
-from jaxsmol.runtime.sampling import SamplingParams
-
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.records import CacheReport
+from jaxsmol.cache.scheduler.many import generate
+from jaxsmol.cache.scheduler.requests import ChoiceResult
 from jaxsmol.cache.store.disk import load_prompt_cache, save_prompt_cache
-from jaxsmol.cache.prefix_cache import CacheReport, PrefixCache
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.runtime.sampling import SamplingParams
 
 
 def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
-    gen, report = cache.generate(prompt, sp, bypass=bypass)
-    t = gen.timings
+    r = generate(cache, prompt, sp, bypass=bypass)
+    report, t = r.report, r.timings
     return {
         "prompt_ids": list(prompt), "prompt_tokens": len(prompt), "tokens_reused": report.reused,
         "tokens_prefilled": report.prefilled, "exact_hit": report.exact_hit, "bypass": report.bypass,
-        "ttft_s": t.ttft_s, "total_s": t.total_s, "output_ids": gen.output_ids, "text": gen.text,
-        "snapshot_bytes": report.snapshot_bytes, "prompt_logits": gen.prompt_logits,
+        "ttft_s": t.ttft_s, "total_s": t.total_s, "output_ids": r.output_ids, "text": r.text,
+        "snapshot_bytes": report.snapshot_bytes, "prompt_logits": r.prompt_logits,
     }
 
 
@@ -65,22 +67,27 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "s
 @dataclasses.dataclass(frozen=True)
 class TimedRequest:
     """One request through a prefix cache, timed as its caller sees it."""
-    gen: Generation
-    report: CacheReport
-    ttft_s: float  # from PrefixCache.start (lookup, gather, restore) to the first token
-    seconds: float  # from PrefixCache.start to the end, the saves after the last token included
+    result: ChoiceResult
+    ttft_s: float  # from the call (lookup, gather, restore) to the first token
+    seconds: float  # from the call to the end, the saves after the last token included
+
+    @property
+    def report(self) -> CacheReport:
+        return self.result.report
 
 
 def timed_request(cache: PrefixCache, prompt_ids, sp: SamplingParams) -> TimedRequest:
     """Run one request through `cache` to the end, timed (with no token, ttft_s is the whole time)."""
     t0 = time.perf_counter()
-    req = cache.start(prompt_ids, sp)
-    ttft = None
-    for _ in req:
-        if ttft is None:
-            ttft = time.perf_counter() - t0
+    first: list[float] = []  # the first token's time
+
+    def on_token(_) -> None:
+        if not first:
+            first.append(time.perf_counter() - t0)
+
+    result = generate(cache, prompt_ids, sp, on_token=on_token)
     seconds = time.perf_counter() - t0
-    return TimedRequest(req.gen, req.report, seconds if ttft is None else ttft, seconds)
+    return TimedRequest(result, first[0] if first else seconds, seconds)
 
 
 def compare_modes(engine: Engine, workload, modes=("off", "radix")) -> dict:
@@ -93,7 +100,8 @@ def compare_modes(engine: Engine, workload, modes=("off", "radix")) -> dict:
     runs = {mode: workload(PrefixCache(engine, mode=mode)) for mode in modes}
     first = runs[modes[0]]
     identical = all(len(rs) == len(first) and all(
-        t.gen.output_ids == t0.gen.output_ids and np.array_equal(t.gen.prompt_logits, t0.gen.prompt_logits)
+        t.result.output_ids == t0.result.output_ids
+        and np.array_equal(t.result.prompt_logits, t0.result.prompt_logits)
         for t, t0 in zip(rs, first)) for rs in runs.values())
     summary = {mode: {"prefilled": sum(t.report.prefilled for t in rs), "seconds": sum(t.seconds for t in rs),
                       "ttft": sum(t.ttft_s for t in rs)} for mode, rs in runs.items()}

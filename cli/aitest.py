@@ -58,6 +58,7 @@ def main(argv=None) -> int:
         warn_refused(result)
         print(json.dumps(result) if args.json else format_probe(result))
         return 0
+    from jaxsmol.cache import generate
     from jaxsmol.runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=args.predict, **sampling_kwargs(args))
@@ -65,12 +66,12 @@ def main(argv=None) -> int:
     if args.prompt_cache:
         ids = engine.check_prompt(args.ids, args.predict)
         cache, pc = open_prompt_cache(engine, args.prompt_cache, ids, mode=args.cache_mode)
-        gen, report = cache.generate(ids, sp)
+        gen = generate(cache, ids, sp)
         close_prompt_cache(cache, pc, ids + gen.output_ids)
-        cache_out = {"reused": report.reused, "source": "prompt-cache" if report.reused else None,
+        cache_out = {"reused": gen.report.reused, "source": "prompt-cache" if gen.report.reused else None,
                      "refused": pc.refused, "file": pc.file, "saved": pc.saved}
     else:
-        gen = engine.generate(args.ids, sp)
+        gen = generate(engine, args.ids, sp)
     if args.json:
         out = {"prompt_ids": args.ids, "output_ids": gen.output_ids, "text": gen.text,
                "timings": gen.timings.as_dict()}

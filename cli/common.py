@@ -100,14 +100,14 @@ class Precompile:
     """Compile a one-shot request's programs in a thread while the weights load (`jaxsmol generate`).
 
     `start` is Engine.load's on_config hook: with the config and tokenizer known, it encodes the
-    prompt and compiles the programs of a cold request of that length (compile_cache.compile_cold_request),
+    prompt and compiles the programs of a lone request of that length (compile_ahead.compile_lone_request),
     or from the persistent compilation cache when they are there. `wait` returns the thread's wall
     time. A failure here is not an error: the programs are then compiled on first use. Used as a
     context manager, it waits for the thread when the request fails: a process that exits while XLA
     compiles in a thread aborts ("terminate called ...") instead of exiting with its error."""
 
-    def __init__(self, args, structured: bool):
-        self.args, self.structured = args, structured
+    def __init__(self, args):
+        self.args = args
         self.thread, self.seconds = None, 0.0
 
     def start(self, cfg, tokenizer) -> None:
@@ -131,11 +131,11 @@ class Precompile:
     def _compile(self, cfg, n: int) -> None:
         import time
 
-        from jaxsmol.runtime.compile_cache import compile_cold_request
+        from jaxsmol.cache.scheduler.compile_ahead import compile_lone_request
 
         t0 = time.perf_counter()
         try:
-            compile_cold_request(cfg, self.args.dtype, n, self.args.max_tokens, self.structured)
+            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens)
         except Exception:  # noqa: BLE001 - compiled on first use instead
             pass
         self.seconds = time.perf_counter() - t0

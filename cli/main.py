@@ -13,35 +13,35 @@ from jaxsmol.cli.tables import format_probe
 
 
 def _generate(args) -> int:
+    from jaxsmol.cache import generate
     from jaxsmol.runtime.sampling import SamplingParams
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),  # so do bad settings
                         logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     t0 = time.perf_counter()
-    with Precompile(args, structured is not None) as precompile:  # the request's programs, while the weights load
+    with Precompile(args) as precompile:  # the request's programs, while the weights load
         engine = load_engine(args, on_config=precompile.start)
         load_s = time.perf_counter() - t0
         ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
         compile_s = precompile.wait()
     startup_s = time.perf_counter() - t0
+    cache = None
     if args.prompt_cache:
         cache, pc = open_prompt_cache(engine, args.prompt_cache, ids)
-        req = cache.start(ids, sp)
-        gen, steps = req.gen, req
-    else:
-        gen = steps = engine.start(ids, sp)
     stream = not args.json and not args.no_stream
-    for step in steps:
-        if stream:
-            sys.stdout.write(step.text)
-            sys.stdout.flush()
+
+    def show(step) -> None:
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+
+    gen = generate(cache or engine, ids, sp, on_token=show if stream else None)
     t = gen.timings
     t.load_s, t.compile_s, t.startup_s = load_s, compile_s, startup_s
     cache_out = None
     if args.prompt_cache:
         close_prompt_cache(cache, pc, ids + gen.output_ids)
-        cache_out = {"reused": req.report.reused, "source": "prompt-cache" if req.report.reused else None,
+        cache_out = {"reused": gen.report.reused, "source": "prompt-cache" if gen.report.reused else None,
                      "refused": pc.refused, "file": pc.file, "saved": pc.saved}
     if args.json:
         out = {"prompt_ids": ids, "output_ids": gen.output_ids, "text": gen.text,

@@ -1,21 +1,24 @@
 """jaxsmol: a pure-functional JAX inference engine for SmolLM models.
 
     from jaxsmol import Engine, SamplingParams
+    from jaxsmol.cache import PrefixCache, generate
     engine = Engine.load()                      # the bundled SmolLM2-135M-Instruct, or Engine.load(DIR)
-    gen = engine.generate(engine.tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=8))
-    print(gen.text)
+    out = generate(PrefixCache(engine), engine.tokenizer.encode("The capital of France is"),
+                   SamplingParams(max_tokens=8))   # or generate(engine, ...): no prefix cache
+    print(out.text)
 
 Subpackages, each importing only those before it in this list (tests/test_imports.py checks it):
   system/      process plumbing: data directories, durable writes, host memory, program memory
   kernels/     the C++ CPU kernels (matmul, attention, prefix copy) and their loader
   model/       the Llama model as pure functions: Config, Params, the KV pytree, rope, the forward, sharding
   checkpoint/  getting a model directory: the tokenizer, the GGUF import, the bundled default model
-  runtime/     running it: Engine, generation, batched decode, the jitted programs, sampling, streams,
+  runtime/     running it: Engine (restore, prefill, decode), batched decode, the jitted programs, sampling, streams,
                structured output, scoring, compile cache
 `errors.py` (the one user-facing error type) may be imported from anywhere.
 Two more subpackages live in the repository's top-level folders and install here (pyproject.toml's
 package-dir): jaxsmol.cache (cache/, the prefix cache and the scheduler) and jaxsmol.cli (cli/, the
-commands and the daemon); nothing above imports them.
+commands and the daemon); nothing above imports them. Requests (the library's, the command line's and
+the daemon's) run through jaxsmol.cache's scheduler.
 """
 
 from jaxsmol.errors import JaxsmolError
@@ -23,10 +26,10 @@ from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.sharding import make_mesh
 from jaxsmol.runtime.compile_cache import enable_compilation_cache
-from jaxsmol.runtime.engine import Engine, Generation
+from jaxsmol.runtime.engine import Engine
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.scoring import score
 from jaxsmol.runtime.structured import canonical_spec
 
-__all__ = ["Config", "Engine", "Generation", "JaxsmolError", "KVCache", "SamplingParams", "canonical_spec",
+__all__ = ["Config", "Engine", "JaxsmolError", "KVCache", "SamplingParams", "canonical_spec",
            "enable_compilation_cache", "make_mesh", "score"]

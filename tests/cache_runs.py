@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxsmol.cache.prefix_cache import CacheReport
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 SP = SamplingParams(max_tokens=3, logprobs=3)
 
@@ -30,9 +31,10 @@ def assert_same(gen, cold):
 
 
 def run(cache, prompt, sp=SP, **kw):
-    gen, report = cache.generate(prompt, sp, **kw)
+    gen = generate(cache, prompt, sp, **kw)
+    report = gen.report
     assert isinstance(report, CacheReport)
-    assert_same(gen, cache.engine.generate(prompt, sp))
+    assert_same(gen, generate(cache.engine, prompt, sp))
     assert report.reused == gen.timings.reused_tokens
     assert report.prefilled == gen.timings.prefilled_tokens == len(prompt) - report.reused
     return gen, report

@@ -18,6 +18,7 @@ from jaxsmol.model.config import Config
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.params import init_random
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 GREEDY = SamplingParams(max_tokens=3, logprobs=3)
 
@@ -53,7 +54,7 @@ class Cold:
     def __call__(self, prompt, sp):
         key = (tuple(prompt), sp)
         if key not in self.memo:
-            self.memo[key] = self.engine.generate(prompt, sp)
+            self.memo[key] = generate(self.engine, prompt, sp)
         return self.memo[key]
 
 
@@ -89,8 +90,9 @@ def test_split_points_at_chunk_and_block_boundaries(engines, which, split):
     seen[split] = (prompt[split] + 1) % vocab
     for mode in ("radix", "single"):
         cache = PrefixCache(eng, mode=mode, save_generated=False)
-        cache.generate(seen, GREEDY)
-        gen, r = cache.generate(prompt, GREEDY)
+        generate(cache, seen, GREEDY)
+        gen = generate(cache, prompt, GREEDY)
+        r = gen.report
         assert r.reused == split
         assert_bitwise(gen, cold(prompt, GREEDY), f"{mode} split={split}")
 
@@ -112,8 +114,9 @@ def test_random_split_points(engines, data):
     cold = Cold(eng)(prompt, sp)
     for mode in ("radix", "single"):
         cache = PrefixCache(eng, mode=mode)
-        cache.generate(seen, sp)
-        gen, r = cache.generate(prompt, sp)
+        generate(cache, seen, sp)
+        gen = generate(cache, prompt, sp)
+        r = gen.report
         assert r.reused == gen.timings.reused_tokens
         assert_bitwise(gen, cold, f"{mode} n={n} split={split} extra={extra}")
 
@@ -142,7 +145,8 @@ def test_random_request_sequences(engines, data):
         sp = data.draw(st.sampled_from([GREEDY, sampled(int(rng.integers(1000)))]), label="sampling")
         reference = cold(prompt, sp)
         for mode, cache in caches.items():
-            gen, r = cache.generate(prompt, sp)
+            gen = generate(cache, prompt, sp)
+            r = gen.report
             assert r.reused == gen.timings.reused_tokens
             assert_bitwise(gen, reference, f"request {i} ({mode}, n={len(prompt)}, reused={r.reused})")
             event(f"{mode}: {'exact hit' if r.exact_hit else 'partial hit' if r.reused else 'miss'}")
@@ -168,16 +172,18 @@ def test_multi_turn_reuses_the_saved_answer_bitwise(engines, data):
     prompt = tokens(seed, n, vocab)
     previous_answer_end = 0  # len(prompt + answer) of the previous turn; checked from turn 1 on
     for turn in range(3):
-        gen, r = cache.generate(prompt, sp)
+        gen = generate(cache, prompt, sp)
+        r = gen.report
         reference = cold(prompt, sp)
         assert_bitwise(gen, reference, f"turn {turn} radix")
-        gm, _ = single.generate(prompt, sp)
+        gm = generate(single, prompt, sp)
         assert_bitwise(gm, reference, f"turn {turn} single")
         if turn:
             assert r.reused >= previous_answer_end, "the previous answer was not reused"
         answer = prompt + gen.output_ids
         if gen.output_ids:
-            again, ra = cache.generate(answer, sp)  # the same conversation, at the end of the answer
+            again = generate(cache, answer, sp)  # the same conversation, at the end of the answer
+            ra = again.report
             assert ra.exact_hit
             assert_bitwise(again, cold(answer, sp), f"turn {turn} regenerate")
         previous_answer_end = len(answer)
@@ -206,16 +212,18 @@ def test_real_model_split_points_and_chat_continuation(real_engine):
         seen = prompt[:split] + tok.encode(" something else entirely, and then more words")
         for mode in ("radix", "single"):
             cache = PrefixCache(eng, mode=mode, save_generated=False)
-            cache.generate(seen, sp)
-            gen, r = cache.generate(prompt, sp)
+            generate(cache, seen, sp)
+            gen = generate(cache, prompt, sp)
+            r = gen.report
             assert r.reused >= split  # (more if the seen suffix happens to continue like the prompt)
             assert_bitwise(gen, reference, f"real {mode} split={split}")
     # a chat continuation: the answer is saved (re-prefilled exactly) and reused by the next turn
     cache = PrefixCache(eng, mode="radix")
-    gen, _ = cache.generate(prompt, sp)
+    gen = generate(cache, prompt, sp)
     assert_bitwise(gen, reference, "real turn 1")
     turn2 = prompt + gen.output_ids + tok.encode("<|im_end|>\n<|im_start|>user\nThanks! And shorter?<|im_end|>\n"
                                                  "<|im_start|>assistant\n")
-    gen2, r2 = cache.generate(turn2, sp)
+    gen2 = generate(cache, turn2, sp)
+    r2 = gen2.report
     assert r2.reused == len(prompt) + len(gen.output_ids)
     assert_bitwise(gen2, cold(turn2, sp), "real turn 2")

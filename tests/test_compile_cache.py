@@ -12,8 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("import json, sys, jax; from jaxsmol.runtime.engine import Engine; from jaxsmol.runtime import programs; "
-       "from jaxsmol.runtime.sampling import SamplingParams; e = Engine.load(sys.argv[1], progress=False); "
-       "ids = e.generate([5, 6, 7], SamplingParams(max_tokens=3)).output_ids; "
+       "from jaxsmol.runtime.sampling import SamplingParams; from jaxsmol.cache import generate; "
+       "e = Engine.load(sys.argv[1], progress=False); "
+       "ids = generate(e, [5, 6, 7], SamplingParams(max_tokens=3)).output_ids; "
        "print(json.dumps({'ids': ids, 'jax_cache': jax.config.jax_compilation_cache_dir, "
        "'min_time': jax.config.jax_persistent_cache_min_compile_time_secs, "
        "'prepared': sum(p.prepared for p in programs.ALL.values()), "
@@ -43,3 +44,4 @@ def test_engine_load_leaves_a_cache_set_for_jax_alone(tiny_model_dir, tmp_path):
     got = _run(tiny_model_dir, JAX_COMPILATION_CACHE_DIR=str(mine), JAXSMOL_COMPILE_CACHE=str(ours))
     assert got["jax_cache"] == str(mine) and got["min_time"] == 1.0  # JAX's own default minimum compile time
     assert got["loaded"] == 0 and not ours.exists()  # nothing stored beside JAX's cache
+

@@ -25,6 +25,7 @@ from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.model import forward as model
 from jaxsmol.runtime import programs
 from jaxsmol.model.kv import KVCache
+from jaxsmol.cache.scheduler.many import generate
 
 
 
@@ -257,7 +258,7 @@ def test_a_bfloat16_engine_keeps_its_matrices_narrow_and_computes_in_float32(tin
     ids = [int(t) for t in np.random.default_rng(4).integers(3, tiny_cfg.vocab_size, 100)]
     np.testing.assert_array_equal(e16.logits_all(ids), e32.logits_all(ids))
     sp = SamplingParams(max_tokens=6)
-    assert e16.generate(ids, sp).output_ids == e32.generate(ids, sp).output_ids
+    assert generate(e16, ids, sp).output_ids == generate(e32, ids, sp).output_ids
 
 
 def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
@@ -266,7 +267,8 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
     code = ("from jaxsmol.runtime.engine import Engine\n"
             f"e = Engine.load({str(tiny_model_dir)!r}, progress=False)\n"
             "from jaxsmol.runtime.sampling import SamplingParams\n"
-            "g = e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+            "from jaxsmol.cache import generate\n"
+            "g = generate(e, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))\n"
             "print('kernels', e.cfg.cpu_kernels, len(g.output_ids))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -276,23 +278,26 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, dtype, caplog):
-    """compile_cache.compile_cold_request builds a request's programs from shapes alone (`jaxsmol generate`
-    runs it while the weights load); the request then compiles no forward of its own, in either dtype
-    (a bfloat16 engine's cache is float32 under the kernels, as its shapes must say)."""
+    """compile_ahead.compile_lone_request builds a lone request's programs from shapes alone (`jaxsmol
+    generate` runs it while the weights load); the request then compiles none of them itself (its
+    prefill chunks, first token, decode row), in either dtype (a bfloat16 engine's cache is float32
+    under the kernels, as its shapes must say)."""
     import logging
 
-    from jaxsmol.runtime.compile_cache import compile_cold_request
+    from jaxsmol.cache.scheduler.compile_ahead import compile_lone_request
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random
     from jaxsmol.runtime.sampling import SamplingParams
 
     cfg = cpu_kernels.configure(tiny_cfg, getattr(jnp, dtype))
     assert cfg.cpu_kernels
-    compile_cold_request(cfg, dtype, 40, 4)
+    assert compile_lone_request(cfg, dtype, 40, 4) == 5  # 32- and 8-row chunks, sample_first, decode_step, insert_row
     engine = Engine(cfg, init_random(cfg, seed=5, dtype=getattr(jnp, dtype)), None)
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
-        engine.generate(list(range(3, 43)), SamplingParams(max_tokens=4))
-    compiled = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(forward")]
+        generate(engine, list(range(3, 43)), SamplingParams(max_tokens=4))
+    ours = ("forward", "sample_first", "decode_step", "insert_row")
+    compiled = [r.getMessage()[:60] for r in caplog.records
+                if r.getMessage().startswith(tuple(f"Compiling jit({name}" for name in ours))]
     assert compiled == []
 
 

@@ -24,6 +24,7 @@ from jaxsmol.cache.store import snapshot
 from jaxsmol.cache.store.disk import DiskStore, load_prompt_cache, save_prompt_cache
 from jaxsmol.cache.store.snapshot import Snapshot, SnapshotError, load_snapshot
 from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import generate
 from cache_runs import toks
 from daemon import ROOT
 from jaxsmol.errors import JaxsmolError
@@ -38,7 +39,7 @@ def saved(tiny_engine, tmp_path_factory):
     """A prompt-cache file of P (90 tokens) + its 4 generated tokens, and the cold generation of P."""
     P = toks(90, 1)
     cache = PrefixCache(tiny_engine)
-    gen, _ = cache.generate(P, SP)
+    gen = generate(cache, P, SP)
     path = tmp_path_factory.mktemp("snap") / "p.safetensors"
     assert save_prompt_cache(cache, path, P + gen.output_ids) == len(P) + len(gen.output_ids)
     return path, P, gen
@@ -55,7 +56,8 @@ def test_round_trip_is_bitwise(tiny_engine, saved):
     # the same prompt from a loaded file: an exact hit (no forward), the cold run's tokens
     cache = PrefixCache(tiny_engine)
     assert load_prompt_cache(cache, path, P).loaded == 94
-    gen, report = cache.generate(P, SP)
+    gen = generate(cache, P, SP)
+    report = gen.report
     assert report.exact_hit and report.reused == 90
     assert gen.output_ids == cold_P.output_ids and np.array_equal(gen.prompt_logits, cold_P.prompt_logits)
 
@@ -63,8 +65,9 @@ def test_round_trip_is_bitwise(tiny_engine, saved):
     Q = P + toks(20, 2)
     cache = PrefixCache(tiny_engine)
     load_prompt_cache(cache, path, Q)
-    gen, report = cache.generate(Q, SP)
-    cold = tiny_engine.generate(Q, SP)
+    gen = generate(cache, Q, SP)
+    report = gen.report
+    cold = generate(tiny_engine, Q, SP)
     assert report.reused == 90 and report.prefilled == 20
     assert np.array_equal(gen.prompt_logits, cold.prompt_logits) and gen.output_ids == cold.output_ids
 
@@ -76,8 +79,9 @@ def test_partial_prefix_and_bfloat16_round_trip(tiny_engine, saved, tmp_path):
     R = P[:50] + toks(10, 3)  # shares only 50 tokens with the file
     cache = PrefixCache(tiny_engine)
     load_prompt_cache(cache, path, R)
-    gen, report = cache.generate(R, SP)
-    cold = tiny_engine.generate(R, SP)
+    gen = generate(cache, R, SP)
+    report = gen.report
+    cold = generate(tiny_engine, R, SP)
     assert report.reused == 50 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
 
     k = np.arange(2 * 1 * 2 * 3 * 4, dtype=np.float32).reshape(2, 1, 2, 3, 4).astype(ml_dtypes.bfloat16)
@@ -149,7 +153,8 @@ def test_refusals_then_the_cold_path_answers(tiny_engine, saved, tmp_path, monke
         report = load_prompt_cache(cache, dst, prompt)
         assert report.refused and words in report.refused and report.loaded == 0, name
         if prompt == P:
-            gen, r = cache.generate(P, SP)
+            gen = generate(cache, P, SP)
+            r = gen.report
             assert r.reused == 0 and gen.output_ids == cold.output_ids, name
     # a missing file is no refusal: nothing to load
     assert load_prompt_cache(PrefixCache(tiny_engine), tmp_path / "absent", P).refused is None
@@ -251,7 +256,7 @@ def test_a_file_that_is_not_a_snapshot_is_never_overwritten(tiny_engine, saved, 
         cache = PrefixCache(tiny_engine)
         report = load_prompt_cache(cache, path, P)
         assert report.foreign and "left as it is (not overwritten)" in report.refused, path
-        gen, _ = cache.generate(P, SP)
+        gen = generate(cache, P, SP)
         assert save_prompt_cache(cache, path, P + gen.output_ids, report) == 0
         with pytest.raises(SnapshotError, match="refusing to overwrite"):  # without the report: checked again
             save_prompt_cache(cache, path, P + gen.output_ids)
@@ -268,7 +273,7 @@ def test_a_file_that_is_not_a_snapshot_is_never_overwritten(tiny_engine, saved, 
         cache = PrefixCache(tiny_engine)
         report = load_prompt_cache(cache, ours, P)
         assert report.refused and not report.foreign
-        gen, _ = cache.generate(P, SP)
+        gen = generate(cache, P, SP)
         assert save_prompt_cache(cache, ours, P + gen.output_ids, report) == len(P) + len(gen.output_ids)
         assert load_snapshot(ours, TINY, P).length == len(P) + len(gen.output_ids)
 

@@ -28,6 +28,7 @@ from jaxsmol.cache.store.snapshot import Snapshot
 from cache_runs import toks
 from daemon import ROOT, free_port
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 SP = SamplingParams(max_tokens=4)
 
@@ -38,16 +39,18 @@ def test_eviction_spills_to_disk_and_a_miss_brings_it_back(tiny_engine, tmp_path
     budget = 120 * tiny_engine.kv_bytes_per_token  # one prompt (plus its answer) at a time
     store = DiskStore(tmp_path, snapshot.identity(tiny_engine), 1 << 20)
     cache = PrefixCache(tiny_engine, budget_bytes=budget, disk=store)
-    first, _ = cache.generate(P, SP)
-    cache.generate(R, SP)  # evicts P: written to disk
+    first = generate(cache, P, SP)
+    generate(cache, R, SP)  # evicts P: written to disk
     assert cache.stats.evictions >= 1 and len(store) >= 1 and cache.stats.disk_writes >= 1
-    gen, report = cache.generate(P, SP)  # a memory miss, found on disk
+    gen = generate(cache, P, SP)  # a memory miss, found on disk
+    report = gen.report
     assert report.disk_loaded == 100 and report.exact_hit and cache.stats.disk_loads == 1
     assert gen.output_ids == first.output_ids and np.array_equal(gen.prompt_logits, first.prompt_logits)
     # a longer prompt: the disk entry is a prefix of it
     Q = R + toks(10, 6)  # R went to disk when P came back
-    gen, report = cache.generate(Q, SP)
-    cold = tiny_engine.generate(Q, SP)
+    gen = generate(cache, Q, SP)
+    report = gen.report
+    cold = generate(tiny_engine, Q, SP)
     assert report.reused >= 100 and np.array_equal(gen.prompt_logits, cold.prompt_logits)
     assert store.bytes_held <= store.budget_bytes
 
@@ -56,19 +59,20 @@ def test_persist_and_warm_across_a_restart(tiny_engine, tmp_path):
     P, R = toks(80, 7), toks(60, 8)
     ident = snapshot.identity(tiny_engine)
     cache = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
-    first, _ = cache.generate(P, SP)
-    cache.generate(R, SP, salt="tenant")
+    first = generate(cache, P, SP)
+    generate(cache, R, SP, salt="tenant")
     assert cache.persist_to_disk() == 2  # one file per stored key (P + answer, R + answer)
     other = DiskStore(tmp_path, {**ident, "tokenizer": "x"})  # another tokenizer: left alone
     assert len(other) == 0 and len(other.skipped) == 2 and "another tokenizer" in other.skipped[0][1]
     restarted = PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident))
     assert restarted.warm_from_disk() == 2 and len(restarted.disk) == 2
-    gen, report = restarted.generate(P, SP)
+    gen = generate(restarted, P, SP)
+    report = gen.report
     assert report.exact_hit and report.disk_loaded == 0 and gen.output_ids == first.output_ids
-    assert restarted.generate(R, SP)[1].reused == 0  # salts stay apart
-    assert restarted.generate(R, SP, salt="tenant")[1].exact_hit
+    assert generate(restarted, R, SP).report.reused == 0  # salts stay apart
+    assert generate(restarted, R, SP, salt="tenant").report.exact_hit
     restarted.flush()  # forgets both tiers
-    assert len(restarted.disk) == 0 and restarted.generate(P, SP)[1].reused == 0
+    assert len(restarted.disk) == 0 and generate(restarted, P, SP).report.reused == 0
 
 
 def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):

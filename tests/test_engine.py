@@ -19,6 +19,10 @@ from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import generate
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 
 PROMPT = [1, 17, 42, 99, 7, 200, 13, 5, 64, 128]
 
@@ -28,22 +32,31 @@ def _ids(n, seed):
 
 
 def _gen(engine, prompt=PROMPT, **sp):
-    return engine.generate(prompt, SamplingParams(**sp))
+    return generate(engine, prompt, SamplingParams(**sp))
+
+
+def _streamed(engine, sp, prompt=PROMPT):
+    """(the result, the Steps streamed on the way)."""
+    steps = []
+    return generate(engine, prompt, sp, on_token=steps.append), steps
 
 
 # ---- compiled programs (first, so later tests reuse what it compiles) ------------------------
 
 def test_compiled_programs_are_bounded(tiny_engine):
     """A mixed workload compiles at most compile_bound(ctx) forward programs, and the set saturates:
-    a second pass of different random lengths compiles nothing new. The sampler compiles once."""
+    a second pass of different random lengths compiles nothing new. The first token's sampler compiles
+    once, a lone row's decode step once per capacity."""
     programs.clear()  # count from zero, whatever earlier tests compiled
     ctx = tiny_engine.ctx
     everything = tuple(range(256))  # as stop_ids: stop right after the first token
 
     def run(n, max_tokens, steps=4, seed=0, **sp):
-        gen = tiny_engine.start(_ids(n, seed), SamplingParams(max_tokens=max_tokens, seed=seed, **sp))
-        for _, _step in zip(range(steps), gen):  # a streaming client may leave early
-            pass
+        sink = Collector()  # a streaming client may leave early: after `steps` tokens here
+        sink.on_token = lambda i, _: setattr(sink, "cancel", len(sink.steps[i]) >= steps)
+        sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=1)
+        sched.submit(Request(_ids(n, seed), [SamplingParams(max_tokens=max_tokens, seed=seed, **sp)], sink))
+        sched.run()
 
     # every reachable (chunk, capacity) pair, and decode at both capacities, once
     for n in (5, 10, 20, 50, 100, 200, 400):  # every bucket (8, 16 and 32 with the CPU kernels, see engine.py)
@@ -65,7 +78,8 @@ def test_compiled_programs_are_bounded(tiny_engine):
     assert compiled_programs() == covered <= compile_bound(ctx, tiny_engine.buckets())
     random_pass(2)
     assert compiled_programs() == covered
-    assert compiled_programs("sample") == 1
+    assert compiled_programs("sample_first") == 1
+    assert compiled_programs("decode_step") == 2  # capacities 512 and 1024
 
 
 # ---- generation: sampling ------------------------------------------------------------------------
@@ -87,9 +101,7 @@ def test_greedy_generation_is_argmax(tiny_engine):
 def test_greedy_far_beyond_the_first_attention_block(tiny_engine):
     """A 700-token prompt in a 1024-slot cache: decode at positions 700+ (block 2 of 4)."""
     prompt = _ids(700, 1)
-    gen = tiny_engine.start(prompt, SamplingParams(max_tokens=300))
-    out = [step.token for _, step in zip(range(4), gen)]
-    assert gen.kv is None  # still in flight: the iterator was left early
+    out = generate(tiny_engine, prompt, SamplingParams(max_tokens=4)).output_ids
     _check_greedy(tiny_engine, prompt, out)
 
 
@@ -140,7 +152,6 @@ def test_max_tokens_and_length(tiny_engine, greedy12):
     gen = _gen(tiny_engine, max_tokens=5)
     assert gen.output_ids == out[:5] and gen.finish_reason == "length"
     assert gen.timings.generated_tokens == 5 and gen.timings.prompt_tokens == len(PROMPT)
-    assert int(gen.kv.pos) == len(PROMPT) + 4  # the last token is sampled, not fed
     gen = _gen(tiny_engine, max_tokens=0)
     assert gen.output_ids == [] and gen.finish_reason == "length" and gen.prompt_logits.shape == (256,)
 
@@ -155,7 +166,7 @@ def test_eos_stops(tiny_engine, greedy12):
     out, j = greedy12
     cfg = dataclasses.replace(tiny_engine.cfg, eos_ids=(out[j],))
     eng = Engine(cfg, tiny_engine.params, None, ctx=1024)
-    gen = eng.generate(PROMPT, SamplingParams(max_tokens=12))
+    gen = generate(eng, PROMPT, SamplingParams(max_tokens=12))
     assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
 
 
@@ -172,29 +183,27 @@ def test_stop_strings(tiny_engine, greedy12):
     text = lambda ids: FakeTokenizer().decode(ids)  # noqa: E731
 
     # a stop string that is one whole token: the text ends before it, the token is still emitted
-    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=(f"<{out[j]}>",)))
-    steps = list(gen)
+    gen, steps = _streamed(eng, SamplingParams(max_tokens=12, stop_strings=(f"<{out[j]}>",)))
     assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
     assert gen.text == text(out[:j]) and "".join(s.text for s in steps) == gen.text
 
     # a stop string spanning two tokens: cut where it starts
     s = f"{out[1]}><{out[2]}"
     k = next(k for k in range(1, 13) if s in text(out[:k]))
-    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=("never", s)))
-    steps = list(gen)
+    gen, steps = _streamed(eng, SamplingParams(max_tokens=12, stop_strings=("never", s)))
     assert gen.output_ids == out[:k] and gen.finish_reason == "stop"
     assert gen.text == text(out[:k])[: text(out[:k]).find(s)]
 
     # no hit: the whole text, finish "length"
-    gen = eng.generate(PROMPT, SamplingParams(max_tokens=4, stop_strings=("never",)))
+    gen = generate(eng, PROMPT, SamplingParams(max_tokens=4, stop_strings=("never",)))
     assert gen.text == text(out[:4]) and gen.finish_reason == "length"
 
 
 def test_streamed_text_equals_final_text_with_a_spanning_stop_string(tiny_engine, greedy12):
     out, _ = greedy12
     eng = Engine(tiny_engine.cfg, tiny_engine.params, FakeTokenizer(), ctx=1024)
-    gen = eng.start(PROMPT, SamplingParams(max_tokens=12, stop_strings=(f"{out[1]}><{out[2]}",)))
-    streamed = "".join(step.text for step in gen)
+    gen, steps = _streamed(eng, SamplingParams(max_tokens=12, stop_strings=(f"{out[1]}><{out[2]}",)))
+    streamed = "".join(step.text for step in steps)
     assert gen.finish_reason == "stop"
     assert streamed == gen.text
 
@@ -215,8 +224,8 @@ class HalfCharTokenizer(FakeTokenizer):
 def test_streamed_text_equals_final_text_when_the_last_token_is_incomplete(tiny_engine, greedy12):
     out, _ = greedy12
     eng = Engine(tiny_engine.cfg, tiny_engine.params, HalfCharTokenizer(out[3]), ctx=1024)
-    gen = eng.start(PROMPT, SamplingParams(max_tokens=4))
-    streamed = "".join(step.text for step in gen)
+    gen, steps = _streamed(eng, SamplingParams(max_tokens=4))
+    streamed = "".join(step.text for step in steps)
     assert gen.output_ids == out[:4] and gen.finish_reason == "length"
     assert streamed == gen.text
 
@@ -241,7 +250,7 @@ def test_check_prompt_errors(tiny_engine, ids, max_tokens, words):
 def test_check_prompt_accepts_the_limit(tiny_engine):
     assert tiny_engine.check_prompt(np.array([1] * 1000), 24) == [1] * 1000
     with pytest.raises(JaxsmolError, match="exceeds"):
-        tiny_engine.start([1] * 1000, SamplingParams(max_tokens=25))
+        generate(tiny_engine, [1] * 1000, SamplingParams(max_tokens=25))
 
 
 def test_engine_context_must_fit_the_model(tiny_engine):
@@ -374,21 +383,24 @@ def test_a_restore_takes_a_finished_cache_holding_its_prefix_without_copying(tin
 
 
 def test_only_exact_states_are_recycled_as_reusable(tiny_engine):
-    """The tokens whose exact state a generation's cache holds after its decode steps (what it is
-    recycled with): the prompt after a cold prefill or exact chunks onto an exact prefix; nothing after
-    a one-row chunk (the fast path's, not exact) or onto a prefix not known exact."""
+    """The tokens whose exact state a request's cache holds after a decode step (what it is recycled
+    with): the prompt after a cold prefill or exact chunks onto an exact prefix; nothing after a one-row
+    chunk (the fast path's, not exact) or onto a prefix not known exact."""
     prompt = _ids(40, 1)
     snapshot = jax.device_get(tiny_engine.prefill(prompt, tiny_engine.new_cache(64))[1])
-    sp = SamplingParams(max_tokens=2)
 
-    def held(**kw):
-        return tiny_engine.exact_prefix(tiny_engine.generate(prompt, sp, **kw).kv)
+    def held(prefix_len=0, told=False, exact=True):
+        slots = tiny_engine.slots_needed(prefix_len, len(prompt), 2, exact)
+        kv = (tiny_engine.restore(snapshot, slots, prefix_len, prompt if told else None) if prefix_len
+              else tiny_engine.new_cache(slots))
+        _, kv = tiny_engine.prefill(prompt, kv, exact)
+        _, kv = tiny_engine.decode(7, kv)
+        return tiny_engine.exact_prefix(kv)
 
     assert held() == tuple(prompt)
-    warm = dict(prefix=snapshot, prefix_len=30)
-    assert held(**warm, prefix_exact=True) == tuple(prompt)
-    assert held(prefix=snapshot, prefix_len=39, prefix_exact=True, exact=False) == ()
-    assert held(**warm) == ()
+    assert held(30, told=True) == tuple(prompt)
+    assert held(39, told=True, exact=False) == ()
+    assert held(30) == ()
 
 
 def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):

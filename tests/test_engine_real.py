@@ -9,6 +9,7 @@ import pytest
 
 from jaxsmol.runtime.chunks import chunk_plan
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 TEXT = ("The history of the city begins with a small fishing village on the banks of a wide river. Over the "
         "centuries, merchants arrived from distant lands, bringing spices, silk and new ideas. Bridges were "
@@ -20,7 +21,7 @@ TEXT = ("The history of the city begins with a small fishing village on the bank
 def test_real_chat_capital_of_france(real_engine):
     tok = real_engine.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
-    gen = real_engine.generate(prompt, SamplingParams(max_tokens=12))
+    gen = generate(real_engine, prompt, SamplingParams(max_tokens=12))
     assert gen.text.startswith("The capital of France is Paris."), gen.text
 
 

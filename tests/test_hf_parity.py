@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jaxsmol.cache.scheduler.many import generate
 
 pytestmark = pytest.mark.real
 
@@ -57,7 +58,7 @@ def engine(model_dir):
 def _generate(engine, prompt_ids, logprobs: int = 0):
     """Greedy generation of N_NEW tokens -> (ids, [(top_ids, top_logprobs)] or None).
 
-    Uses `engine.generate_ids` where the engine has it, else `engine.generate(ids, SamplingParams)`.
+    Uses `engine.generate_ids` where the engine has it, else `generate(engine, ids, SamplingParams)`.
     """
     prompt_ids = [int(i) for i in prompt_ids]
     if hasattr(engine, "generate_ids"):
@@ -66,7 +67,7 @@ def _generate(engine, prompt_ids, logprobs: int = 0):
         return engine.generate_ids(prompt_ids, max_tokens=N_NEW, logprobs=logprobs)
     from jaxsmol.runtime.sampling import SamplingParams
 
-    gen = engine.generate(prompt_ids, SamplingParams(max_tokens=N_NEW, temperature=0.0, logprobs=logprobs))
+    gen = generate(engine, prompt_ids, SamplingParams(max_tokens=N_NEW, temperature=0.0, logprobs=logprobs))
     tops = [([i for i, _ in e["top"]], [v for _, v in e["top"]]) for e in gen.logprobs] if logprobs else None
     return list(gen.output_ids), tops
 

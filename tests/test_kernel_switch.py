@@ -15,6 +15,7 @@ import pytest
 
 from jaxsmol.kernels import cpu_kernels
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.cache.scheduler.many import generate
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -84,7 +85,7 @@ def test_off_is_silent_and_the_engine_runs_xla(monkeypatch, capsys, tiny_cfg):
     fresh_state(monkeypatch, {"JAXSMOL_CPU_KERNELS": "off"})
     engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=256)
     assert not engine.cfg.cpu_kernels and not cpu_kernels.is_packed(engine.params.unembed)
-    assert len(engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).output_ids) == 3
+    assert len(generate(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).output_ids) == 3
     assert cpu_kernels.state().reason == "switched off (JAXSMOL_CPU_KERNELS=off): XLA's ops only"
     assert capsys.readouterr().err == ""
 

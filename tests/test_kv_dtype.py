@@ -10,6 +10,7 @@ import pytest
 from jaxsmol.cache import PrefixCache
 from jaxsmol.cache.store.disk import load_prompt_cache, save_prompt_cache
 from jaxsmol import Engine, JaxsmolError, SamplingParams, score
+from jaxsmol.cache.scheduler.many import generate
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,12 @@ def test_warm_runs_equal_cold_runs_with_a_bfloat16_cache(engines, mode):
     engine = engines["bfloat16"]
     sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
     prompt = list(range(300, 420))
-    cold, _ = PrefixCache(engine, mode="off").generate(prompt, sp)
-    cold_ids = list(cold)
+    cold = generate(engine, prompt, sp)
     cache = PrefixCache(engine, mode=mode)
-    list(cache.generate(prompt[:90] + [5, 6], sp)[0])
-    warm, report = cache.generate(prompt, sp)
-    assert list(warm) == cold_ids and report.reused >= 90
+    generate(cache, prompt[:90] + [5, 6], sp)
+    warm = generate(cache, prompt, sp)
+    report = warm.report
+    assert warm.output_ids == cold.output_ids and report.reused >= 90
     assert warm.logprobs == cold.logprobs
 
 
@@ -42,7 +43,7 @@ def test_a_snapshot_of_the_other_kv_dtype_is_refused_by_name(engines, tmp_path):
     path = tmp_path / "prompt.snap"
     prompt = list(range(100, 150))
     f32 = PrefixCache(engines["float32"], mode="single")
-    list(f32.generate(prompt, SamplingParams(max_tokens=1))[0])
+    generate(f32, prompt, SamplingParams(max_tokens=1))
     assert save_prompt_cache(f32, path, prompt) > 0
     report = load_prompt_cache(PrefixCache(engines["bfloat16"], mode="single"), path, prompt)
     assert report.refused and "holds a float32 KV cache; this engine's is bfloat16 (--kv-dtype)" in report.refused
@@ -65,4 +66,4 @@ def test_bfloat16_kv_stays_close_to_float32_kv(real_engine, model_dir):
     assert diff.max() < 0.05 and diff.mean() < 0.01
     sp = SamplingParams(max_tokens=16)
     ids = real_engine.tokenizer.encode(prompts[2])
-    assert bf16.generate(ids, sp).text == real_engine.generate(ids, sp).text
+    assert generate(bf16, ids, sp).text == generate(real_engine, ids, sp).text

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cli.server.metrics import OTHER, ROUTES, TTFT_BUCKETS, Metrics
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 CRAFTED = [
     "/v1/completions/../x", "/V1/completions", "/v1/completions/", "/metrics?x=1", "/a\"b", "/a}b 1\nfake_metric 7",
@@ -24,9 +25,9 @@ def _samples(text: str) -> dict[tuple, float]:
 
 @pytest.fixture(scope="module")
 def served(tiny_engine):
-    """(cache, [(gen, report)]): a cold request and a warm one sharing its prefix, on a fresh cache."""
+    """(cache, [result]): a cold request and a warm one sharing its prefix, on a fresh cache."""
     cache = PrefixCache(tiny_engine)
-    runs = [cache.generate(list(range(10, 40)) + [t], SamplingParams(max_tokens=3)) for t in (50, 51)]
+    runs = [generate(cache, list(range(10, 40)) + [t], SamplingParams(max_tokens=3)) for t in (50, 51)]
     return cache, runs
 
 
@@ -59,21 +60,21 @@ def test_counts(served):
     m.request("/v1/completions", 400)
     m.cancelled += 2
     m.rejected_queue_full += 1
-    for gen, _report in runs:
-        m.observe(len(gen.prompt_ids), len(gen.output_ids), gen.timings.ttft_s)
+    for gen in runs:
+        m.observe(gen.prompt_tokens, len(gen.output_ids), gen.timings.ttft_s)
     s = _render(m, cache)
     assert s[("jaxsmol_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 3
     assert s[("jaxsmol_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
     assert s[("jaxsmol_cancelled_total", ())] == 2 and s[("jaxsmol_rejected_total", ())] == 1
-    assert s[("jaxsmol_prompt_tokens_total", ())] == sum(len(g.prompt_ids) for g, _ in runs) == 62
-    assert s[("jaxsmol_completion_tokens_total", ())] == sum(len(g.output_ids) for g, _ in runs)
+    assert s[("jaxsmol_prompt_tokens_total", ())] == sum(g.prompt_tokens for g in runs) == 62
+    assert s[("jaxsmol_completion_tokens_total", ())] == sum(len(g.output_ids) for g in runs)
     assert s[("jaxsmol_queue_depth", ())] == 5
     stats = cache.stats.as_dict()
     assert stats["hits"] >= 1 and stats["tokens_reused"] > 0  # the warm request reused the prefix
     for key in ("lookups", "hits", "misses", "tokens_reused", "tokens_prefilled"):
         assert s[(f"jaxsmol_cache_{key}_total", ())] == stats[key]
     assert s[("jaxsmol_cache_bytes", ())] == stats["bytes_held"] > 0
-    ttfts = sorted(g.timings.ttft_s for g, _ in runs)
+    ttfts = sorted(g.timings.ttft_s for g in runs)
     for le in TTFT_BUCKETS:
         key = ("jaxsmol_time_to_first_token_seconds_bucket", (("le", str(float(le))),))
         assert s[key] == sum(t <= le for t in ttfts)
@@ -83,11 +84,10 @@ def test_counts(served):
 
 
 def test_render_types_and_independent_registries(served):
-    cache, (run, _) = served
+    cache, (gen, _) = served
     a, b = Metrics(), Metrics()  # each app has its own registry: no clash, no shared counts
     a.request("/health", 200)
-    gen, _ = run
-    a.observe(len(gen.prompt_ids), len(gen.output_ids), gen.timings.ttft_s)
+    a.observe(gen.prompt_tokens, len(gen.output_ids), gen.timings.ttft_s)
     stats = dict(cache.stats.as_dict(), bypasses={"prompt has at most one token": 4})
     families = {f.name: f for f in text_string_to_metric_families(a.render(stats, 0))}
     for name, kind in (("jaxsmol_requests", "counter"), ("jaxsmol_cache_bytes", "gauge"),

@@ -18,6 +18,7 @@ from jaxsmol.model.kv import KVCache
 from jaxsmol.model.forward import ATTN_BLOCK, forward, rms_norm
 from jaxsmol.model.params import init_random
 from jaxsmol.model.rope import apply_rope, rope_tables
+from jaxsmol.cache.scheduler.many import generate
 
 _fwd = jax.jit(forward, static_argnames=("cfg", "all_logits"))
 CAP = 1024  # cache capacity used throughout (4 attention blocks)
@@ -286,13 +287,14 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     assert b.dtype == np.float32
     assert np.abs(_logprobs(a) - _logprobs(b)).max() <= TINY_BF16_NATS
     sp = SamplingParams(max_tokens=8)
-    cold = e16.generate(ids, sp)
-    assert cold.output_ids == tiny_engine.generate(ids, sp).output_ids
+    cold = generate(e16, ids, sp)
+    assert cold.output_ids == generate(tiny_engine, ids, sp).output_ids
     # the prefix cache holds segments of the cache's dtype, and a warm run has the bits of the cold one
     cache = PrefixCache(e16)
-    cache.generate(ids, sp)
-    warm, report = cache.generate(ids + cold.output_ids[:3] + [7, 8], sp)
-    ref = e16.generate(ids + cold.output_ids[:3] + [7, 8], sp)
+    generate(cache, ids, sp)
+    warm = generate(cache, ids + cold.output_ids[:3] + [7, 8], sp)
+    report = warm.report
+    ref = generate(e16, ids + cold.output_ids[:3] + [7, 8], sp)
     assert report.reused >= 100 and warm.output_ids == ref.output_ids
     assert np.array_equal(warm.prompt_logits, ref.prompt_logits)
     seg = cache.snapshot_of(ids)
@@ -304,7 +306,8 @@ def test_bfloat16_runs_end_to_end_close_to_float32(tiny_cfg, tiny_engine, tmp_pa
     loaded = PrefixCache(e16)
     report = load_prompt_cache(loaded, tmp_path / "bf16.safetensors", ids)
     assert report.refused is None and report.loaded == 100
-    again, r = loaded.generate(ids, sp)
+    again = generate(loaded, ids, sp)
+    r = again.report
     assert r.exact_hit and again.output_ids == cold.output_ids
 
 
@@ -325,5 +328,5 @@ def test_bfloat16_real_model_parity(model_dir, real_engine):
         assert (a.argmax(-1) == b.argmax(-1))[clear].all(), text
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     sp = SamplingParams(max_tokens=12)
-    g32, g16 = real_engine.generate(tok.encode(chat), sp), e16.generate(tok.encode(chat), sp)
+    g32, g16 = generate(real_engine, tok.encode(chat), sp), generate(e16, tok.encode(chat), sp)
     assert "Paris" in g16.text and g16.output_ids == g32.output_ids

@@ -13,6 +13,9 @@ from jaxsmol.model.config import Config
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.params import init_random
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
 
 
 # ---- radix: exact full hit ------------------------------------------------------------------------
@@ -47,7 +50,7 @@ def test_save_after_generation_next_turn_reuses_the_answer(eng):
     cache = PrefixCache(eng, mode="radix")
     p = toks(50, 42)
     taken = eng.pool.taken_holding
-    gen1, r1 = cache.generate(p, SP)  # (compared with a cold run below, after the next turn)
+    gen1 = generate(cache, p, SP)  # (compared with a cold run below, after the next turn)
     out = gen1.output_ids
     assert len(out) == 3
     assert eng.pool.taken_holding == taken + 1  # the answer was stored from the prompt's own cache
@@ -57,7 +60,7 @@ def test_save_after_generation_next_turn_reuses_the_answer(eng):
     # its restore took the answer's cache as it was stored, no copy (same bits: run), and so did the
     # store of its own answer
     assert eng.pool.taken_holding == taken + 3
-    assert_same(gen1, eng.generate(p, SP))
+    assert_same(gen1, generate(eng, p, SP))
     # regenerating at the end of the answer: an exact hit (the saved answer has its logits)
     gen3, r3 = run(cache, p + out)
     assert r3.exact_hit and r3.reused == len(p) + len(out)
@@ -71,17 +74,18 @@ def test_without_save_generated_only_the_prompt_is_reused(eng):
     assert r2.reused == len(p)
 
 
-def test_save_generated_not_exact_reuses_the_decode_state(eng):
-    """exact=False stores the decode state as is (cheaper, not bitwise): all but the last output
-    token, whose state decode never computed."""
+def test_save_generated_not_exact_stores_the_whole_answer(eng):
+    """exact=False stores the answer as exact mode does, re-prefilled in exact chunks (the one driver's
+    answer save), so the next turn reuses all of it; only a suffix after a restore takes the fast path."""
     cache = PrefixCache(eng, mode="radix", exact=False)
     p = toks(50, 46)
-    gen1, _ = cache.generate(p, SP)
+    gen1 = generate(cache, p, SP)
     turn2 = p + gen1.output_ids + toks(12, 47)
     taken = eng.pool.taken_holding
-    gen2, r2 = cache.generate(turn2, SP)
-    assert r2.reused == len(p) + len(gen1.output_ids) - 1
-    assert eng.pool.taken_holding == taken  # its entries are not exact states: always copied in
+    gen2 = generate(cache, turn2, SP)
+    r2 = gen2.report
+    assert r2.reused == len(p) + len(gen1.output_ids)
+    assert eng.pool.taken_holding == taken  # its entries are not told exact: always copied in
 
 
 # ---- radix: fork -----------------------------------------------------------------------------------
@@ -189,21 +193,24 @@ def test_lru_under_a_small_budget(eng, bpt, payload_bytes):
 
 
 def test_entry_in_use_is_not_evicted(eng, bpt, payload_bytes):
-    entry = 40 * bpt + payload_bytes
-    cache = PrefixCache(eng, mode="radix", budget_bytes=2 * entry, save_generated=False)
+    """A stored prefix that a request being prefilled restored stays until its prompt is done."""
+    long_n = 340  # > a scheduler step's 128 rows: its prefill spans steps
+    cache = PrefixCache(eng, mode="radix", budget_bytes=long_n * bpt + payload_bytes, save_generated=False)
     ns = cache.namespace()
     a = distinct(40, 90, 91)
     run(cache, a)
-    req = cache.start(a, SP)  # an exact hit, in use until iterated to the end
-    assert req.report.exact_hit
-    for i in range(3):  # a is the least recently used throughout
+    prompt = a + toks(long_n - 40, 92)
+    sink, sched = Collector(), Scheduler(cache, max_batch=1)
+    sched.submit(Request(prompt, [SP], sink, detail=True))
+    sched.step()  # admitted: a restored, the first 128 rows of the rest prefilled
+    assert sched.prefills and sched.prefills[0].lookup.report.reused == 40
+    for i in range(12):  # a is the least recently used throughout
         run(cache, distinct(40, 91 + i, 92 + i))
     assert cache.store.match(ns, a).length == 40  # still there
-    steps = list(req)
-    assert len(steps) == 3
-    assert_same(req.gen, eng.generate(a, SP))
-    for i in range(3):
-        run(cache, distinct(40, 95 + i, 96 + i))
+    sched.run()
+    assert_same(sink.results[0], generate(eng, prompt, SP))
+    for i in range(12):
+        run(cache, distinct(40, 105 + i, 106 + i))
     assert cache.store.match(ns, a).length == 0  # released: evicted like any other
     assert cache.bytes_held <= cache.budget_bytes
 

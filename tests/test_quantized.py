@@ -19,6 +19,7 @@ from jaxsmol.model.config import Config
 from jaxsmol.model.forward import forward
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.params import abstract_params, expected_shapes, params_from_hf
+from jaxsmol.cache.scheduler.many import generate
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
 FORMATS = formats.FORMATS
@@ -109,11 +110,13 @@ def test_warm_runs_equal_cold_runs_on_quantized_weights(tiny_model_dir, fmt):
     assert engine.cfg.quant == fmt
     sp = SamplingParams(max_tokens=6)
     prompt = list(range(100, 180))
-    cold, _ = PrefixCache(engine, mode="off").generate(prompt, sp)
+    cold = generate(engine, prompt, sp)
     cache = PrefixCache(engine, mode="radix")
-    list(cache.generate(prompt[:50] + [9, 9, 9], sp)[0])  # stores the shared 50-token prefix
-    warm, report = cache.generate(prompt, sp)
-    assert [t for t in warm] == [t for t in cold] and report.reused >= 50
+    generate(cache, prompt[:50] + [9, 9, 9], sp)  # stores the shared 50-token prefix
+    warm = generate(cache, prompt, sp)
+    report = warm.report
+    assert warm.output_ids == cold.output_ids and report.reused >= 50
+    assert np.array_equal(warm.prompt_logits, cold.prompt_logits)
 
 
 def test_refusals_name_the_problem(tiny_model_dir):
@@ -177,7 +180,7 @@ def test_q8_0_stays_close_to_the_float32_weights(real_engine, model_dir):
     assert diff.max() < 0.3 and diff.mean() < 0.05  # measured: 0.156 and 0.029
     ids = real_engine.tokenizer.encode(PARITY_PROMPTS[0][:40])
     sp = SamplingParams(max_tokens=16)
-    assert q8.generate(ids, sp).text == real_engine.generate(ids, sp).text
+    assert generate(q8, ids, sp).text == generate(real_engine, ids, sp).text
 
 
 @pytest.mark.parametrize("kind,fmt", [("Q8_0", "q8_0"), ("Q4_1", "q4_1"), ("Q4_0", "q4_1"), ("F16", None)])

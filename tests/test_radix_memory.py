@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from jaxsmol.cache.store.radix import RadixStore
+from jaxsmol.cache.scheduler.many import generate
 from radix_values import BIG, BYTES_PER_POS, assert_owned, put, tree_bytes
 
 # ---- bytes counted are bytes held ------------------------------------------------------------------
@@ -86,7 +87,7 @@ def test_add_snapshot_of_a_loaded_file_holds_what_it_counts(tiny_engine, tmp_pat
 
     P = [int(t) for t in np.random.default_rng(0).integers(3, 256, 300)]
     source = PrefixCache(tiny_engine)
-    gen, _ = source.generate(P, SamplingParams(max_tokens=4))
+    gen = generate(source, P, SamplingParams(max_tokens=4))
     path = tmp_path / "p.safetensors"
     save_prompt_cache(source, path, P + gen.output_ids)
     cache = PrefixCache(tiny_engine, budget_bytes=1 << 30)

@@ -18,6 +18,7 @@ from jaxsmol.cli.server.replica import read_load
 from jaxsmol.cli.server.serve import create_app
 from jaxsmol.cli.server.tenants import Tenants, parse_keys_file
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 KEYS = "sk-admin - admin\nsk-user\n"
 
@@ -84,7 +85,7 @@ def test_flush_cache_is_the_cache_flush_and_needs_an_admin_key(tiny_engine):
     app = create_app(tiny_engine, model_name="tiny", tenants=Tenants(parse_keys_file(KEYS)))
     cache = app.state.cache
     with TestClient(app) as client:
-        cache.generate(list(range(10, 40)), SamplingParams(max_tokens=2))
+        generate(cache, list(range(10, 40)), SamplingParams(max_tokens=2))
         assert cache.stats.as_dict()["bytes_held"] > 0
         assert client.post("/flush_cache").status_code == 401
         r = client.post("/flush_cache", headers={"authorization": "Bearer sk-user"})
@@ -93,7 +94,8 @@ def test_flush_cache_is_the_cache_flush_and_needs_an_admin_key(tiny_engine):
         r = client.post("/flush_cache", headers={"authorization": "Bearer sk-admin"})
         assert r.status_code == 200 and r.json() == {"flushed": True}
         assert cache.stats.as_dict()["bytes_held"] == 0
-        _, report = cache.generate(list(range(10, 40)), SamplingParams(max_tokens=2))
+        _ = generate(cache, list(range(10, 40)), SamplingParams(max_tokens=2))
+        report = _.report
         assert report.reused == 0  # forgotten
 
 

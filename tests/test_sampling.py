@@ -10,6 +10,7 @@ import pytest
 
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams, sample
+from jaxsmol.cache.scheduler.many import generate
 
 
 # ---- sample(): the traced sampler itself ---------------------------------------------------------
@@ -41,8 +42,8 @@ def test_temperature_below_the_minimum_is_greedy(tiny_engine):
         got = _draws(logits[0], 50, temperature=t)
         assert (got == logits[0].argmax()).all(), t
     prompt = [1, 17, 42, 99, 7, 200, 13, 5, 64, 128]
-    greedy = tiny_engine.generate(prompt, SamplingParams(max_tokens=8)).output_ids
-    assert tiny_engine.generate(prompt, SamplingParams(temperature=2e-38, seed=3, max_tokens=8)).output_ids == greedy
+    greedy = generate(tiny_engine, prompt, SamplingParams(max_tokens=8)).output_ids
+    assert generate(tiny_engine, prompt, SamplingParams(temperature=2e-38, seed=3, max_tokens=8)).output_ids == greedy
     # just above the minimum it samples, and the scaled logits stay finite: still the clear argmax here
     assert (_draws(logits[0], 50, temperature=2 * MIN_TEMPERATURE) == logits[0].argmax()).all()
 

@@ -19,6 +19,7 @@ from jaxsmol.cache.scheduler.scheduler import Scheduler
 from cache_runs import distinct
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.cache.scheduler.many import generate
 
 SP = SamplingParams(max_tokens=3, logprobs=2)
 
@@ -40,7 +41,7 @@ def queue(engine):
     A, B = distinct(100, 10, 1), distinct(60, 11, 2)
     cache = PrefixCache(engine)
     for block in (A, B):
-        cache.generate(block, SamplingParams(max_tokens=1))
+        generate(cache, block, SamplingParams(max_tokens=1))
     prompts = {"cold0": distinct(40, 20, 3), "B1": B + distinct(10, 30, 4), "cold2": distinct(50, 21, 5),
                "A3": A + distinct(10, 31, 6), "A4": A + distinct(20, 32, 7), "B5": B + distinct(5, 33, 8)}
     stored = {name: cache.cached_prefix(p) for name, p in prompts.items()}
@@ -82,7 +83,7 @@ def test_longest_stored_prefix_first_bounded_and_the_same_bits(tiny_engine):
     # the order changes when a request starts, never its bits
     cache, prompts = queue(tiny_engine)
     for name, r in lpm_results.items():
-        alone = tiny_engine.generate(prompts[name], SP)
+        alone = generate(tiny_engine, prompts[name], SP)
         assert r.output_ids == fifo_results[name].output_ids == alone.output_ids, name
         assert r.logprobs == fifo_results[name].logprobs == alone.logprobs, name
         assert r.cached_tokens >= {"A": 100, "B": 60, "c": 0}[name[0]], (name, r.cached_tokens)
@@ -128,7 +129,7 @@ def test_a_pin_request_prefills_once_and_pins_in_its_namespace(tiny_engine, bpt,
     got = Collector()
     sched.submit(Request(prompt, [SP], got, salt="tenant"))
     sched.run()
-    alone = tiny_engine.generate(prompt, SP)
+    alone = generate(tiny_engine, prompt, SP)
     assert got.results[0].cached_tokens == 120
     assert got.results[0].output_ids == alone.output_ids and got.results[0].logprobs == alone.logprobs
     # pinning again does nothing; a stored prompt is pinned without a prefill

@@ -98,7 +98,7 @@ def run_job(worker_loop):
 
 def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, run_job):
     from jaxsmol.cache.prefix_cache import PrefixCache
-    from jaxsmol.cache.scheduler.requests import ChoiceResult
+    from jaxsmol.cache.scheduler.requests import ChoiceResult, Timings
     from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, JobEnd, TokenEvent
 
     cache = PrefixCache(tiny_engine)
@@ -109,8 +109,9 @@ def test_worker_results_are_plain_data_with_per_choice_cache_use(tiny_engine, ru
     done = [e.result for e in events if isinstance(e, ChoiceDone)]
     assert [r.index for r in done] == [0, 1]
     for r in done:
-        assert type(r) is ChoiceResult  # plain data: no Generation, no cache state
-        assert all(isinstance(getattr(r, f), (int, float, str, list, type(None))) for f in r.__dataclass_fields__)
+        assert type(r) is ChoiceResult  # plain data: no device buffer, no cache state
+        assert all(isinstance(getattr(r, f), (int, float, str, list, Timings, type(None)))
+                   for f in r.__dataclass_fields__)
         assert r.output_ids == [e.step.token for e in events if isinstance(e, TokenEvent) and e.index == r.index]
     # both choices are forks of one cold prefill: nothing came from the cache, for either
     assert (done[0].cached_tokens, done[1].cached_tokens) == (0, 0)

@@ -27,19 +27,21 @@ from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.sharding import make_mesh
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import generate
 cfg = Config.tiny(n_heads=8, n_kv_heads=4)
 params = init_random(cfg)
 single = Engine(cfg, params, None, ctx=1024)
 prompt = [int(t) for t in np.random.default_rng(0).integers(3, 256, 300)]
 sp = SamplingParams(max_tokens=6, logprobs=3)
-ref = single.generate(prompt, sp)
+ref = generate(single, prompt, sp)
 out = {"devices": len(jax.devices()), "layouts": {}}
 for tp, dp in [(4, 1), (2, 2), (1, 4)]:
     eng = Engine(cfg, params, None, ctx=1024, mesh=make_mesh(tp=tp, dp=dp))
-    cold = eng.generate(prompt, sp)
+    cold = generate(eng, prompt, sp)
     cache = PrefixCache(eng)
-    cache.generate(prompt[:200] + [5, 6], sp)          # a stored prefix of 200 tokens
-    warm, report = cache.generate(prompt, sp)
+    generate(cache, prompt[:200] + [5, 6], sp)          # a stored prefix of 200 tokens
+    warm = generate(cache, prompt, sp)
+    report = warm.report
     out["layouts"][f"tp{tp}dp{dp}"] = {
         "max_abs_diff_vs_single": float(np.abs(cold.prompt_logits - ref.prompt_logits).max()),
         "same_tokens_as_single": cold.output_ids == ref.output_ids,
@@ -53,7 +55,8 @@ for tp, dp in [(4, 1), (2, 2), (1, 4)]:
     }
 # a host snapshot has no layout: a state taken on a 4-way mesh is placed on one device, and back
 eng = Engine(cfg, params, None, ctx=1024, mesh=make_mesh(tp=4))
-snap = eng.generate(prompt, SamplingParams(max_tokens=0)).kv.trim(300)
+_, kv = eng.prefill(prompt, eng.new_cache(512))
+snap = kv.trim(300)
 moved = single.restore(snap, 512)
 out["resharded_snapshot_equal"] = bool(np.array_equal(np.asarray(moved.k)[:, :, :, :300], snap.k))
 out["resharded_snapshot_single_device"] = len(moved.k.sharding.device_set) == 1
@@ -87,15 +90,17 @@ def test_real_model_tensor_parallel_over_3_devices():
     from jaxsmol.model.sharding import make_mesh
     from jaxsmol.runtime.sampling import SamplingParams
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate
     single = Engine.load(ctx=2048, quantize="none", progress=False)  # float32: a mesh splits float matrices
     tp = Engine(single.cfg, single.params, single.tokenizer, ctx=2048, mesh=make_mesh(tp=3))
     tok = single.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     sp = SamplingParams(max_tokens=10)
-    a, b = single.generate(ids, sp), tp.generate(ids, sp)
+    a, b = generate(single, ids, sp), generate(tp, ids, sp)
     cache = PrefixCache(tp)
-    cache.generate(ids[:-3], sp)
-    warm, report = cache.generate(ids, sp)
+    generate(cache, ids[:-3], sp)
+    warm = generate(cache, ids, sp)
+    report = warm.report
     print(json.dumps({"single": a.text, "tp": b.text, "diff": float(np.abs(a.prompt_logits - b.prompt_logits).max()),
                       "reused": report.reused, "exact": bool(np.array_equal(warm.prompt_logits, b.prompt_logits)),
                       "wk_spec": str(tp.params.layers.wk.sharding.spec)}))
@@ -145,11 +150,12 @@ def test_daemon_serves_with_a_mesh(tmp_path, tiny_model_dir):
             req = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             answers.append(json.loads(urllib.request.urlopen(req, timeout=300).read()))
+        from jaxsmol.cache.scheduler.many import generate
         from jaxsmol.runtime.engine import Engine
         from jaxsmol.runtime.sampling import SamplingParams
 
         single = Engine.load(tiny_model_dir, ctx=1024, progress=False)
-        alone = single.generate(single.tokenizer.encode(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
+        alone = generate(single, single.tokenizer.encode(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
         assert answers[0]["choices"][0]["token_ids"] == alone.output_ids
         assert answers[1]["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"]
         assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -12,6 +12,7 @@ from jaxsmol.cli.api.structured_request import structured_from_request
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams, sample, unpack_bitmask
 from jaxsmol.runtime.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
+from jaxsmol.cache.scheduler.many import generate
 
 # ---- the mask inside the sampler (tiny shapes, no model) -------------------------------------------
 
@@ -63,8 +64,9 @@ def test_all_allowed_mask_changes_nothing(tiny_cfg):
 
 
 def test_structured_needs_a_tokenizer(tiny_engine):
+    sp = SamplingParams(max_tokens=4, structured=canonical_spec({"type": "json_object"}))
     with pytest.raises(JaxsmolError, match="tokenizer"):
-        tiny_engine.start([1, 2, 3], SamplingParams(max_tokens=4, structured=canonical_spec({"type": "json_object"})))
+        generate(tiny_engine, [1, 2, 3], sp)
 
 
 # ---- specs and the request mapping (no model) ------------------------------------------------------
@@ -194,7 +196,7 @@ def test_real_schema_output_validates(real_engine, index, name):
     prompt, schema = SCHEMAS[name]
     ids, spec = _chat(real_engine, prompt), _schema_spec(schema)
     for settings in (dict(), SAMPLED[index % 2]):
-        gen = real_engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **settings))
+        gen = generate(real_engine, ids, SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **settings))
         _assert_complete(real_engine, gen, schema)
 
 
@@ -203,8 +205,9 @@ def test_real_json_object_parses_and_streams(real_engine):
     ids = _chat(real_engine, "Return a JSON object with the keys city and temperature for Paris.")
     for settings in (dict(), dict(temperature=1.0, seed=4)):
         sp = SamplingParams(max_tokens=64, structured=canonical_spec({"type": "json_object"}), **settings)
-        gen = real_engine.start(ids, sp)
-        streamed = "".join(step.text for step in gen)
+        steps = []
+        gen = generate(real_engine, ids, sp, on_token=steps.append)
+        streamed = "".join(step.text for step in steps)
         assert gen.finish_reason == "stop" and streamed == gen.text
         assert isinstance(json.loads(gen.text), dict)
 
@@ -229,12 +232,12 @@ def test_real_constraint_steps(real_engine):
 @pytest.mark.real
 def test_real_regex_and_choice(real_engine):
     ids = _chat(real_engine, "What is a phone number?")
-    gen = real_engine.generate(ids, SamplingParams(max_tokens=16, structured=canonical_spec(
+    gen = generate(real_engine, ids, SamplingParams(max_tokens=16, structured=canonical_spec(
         {"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"})))
     assert gen.finish_reason == "stop" and len(gen.text) == 8 and gen.text[3] == "-"
     assert gen.text.replace("-", "").isdigit()
     ids = _chat(real_engine, "Is the sky blue? Answer yes or no.")
-    gen = real_engine.generate(ids, SamplingParams(max_tokens=8, temperature=1.0, seed=3, structured=canonical_spec(
+    gen = generate(real_engine, ids, SamplingParams(max_tokens=8, temperature=1.0, seed=3, structured=canonical_spec(
         {"type": "choice", "choice": ["yes", "no", "maybe"]})))
     assert gen.finish_reason == "stop" and gen.text in ("yes", "no", "maybe")
 
@@ -243,7 +246,7 @@ def test_real_regex_and_choice(real_engine):
 def test_real_length_cut_is_reported(real_engine):
     """Too few tokens: generation stops at max_tokens with finish_reason 'length' and a prefix of valid JSON."""
     prompt, schema = SCHEMAS["nested"]
-    gen = real_engine.generate(_chat(real_engine, prompt),
+    gen = generate(real_engine, _chat(real_engine, prompt),
                                SamplingParams(max_tokens=5, structured=_schema_spec(schema)))
     assert gen.finish_reason == "length" and len(gen.output_ids) == 5 and gen.text.startswith('{"name": ')
 
@@ -257,15 +260,18 @@ def test_real_prefix_cache_cold_and_warm(real_engine):
     for sp in (SamplingParams(max_tokens=MAX_TOKENS, structured=spec),
                SamplingParams(max_tokens=MAX_TOKENS, structured=spec, temperature=1.0, seed=5)):
         cache = PrefixCache(real_engine)
-        cold, cold_report = cache.generate(ids, sp)
-        warm, warm_report = cache.generate(ids, sp)  # an exact full hit: the stored logits, masked
+        cold = generate(cache, ids, sp)
+        cold_report = cold.report
+        warm = generate(cache, ids, sp)  # an exact full hit: the stored logits, masked
+        warm_report = warm.report
         assert cold_report.reused == 0 and warm_report.exact_hit
         for gen in (cold, warm):
             _assert_complete(real_engine, gen, schema)
         assert warm.output_ids == cold.output_ids
     # a prompt that shares only a prefix with the stored one: the restored part, then masked decoding
     other = _chat(real_engine, prompt + " Keep it short.")
-    gen, report = cache.generate(other, SamplingParams(max_tokens=MAX_TOKENS, structured=spec))
+    gen = generate(cache, other, SamplingParams(max_tokens=MAX_TOKENS, structured=spec))
+    report = gen.report
     assert 0 < report.reused < len(other)
     _assert_complete(real_engine, gen, schema)
 

@@ -11,19 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.side_by_side import MAX_ROWS, group_sizes
-from jaxsmol.runtime import programs
-from jaxsmol.runtime.batch import row_settings
-from jaxsmol.runtime.chunks import capacity_for
+from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
-from jaxsmol.runtime.sampling import SamplingParams
-from jaxsmol.runtime.structured import all_allowed
-
-
-def empty_batch(engine, width: int, capacity: int) -> KVCache:
-    """An empty decode batch for `engine`: k, v [L, width, K, capacity, H] zeros, pos [width]."""
-    return KVCache.zeros(engine.cfg, capacity, batch=width, dtype=engine.cache_dtype,
-                         mesh=engine.mesh).replace(pos=jnp.zeros((width,), jnp.int32))
+from jaxsmol.model.params import abstract_params
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.batch import empty_batch
+from jaxsmol.runtime.chunks import capacity_for, chunk_length, prefill_buckets, tight_plan
 
 
 def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side_by_side: int = 1) -> int:
@@ -49,26 +44,46 @@ def program_calls(scheduler, slots: int) -> tuple[list, list]:
 
 def batched_calls(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:
     """compile_batched's programs, each as a (program, args, kwargs) call (programs.compile_all)."""
-    cfg = engine.cfg
-    capacity = capacity_for(slots)
-    row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=engine.cache_dtype))
-
-    def free_settings(width):  # rows that sample freely, as most requests do
-        return row_settings([SamplingParams()] * width, [0] * width, [None] * width,
-                            all_allowed(width, cfg.vocab_size))
-
+    cfg, capacity = engine.cfg, capacity_for(slots)
     calls = []
     for i, width in enumerate(widths):
-        batch = jax.eval_shape(lambda width=width: empty_batch(engine, width, capacity))
-        calls.append((programs.decode_step, (engine.params, jax.ShapeDtypeStruct((width,), jnp.int32), batch,
-                                             jax.ShapeDtypeStruct((width,), bool), free_settings(width), cfg),
-                      {"logprobs": False}))
-        calls.append((programs.insert_row, (batch, row, jax.ShapeDtypeStruct((), jnp.int32)), {}))
+        calls += programs.decode_calls(engine.params, cfg, engine.cache_dtype, width, capacity)
+        batch = jax.eval_shape(lambda width=width: empty_batch(cfg, width, capacity, engine.cache_dtype))
         calls += [(programs.relayout, (batch, jax.ShapeDtypeStruct((other,), jnp.int32), other, capacity), {})
                   for other in widths[:i] + widths[i + 1:]]  # growing and shrinking
-    logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32)
-    calls.append((programs.sample_first, (logits, free_settings(1)), {"logprobs": False}))
-    return calls + side_by_side_calls(engine, side_by_side, capacity)
+    return calls + [programs.first_token_call(cfg)] + side_by_side_calls(engine, side_by_side, capacity)
+
+
+def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_tokens: int,
+                       settings: BatchSettings = BatchSettings()) -> list:
+    """What a lone request of n_prompt tokens generating max_tokens runs through a scheduler, as
+    (program, args, kwargs) calls: its prompt's chunks (the lengths `Scheduler._prefill_newcomers`
+    picks with no row decoding), its first token's sampling, and its decode row if it has one."""
+    buckets = prefill_buckets(True, cfg.cpu_kernels)
+    capacity = capacity_for(n_prompt + max_tokens)  # Request.capacity
+    budget, lengths, left = max(settings.step_rows(False), buckets[0]), set(), n_prompt
+    while left > 0:  # one scheduler step at a time
+        for rows in settings.chunks(tight_plan(left, buckets), budget, decoding=False):
+            T = chunk_length(left, rows, buckets)
+            lengths.add(T)
+            left -= min(T, left)
+    row = jax.eval_shape(lambda: KVCache.zeros(cfg, capacity, dtype=cache_dtype))
+    calls = [(programs.forward, (params, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                                 row, cfg), {}) for T in sorted(lengths)]
+    calls.append(programs.first_token_call(cfg))
+    return calls + (programs.decode_calls(params, cfg, cache_dtype, 1, capacity) if max_tokens > 1 else [])
+
+
+def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int) -> int:
+    """Compile (or load from the program store) a lone request's programs (lone_request_calls) from
+    shapes alone, so it can run while the weights load (`jaxsmol generate`). Returns how many."""
+    params = abstract_params(cfg, getattr(jnp, dtype))
+    cache_dtype = cfg.cache_dtype(params.compute_dtype)  # float32 under the kernels unless --kv-dtype says
+    n = programs.compile_all(lone_request_calls(cfg, params, cache_dtype, n_prompt, max_tokens))
+    # the zeros of its caches are small programs of their own, compiled on first use: 15-150 ms each
+    capacity = capacity_for(n_prompt + max_tokens)
+    jax.block_until_ready((KVCache.zeros(cfg, capacity, dtype=cache_dtype), empty_batch(cfg, 1, capacity, cache_dtype)))
+    return n
 
 
 def side_by_side_calls(engine, most: int, capacity: int) -> list:

@@ -1,13 +1,32 @@
-"""The library's batched call: many prompts, and n samples of each, through one continuous batch."""
+"""The library's calls, run the way the daemon runs its requests: through the scheduler.
+
+`generate`: one request (a lone decode row), streamed through `on_token` if asked; `generate_many`: many
+prompts, and n samples of each, as one continuous batch. Both return `ChoiceResult`s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.runtime.engine import Engine
 from jaxsmol.runtime.sampling import SamplingParams
+from jaxsmol.runtime.stream import Step
+
+
+def generate(model: Engine | PrefixCache, prompt_ids, sp: SamplingParams = SamplingParams(), *,
+             salt: str | None = None, bypass: bool = False,
+             on_token: Callable[[Step], None] | None = None) -> ChoiceResult:
+    """Run one request to the end: `model` a PrefixCache (its prefixes reused and the request's saved),
+    or an Engine (no cache). `on_token` gets each Step as it is sampled. The result carries the prompt's
+    last logits and the cache report. Raises the request's error (JaxsmolError for a bad prompt)."""
+    cache = model if isinstance(model, PrefixCache) else PrefixCache(model, mode="off")
+    sink = Collector(on_token=None if on_token is None else lambda _, step: on_token(step))
+    return _run(Scheduler(cache, max_batch=1), [Request(list(prompt_ids), [sp], sink, salt=salt, bypass=bypass,
+                                                        detail=True)])[0][0]
 
 
 def generate_many(cache: PrefixCache, prompts, sp: SamplingParams = SamplingParams(), *, n: int = 1,
@@ -17,14 +36,17 @@ def generate_many(cache: PrefixCache, prompts, sp: SamplingParams = SamplingPara
 
     Returns, per prompt, its n results. Raises the first request's error, if any."""
     sched = scheduler or Scheduler(cache, max_batch=max(max_batch, n), batch_invariant=batch_invariant)
-    sinks = []
-    for prompt in prompts:
-        sink = Collector()
-        samplings = [dataclasses.replace(sp, seed=(sp.seed + i) % 2**63) for i in range(n)]
-        sched.submit(Request(list(prompt), samplings, sink, salt=salt))
-        sinks.append(sink)
+    samplings = [dataclasses.replace(sp, seed=(sp.seed + i) % 2**63) for i in range(n)]
+    return _run(sched, [Request(list(prompt), samplings, Collector(), salt=salt) for prompt in prompts])
+
+
+def _run(sched: Scheduler, requests: list[Request]) -> list[list[ChoiceResult]]:
+    """Submit the requests, step the scheduler until it is idle (answers stored included), and return
+    each request's results in choice order, or raise the first error."""
+    for req in requests:
+        sched.submit(req)
     sched.run()
-    for sink in sinks:
-        if sink.errors:
-            raise sink.errors[0]
-    return [[sink.results[i] for i in range(n)] for sink in sinks]
+    for req in requests:
+        if req.sink.errors:
+            raise req.sink.errors[0]
+    return [[req.sink.results[i] for i in req.indices] for req in requests]

@@ -9,12 +9,49 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
+from jaxsmol.cache.records import CacheReport
 from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import Step
+
+
+@dataclasses.dataclass
+class Timings:
+    """Where a choice's time went, in seconds from its request's submission."""
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # positions taken from a prefix snapshot
+    prefilled_tokens: int = 0  # positions computed by prefill (real tokens, padding excluded)
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # admission to the prompt's state computed (its lookup and restore included)
+    ttft_s: float = 0.0  # submission to the first token sampled
+    decode_s: float = 0.0  # first token to last
+    total_s: float = 0.0
+    # Set by a caller that loads the model or compiles programs for this request (the CLI): so the
+    # prefill/decode figures above are compute, and the start-up cost is reported apart from them.
+    load_s: float = 0.0  # reading config, tokenizer and weights
+    compile_s: float = 0.0  # compiling (or loading from the program store) the request's programs
+    startup_s: float = 0.0  # wall time until both were done (they may overlap: compile_s runs while loading)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first token comes from prefill logits; the rest each cost one decode step
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(prefill_tok_s=round(self.prefill_tok_s, 2), decode_tok_s=round(self.decode_tok_s, 2))
+        return d
 
 
 @dataclasses.dataclass
@@ -25,7 +62,10 @@ class ChoiceResult:
     cached_tokens: prompt positions this choice restored from the prefix cache;
     logprobs: per generated token {"token", "logprob", "top": [(id, logprob)]} (empty when not asked);
     prompt_logprobs: per prompt position the same dict, None at position 0 (None when not asked: the
-    daemon's scoring fills it).
+    daemon's scoring fills it);
+    prompt_logits, report (where the request asked for `detail`: the library's calls): [V] float32 logits
+    after the last prompt token; the request's cache report (shared by its choices; an answer stored
+    after the last token is counted in it once stored).
     """
     index: int
     prompt_tokens: int
@@ -34,8 +74,10 @@ class ChoiceResult:
     text: str
     finish_reason: str
     logprobs: list[dict]
-    ttft_s: float = 0.0
+    timings: Timings = dataclasses.field(default_factory=Timings)
     prompt_logprobs: list | None = None
+    prompt_logits: np.ndarray | None = None
+    report: CacheReport | None = None
 
 
 class Sink(Protocol):
@@ -56,6 +98,7 @@ class Request:
     salt: str | None = None
     bypass: bool = False
     pin: bool = False  # pin the prompt once it is stored (cache/pins.py); its choices sample nothing
+    detail: bool = False  # results carry the prompt's last logits and the cache report (library calls)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     overtaken: int = 0  # later requests admitted before it (cache-aware admission bounds this)
 
@@ -83,9 +126,12 @@ class Collector:
     steps: dict = dataclasses.field(default_factory=dict)
     errors: list = dataclasses.field(default_factory=list)
     cancel: bool = False
+    on_token: Callable[[int, Step], None] | None = None  # called with each step as it comes
 
     def token(self, index: int, step: Step) -> None:
         self.steps.setdefault(index, []).append(step)
+        if self.on_token is not None:
+            self.on_token(index, step)
 
     def done(self, result: ChoiceResult) -> None:
         self.results[result.index] = result

@@ -40,7 +40,7 @@ import numpy as np
 from jaxsmol.cache.scheduler.admission import admitted, next_index
 from jaxsmol.cache.scheduler.answers import AnswerQueue
 from jaxsmol.cache.scheduler.settings import BatchSettings
-from jaxsmol.cache.scheduler.compile_ahead import compile_batched, empty_batch
+from jaxsmol.cache.scheduler.compile_ahead import compile_batched
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
@@ -48,7 +48,7 @@ from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mas
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.batch import row_settings
+from jaxsmol.runtime.batch import empty_batch, row_settings
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.stream import TokenStream
 from jaxsmol.runtime.structured import constraint_for
@@ -192,7 +192,7 @@ class Scheduler:
         return self.live_rows + len(held) == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
 
     def _begin(self, req: Request) -> None:
-        cfg = self.engine.cfg
+        started, cfg = time.perf_counter(), self.engine.cfg
         constraints = [constraint_for(self.engine.tokenizer, cfg.eos_ids, cfg.vocab_size, sp.structured)
                        for sp in req.samplings]  # a bad spec fails here, before any model work
         lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
@@ -210,7 +210,7 @@ class Scheduler:
         except BaseException:
             self.cache.release(lk)
             raise
-        p = Prefill(req, lk, kv, constraints)
+        p = Prefill(req, lk, kv, constraints, started)
         self.prefills.append(p)
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
             self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
@@ -250,16 +250,18 @@ class Scheduler:
         """p's prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
         token, and give every choice that goes on a decode row."""
         req, lk = p.request, p.lookup
-        ttft = time.perf_counter() - req.submitted
+        prefill_s = time.perf_counter() - p.started
         want = max(sp.logprobs for sp in req.samplings)
         m = len(req.samplings)
         out = jax.device_get(programs.sample_first(
             jnp.broadcast_to(logits, (m, logits.shape[-1])),
             row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
+        ttft = time.perf_counter() - req.submitted
+        kept = np.array(np.asarray(logits)[0]) if req.detail else None
         rows = []
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
             rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
-                             p.constraints[i]))
+                            p.constraints[i], prefill_s, kept))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 rows[-1].push(out, i)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
@@ -336,7 +338,7 @@ class Scheduler:
             self.batch = reuse.replace(pos=jnp.zeros_like(reuse.pos))  # no row reads past its pos
         elif not live:
             old = None  # freed before the new one is made (unless kept as the spare)
-            self.batch = empty_batch(self.engine, width, capacity)
+            self.batch = empty_batch(self.engine.cfg, width, capacity, self.engine.cache_dtype, self.engine.mesh)
         else:
             source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
             self.batch = programs.relayout(old, source, width, capacity)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.cache.records import Lookup
-from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
+from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.sampling import SamplingParams
@@ -26,6 +27,7 @@ class Prefill:
     lookup: Lookup
     kv: KVCache
     constraints: list  # per choice: its structured-output Constraint, or None
+    started: float  # admitted (before its lookup)
 
 
 @dataclasses.dataclass
@@ -37,6 +39,8 @@ class Row:
     stream: TokenStream
     ttft_s: float
     constraint: Constraint | None = None
+    prefill_s: float = 0.0  # admission to the prompt's state computed
+    prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
 
     def push(self, out: dict, i: int) -> None:
         """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
@@ -52,11 +56,17 @@ class Row:
         self.request.sink.token(self.index, self.stream.push(token, logprob, top))
 
     def finished(self) -> ChoiceResult:
-        """This row's result so far (its stream's tokens, text and finish reason)."""
-        s, lk = self.stream, self.lookup
-        return ChoiceResult(index=self.index, prompt_tokens=len(lk.prompt), cached_tokens=lk.report.reused,
-                        output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
-                        logprobs=list(s.logprobs), ttft_s=self.ttft_s)
+        """This row's result so far (its stream's tokens, text, finish reason and timings)."""
+        s, lk, n = self.stream, self.lookup, len(self.lookup.prompt)
+        total = time.perf_counter() - self.request.submitted
+        timings = Timings(prompt_tokens=n, reused_tokens=lk.report.reused, prefilled_tokens=n - lk.report.reused,
+                          generated_tokens=len(s.output_ids), prefill_s=self.prefill_s,
+                          ttft_s=self.ttft_s if s.output_ids else total,
+                          decode_s=total - self.ttft_s if s.output_ids else 0.0, total_s=total)
+        return ChoiceResult(index=self.index, prompt_tokens=n, cached_tokens=lk.report.reused,
+                            output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
+                            logprobs=list(s.logprobs), timings=timings, prompt_logits=self.prompt_logits,
+                            report=lk.report if self.request.detail else None)
 
 
 @functools.cache

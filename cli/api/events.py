@@ -3,8 +3,8 @@
 The HTTP side turns a request into a `Job` of `ChoiceSpec`s and submits it; the worker answers on the
 job's own bounded event queue, in this order for each choice: `TokenEvent`s, then one `ChoiceDone`;
 a `JobError` for a failure; always one `JobEnd` last. Events are plain data: a `ChoiceDone` carries
-the scheduler's `ChoiceResult` (cache/scheduler/requests.py), never the `Generation` (which would
-keep its restored prefix alive for as long as a slow client leaves the event unread).
+the scheduler's `ChoiceResult` (cache/scheduler/requests.py): plain data, no device buffer or cache
+entry that a slow client leaving the event unread would keep alive.
 
 Back-pressure: `Job.emit` (called on the worker thread) never waits; events past the queue's room
 wait in a bounded backlog, and a client that leaves them unread for the job's write timeout has its

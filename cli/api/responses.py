@@ -4,7 +4,7 @@ Inputs are the worker's plain results (cli/api/events.py) and `decode`, a functi
 text; outputs are JSON-able dicts. Nothing here touches a model or a server.
 
 A logprob entry is {"token": id, "logprob": float, "top": [(id, logprob), ...], "rank"?: int}, as in
-`Generation.logprobs` and `jaxsmol.runtime.scoring.TokenScore.as_dict`; the first prompt position has none.
+`ChoiceResult.logprobs` and `jaxsmol.runtime.scoring.TokenScore.as_dict`; the first prompt position has none.
 """
 
 from __future__ import annotations

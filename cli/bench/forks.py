@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxsmol.cache.scheduler.many import generate
 from jaxsmol.cli.bench.measure import log, median, now
 from jaxsmol.cli.tables import format_table
 
 
 def sequential(engine, prompt, sp, n):
     for i in range(n):
-        list(engine.generate(prompt, dataclasses.replace(sp, seed=sp.seed + i)))
+        generate(engine, prompt, dataclasses.replace(sp, seed=sp.seed + i))
 
 
 def cached(engine, prompt, sp, n):
@@ -28,7 +29,7 @@ def cached(engine, prompt, sp, n):
 
     cache = PrefixCache(engine)
     for i in range(n):
-        cache.generate(prompt, dataclasses.replace(sp, seed=sp.seed + i))
+        generate(cache, prompt, dataclasses.replace(sp, seed=sp.seed + i))
 
 
 def batched(engine, prompt, sp, n):

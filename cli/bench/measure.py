@@ -59,11 +59,12 @@ class Warmup:
         if not self.requests_warm:
             self.requests_warm = True
             from jaxsmol.cache.prefix_cache import PrefixCache
+            from jaxsmol.cache.scheduler.many import generate
             from jaxsmol.runtime.sampling import SamplingParams
 
             cache = PrefixCache(eng)
             for _ in range(2):  # cold, then an exact full hit
-                cache.generate([100, 101, 102], SamplingParams(max_tokens=2))
+                generate(cache, [100, 101, 102], SamplingParams(max_tokens=2))
 
     def capacity(self, slots: int) -> None:
         import numpy as np
@@ -116,7 +117,7 @@ def timed(cache, prompt) -> dict:
     from jaxsmol.runtime.sampling import SamplingParams
 
     t = timed_request(cache, prompt, SamplingParams(max_tokens=1))
-    return {"ttft_s": t.ttft_s, "wall_s": t.seconds, "engine_ttft_s": t.gen.timings.ttft_s,
+    return {"ttft_s": t.ttft_s, "wall_s": t.seconds, "engine_ttft_s": t.result.timings.ttft_s,
             "reused": t.report.reused, "prefilled": t.report.prefilled, "exact_hit": t.report.exact_hit}
 
 

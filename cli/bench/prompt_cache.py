@@ -21,14 +21,15 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
     """`repeats` times: a cold request, then the prefix loaded from `path` and the request again."""
     import numpy as np
 
-    from jaxsmol.cache.store.disk import load_prompt_cache
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate
+    from jaxsmol.cache.store.disk import load_prompt_cache
     from jaxsmol.runtime.sampling import SamplingParams
 
     sp = SamplingParams(max_tokens=1)
     cold_s, warm_s, load_s, outputs = [], [], [], set()
     for _ in range(repeats):
-        gen = engine.generate(ids, sp)
+        gen = generate(engine, ids, sp)
         cold_s.append(gen.timings.ttft_s)
         cold_logits = gen.prompt_logits
 
@@ -36,7 +37,8 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
         cache = PrefixCache(engine)
         assert load_prompt_cache(cache, path, ids).loaded == prefix_n
         t1 = now()
-        warm, report = cache.generate(ids, sp)
+        warm = generate(cache, ids, sp)
+        report = warm.report
         warm_s.append(t1 - t0 + warm.timings.ttft_s)
         load_s.append(t1 - t0)
         assert report.reused == prefix_n and report.prefilled == len(ids) - prefix_n
@@ -49,8 +51,9 @@ def _rounds(engine, path, ids, prefix_n: int, repeats: int) -> dict:
 def section_prompt_cache(engine, plan) -> dict:
     import numpy as np
 
-    from jaxsmol.cache.store.disk import save_prompt_cache
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate
+    from jaxsmol.cache.store.disk import save_prompt_cache
     from jaxsmol.cache.store.snapshot import identity, load_snapshot
     from jaxsmol.runtime.sampling import SamplingParams
 
@@ -66,7 +69,7 @@ def section_prompt_cache(engine, plan) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "prefix.safetensors"
         writer = PrefixCache(engine)
-        writer.generate(prefix, SamplingParams(max_tokens=0))
+        generate(writer, prefix, SamplingParams(max_tokens=0))
         t0 = now()
         save_prompt_cache(writer, path, prefix)
         save_s = now() - t0

@@ -28,6 +28,7 @@ def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
 def section_compilations(engine, plan, rng) -> dict:
     """A mixed workload through the radix cache; count the forward programs it compiles."""
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate
     from jaxsmol.runtime.chunks import compile_bound
     from jaxsmol.runtime.engine import compiled_programs
     from jaxsmol.runtime.sampling import SamplingParams
@@ -43,7 +44,7 @@ def section_compilations(engine, plan, rng) -> dict:
         n = int(rng.integers(2, max_prompt + 1))
         prompt = _mixed_prompt(rng, plan, docs, n, vocab)
         max_tokens = int(rng.integers(1, plan["workload_max_tokens"] + 1))
-        cache.generate(prompt, SamplingParams(max_tokens=max_tokens))
+        generate(cache, prompt, SamplingParams(max_tokens=max_tokens))
         lengths.append(n)
     programs = compiled_programs() - before
     s = cache.stats
@@ -126,6 +127,7 @@ def section_ttft(engine, plan, rng, warm: Warmup) -> dict:
 
 def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import generate
     from jaxsmol.runtime.sampling import SamplingParams
 
     vocab, trunk_n, branch_n = engine.cfg.vocab_size, plan["trunk"], plan["branch"]
@@ -140,7 +142,7 @@ def section_snapshot(engine, plan, rng, warm: Warmup) -> dict:
     payload = 4 * vocab  # the last position's logits, kept per stored prompt for exact full hits
     rows = []
     for i, br in enumerate(branches, 1):
-        cache.generate(trunk + br, SamplingParams(max_tokens=1))
+        generate(cache, trunk + br, SamplingParams(max_tokens=1))
         if i in plan["branches"]:
             held = cache.store.bytes_held
             full = i * (trunk_n + branch_n) * bpt

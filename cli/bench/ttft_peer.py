@@ -23,12 +23,13 @@ def ours(engine, prefix, suffix, exact: bool) -> tuple[float, float]:
     which follows the token, is not counted)."""
     from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.cache.probe import timed_request
+    from jaxsmol.cache.scheduler.many import generate
     from jaxsmol.runtime.sampling import SamplingParams
 
     one = SamplingParams(max_tokens=1)
     cold = timed_request(PrefixCache(engine, mode="off"), prefix + suffix, one).ttft_s
     cache = PrefixCache(engine, exact=exact)
-    cache.generate(prefix, one)
+    generate(cache, prefix, one)
     return cold, timed_request(cache, prefix + suffix, one).ttft_s
 
 

@@ -50,7 +50,7 @@ class JobSink:
         self.job.emit(TokenEvent(index, step))
 
     def done(self, r: ChoiceResult) -> None:
-        self.metrics.observe(r.prompt_tokens, len(r.output_ids), r.ttft_s)
+        self.metrics.observe(r.prompt_tokens, len(r.output_ids), r.timings.ttft_s)
         self.job.emit(ChoiceDone(dataclasses.replace(r, prompt_logprobs=self.prompt_logprobs.get(r.index))))
         self.remaining -= 1
         if self.remaining == 0:

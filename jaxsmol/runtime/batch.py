@@ -88,6 +88,11 @@ def prefill_rows(params: Params, tokens: jax.Array, lengths: jax.Array, rows: tu
                          for i, r in enumerate(rows))
 
 
+def empty_batch(cfg: Config, width: int, capacity: int, dtype, mesh=None) -> KVCache:
+    """An empty decode batch: k, v [L, width, K, capacity, H] zeros, pos [width]."""
+    return KVCache.zeros(cfg, capacity, batch=width, dtype=dtype, mesh=mesh).replace(pos=jnp.zeros((width,), jnp.int32))
+
+
 def insert_row(batch: KVCache, row: KVCache, index: jax.Array) -> KVCache:
     """batch (k, v [L, W, K, S, H], pos [W]) with row (k, v [L, 1, K, S, H], pos []) written at `index`."""
     at = (0, index, 0, 0, 0)

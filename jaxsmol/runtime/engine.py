@@ -1,4 +1,6 @@
-"""The engine: weights, tokenizer and the jitted forward; chunked prefill, decode and generation.
+"""The engine: weights, tokenizer and the jitted forward; restore, chunked prefill and decode of a cache.
+
+Requests are driven above it, by the scheduler (cache/scheduler/), the library's one at a time too.
 
 Compiled programs come from programs.py (the one jit site). Prompts are prefilled in chunks whose lengths come from
 buckets, with the true length traced, and caches are allocated with capacities from a doubling
@@ -36,10 +38,7 @@ from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_
 from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.model.params import Params, load_params, params_from_hf
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
-from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
-from jaxsmol.runtime.generation import Generation
-from jaxsmol.runtime.structured import all_allowed
 
 def compiled_programs(program: str = "forward") -> int:
     """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
@@ -340,8 +339,9 @@ class Engine:
         return logits, self.pool.mark(out, held)
 
     def warmup(self, slots: int, prompt_len: int | None = None) -> int:
-        """Compile every program a request touching `slots` cache slots may need (prefill buckets and
-        decode, for the capacities on the way), so later timings measure compute, not compilation.
+        """Compile every program a lone request touching `slots` cache slots may need (prefill buckets
+        for the capacities on the way, its first token's sampling, its decode row), so later timings
+        measure compute, not compilation.
         With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
         4-token probe needs the 1- and 16-row programs, not the 512-row one.
         Compiled ahead of time (or loaded from the program store), not run: running them on zeros cost the
@@ -350,10 +350,9 @@ class Engine:
         top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
                                                                chunk_length(prompt_len, buckets=self.buckets(True)))
         calls = self.forward_calls(slots, [T for T in FAST_BUCKETS if T <= top])
-        logits = jax.ShapeDtypeStruct((1, self.cfg.vocab_size), jnp.float32)
-        scalars = (jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
-        for allowed in (None, all_allowed(1, self.cfg.vocab_size)):  # free and structured sampling
-            calls.append((programs.sample, (logits, *scalars, allowed), {}))
+        if self.mesh is None:  # a lone request's first token and decode row (a mesh's: from the live arrays)
+            calls += [programs.first_token_call(self.cfg)]
+            calls += programs.decode_calls(self.params, self.cfg, self.cache_dtype, 1, capacity_for(slots))
         return programs.compile_all(calls)
 
     def forward_calls(self, slots: int, lengths) -> list:
@@ -379,22 +378,3 @@ class Engine:
         logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg,
                                      all_logits=True)
         return np.asarray(logits[0, :len(ids)])
-
-    # ---- generation -----------------------------------------------------------------------------
-    def start(self, prompt_ids, sp: SamplingParams = SamplingParams(), *, prefix: KVCache | None = None,
-              prefix_len: int = 0, prefix_logits: np.ndarray | None = None,
-              on_prefill: Callable[[KVCache, jax.Array], None] | None = None, exact: bool = True,
-              prefix_exact: bool = False) -> Generation:
-        """Begin a request. With `prefix` (a host snapshot), its first `prefix_len` positions are reused;
-        with `prefix_logits` as well and prefix_len == len(prompt), no forward runs before sampling.
-        exact=False prefills a short suffix with fewer padded rows (faster, not bitwise equal to cold).
-        prefix_exact: the prefix is the exact state of its tokens (an exact prefix cache's entry), so
-        a recycled cache holding it may stand in for its copy (see `restore`)."""
-        return Generation(self, self.check_prompt(prompt_ids, sp.max_tokens), sp, prefix, prefix_len,
-                          prefix_logits, on_prefill, exact, prefix_exact)
-
-    def generate(self, prompt_ids, sp: SamplingParams = SamplingParams(), **kw) -> Generation:
-        gen = self.start(prompt_ids, sp, **kw)
-        for _ in gen:
-            pass
-        return gen

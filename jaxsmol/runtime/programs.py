@@ -1,7 +1,7 @@
 """Every compiled program, in one place: `jax.jit` is applied here and only here.
 
-Single sequence (engine.py): `forward` (chunked prefill and decode), `sample` and `step_key`,
-`top_logprobs`, `load_prefix`. Batched decoding (batch.py, used by the scheduler): `decode_step`, `sample_first`,
+One sequence's cache (engine.py): `forward` (chunked prefill, and decode), `load_prefix`. The decode
+rows the scheduler drives (batch.py): `decode_step`, `sample_first` (a prompt's first tokens),
 `insert_row`, `relayout`, `prefill_rows`.
 
 A cache argument is donated where the caller hands over a buffer that nothing else holds (a fresh
@@ -16,8 +16,10 @@ import threading
 from collections.abc import Iterable
 
 import jax
+import jax.numpy as jnp
 
 from jaxsmol.runtime import batch, compile_apart, sampling
+from jaxsmol.runtime.structured import all_allowed
 from jaxsmol.runtime.program_store import Program
 from jaxsmol.model import forward as model, kv
 
@@ -34,10 +36,7 @@ def _program(name: str, fn, static: tuple[str, ...] = (), donate: tuple[str, ...
 
 
 forward = _program("forward", model.forward, ("cfg", "all_logits"), ("kv",))
-sample = _program("sample", sampling.sample)
-step_key = _program("step_key", jax.random.fold_in)  # a request's key for step i: 0.63 ms a token run op by op
 load_prefix = _program("load_prefix", kv.load_prefix, ("kernel",), ("kv",))
-top_logprobs = _program("top_logprobs", sampling.top_logprobs, ("k",))
 
 decode_step = _program("decode_step", batch.decode_step, ("cfg", "logprobs"), ("kv",))
 sample_first = _program("sample_first", batch.sample_and_score, ("logprobs",))
@@ -45,8 +44,25 @@ insert_row = _program("insert_row", batch.insert_row, donate=("batch",))
 relayout = _program("relayout", batch.relayout, ("width", "capacity"))
 prefill_rows = _program("prefill_rows", batch.prefill_rows, ("cfg", "window"), ("rows",))
 
-ALL = {p.name: p for p in (forward, sample, step_key, load_prefix, top_logprobs, decode_step, sample_first, insert_row,
-                           relayout, prefill_rows)}
+ALL = {p.name: p for p in (forward, load_prefix, decode_step, sample_first, insert_row, relayout, prefill_rows)}
+
+
+def decode_calls(params, cfg, cache_dtype, width: int, capacity: int) -> list:
+    """What a batch of `width` decode rows x `capacity` slots runs, rows sampling freely, as (program,
+    args, kwargs) calls (compile_all): decode_step, and insert_row of a prompt's state of that capacity."""
+    batch_ = jax.eval_shape(lambda: batch.empty_batch(cfg, width, capacity, cache_dtype))
+    row = jax.eval_shape(lambda: kv.KVCache.zeros(cfg, capacity, dtype=cache_dtype))
+    free = batch.row_settings([sampling.SamplingParams()] * width, [0] * width, [None] * width,
+                              all_allowed(width, cfg.vocab_size))
+    return [(decode_step, (params, jax.ShapeDtypeStruct((width,), jnp.int32), batch_,
+                           jax.ShapeDtypeStruct((width,), bool), free, cfg), {"logprobs": False}),
+            (insert_row, (batch_, row, jax.ShapeDtypeStruct((), jnp.int32)), {})]
+
+
+def first_token_call(cfg) -> tuple:
+    """sample_first for one choice sampling freely, as a (program, args, kwargs) call (compile_all)."""
+    free = batch.row_settings([sampling.SamplingParams()], [0], [None], all_allowed(1, cfg.vocab_size))
+    return sample_first, (jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32), free), {"logprobs": False}
 
 
 def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Event | None = None) -> int:

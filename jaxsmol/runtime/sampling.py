@@ -51,11 +51,6 @@ class SamplingParams:
                 raise JaxsmolError(message)
 
 
-def seed_key(seed: int) -> jax.Array:
-    """A PRNG key using all 63 bits of `seed` (jax.random.key alone keeps only 32 without x64)."""
-    return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
-
-
 # What a disallowed id's logit becomes: large but finite, so a row with nothing allowed still yields an
 # id (not NaN); after any temperature it stays far below every allowed logit.
 MASKED_LOGIT = -1e30
@@ -172,8 +167,9 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
 
     temperature, top_p [W] float32; top_k, step [W] int32; seed_lo, seed_hi [W] uint32 (a 63-bit seed
     split in two); allowed [W, ceil(V / 32)] int32, a packed bitmask as `sample` takes (all ones for a
-    row without structured output). Row i draws with `fold_in(seed_key(seed_i), step_i)`, the key
-    `Generation` uses, so a seed gives the same tokens alone or in a batch (given the same logits).
+    row without structured output). Row i draws with `fold_in(fold_in(key(lo_i), hi_i), step_i)`: its
+    seed's 63 bits and its step alone, so a seed gives the same tokens alone or in a batch (given the
+    same logits).
     The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
     logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)

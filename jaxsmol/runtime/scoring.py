@@ -29,7 +29,7 @@ class TokenScore:
     rank: int | None = None
 
     def as_dict(self) -> dict | None:
-        """{"token", "logprob", "top": [(id, logprob)], "rank"}, the shape of Generation.logprobs
+        """{"token", "logprob", "top": [(id, logprob)], "rank"}, the shape of ChoiceResult.logprobs
         entries (plus the rank); None for the first position."""
         if self.logprob is None:
             return None

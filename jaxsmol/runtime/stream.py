@@ -1,9 +1,9 @@
 """One choice's sampled tokens -> its text, its log-probabilities and the reason it ends.
 
-The host side of generation, shared by `Generation` (one sequence) and the batched scheduler (one
-`TokenStream` per decode row): incremental detokenizing, stop ids (EOS included), stop strings,
-max_tokens. Stop strings are searched incrementally: each token scans only the new text plus the
-longest stop string's length of what came before, so a long answer costs O(new text) a token.
+The host side of generation, one `TokenStream` per decode row of the scheduler: incremental
+detokenizing, stop ids (EOS included), stop strings, max_tokens. Stop strings are searched
+incrementally: each token scans only the new text plus the longest stop string's length of what
+came before, so a long answer costs O(new text) a token.
 """
 
 from __future__ import annotations
