@@ -45,3 +45,11 @@ def test_engine_load_leaves_a_cache_set_for_jax_alone(tiny_model_dir, tmp_path):
     assert got["jax_cache"] == str(mine) and got["min_time"] == 1.0  # JAX's own default minimum compile time
     assert got["loaded"] == 0 and not ours.exists()  # nothing stored beside JAX's cache
 
+
+def test_stored_programs_load_in_a_process_with_several_devices(tiny_model_dir, tmp_path):
+    """A process with several devices (a mesh's, here 4 forced host devices) runs a lone engine's stored
+    programs too: each loads onto the one device it was compiled for, not onto all of them."""
+    ours, devices = tmp_path / "ours", {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    first = _run(tiny_model_dir, JAXSMOL_COMPILE_CACHE=str(ours), **devices)
+    second = _run(tiny_model_dir, JAXSMOL_COMPILE_CACHE=str(ours), **devices)
+    assert second["ids"] == first["ids"] and second["loaded"] == second["prepared"] == first["prepared"] > 0

@@ -230,7 +230,10 @@ def _load(path: Path):
             stored = pickle.load(f)
         if stored.get("format") != FORMAT or stored.get("environment") != environment():
             return None
-        return deserialize_and_load(stored["payload"], stored["in_tree"], stored["out_tree"])
+        # only single-device programs are stored (see _path), compiled for the default device; left
+        # unsaid, a process with several devices loads one onto all of them and every call fails
+        return deserialize_and_load(stored["payload"], stored["in_tree"], stored["out_tree"],
+                                    execution_devices=jax.devices()[:1])
     except FileNotFoundError:
         return None
     except Exception:  # a truncated or foreign file: compiled afresh (and rewritten)
