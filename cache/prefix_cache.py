@@ -64,7 +64,8 @@ class PrefixCache:
         self.disk = disk if mode != "off" else None
         if self.disk is not None and mode == "radix":
             self.store.on_evict = self._spill
-        _ = engine.fingerprint  # hash the weights now, not inside the first request's time to first token
+        if mode != "off":  # hash the weights now, not inside the first request's time to first token
+            _ = engine.fingerprint
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def namespace(self, salt: str | None = None) -> tuple:
@@ -122,8 +123,9 @@ class PrefixCache:
         evicted) until `release(lookup)`. Raises JaxsmolError for a bad prompt."""
         prompt = self.engine.check_prompt(prompt_ids, max_tokens)
         n = len(prompt)
-        lk = Lookup(self.namespace(salt), prompt, CacheReport(mode=self.mode, prompt_tokens=n,
-                                                              bypass=self._bypass_reason(n, bypass)))
+        reason = self._bypass_reason(n, bypass)  # a bypass needs no namespace (nor the weights' hash)
+        lk = Lookup(None if reason else self.namespace(salt), prompt,
+                    CacheReport(mode=self.mode, prompt_tokens=n, bypass=reason))
         report = lk.report
         if report.bypass:
             self.stats.bypasses[report.bypass] += 1

@@ -65,7 +65,7 @@ class CacheReport:
 @dataclasses.dataclass
 class Lookup:
     """What `PrefixCache.lookup` found for one prompt: the state to restore and the entries pinned."""
-    ns: tuple
+    ns: tuple | None  # (model fingerprint, salt); None for a bypass (nothing looked up or stored)
     prompt: list[int]
     report: CacheReport
     match: Match | None = None  # what the store found, held for this request (None once released)

@@ -322,17 +322,15 @@ def test_structured_output_rows_beside_free_rows(real_engine):
     assert sinks[2].results[0].output_ids == free.output_ids
 
 
-BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_and_score", "prefill_rows")
+BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_first", "prefill_rows")
 
 
-def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
-    """Which batched programs a burst of four short requests compiles on a fresh engine of cfg (after
-    Scheduler.compile_programs when `ahead`). Their prompts' chunks run side by side, and their
-    answers end at different steps, so the batch grows to 4 rows and later shrinks to 1."""
-    import logging
-
-    import jax
-
+def _burst_prepares(cfg, ahead: bool) -> set[str]:
+    """Which batched programs a burst of four short requests makes ready (compiles, or loads from the
+    program store where an earlier run left them) on a fresh engine of cfg, after
+    Scheduler.compile_programs when `ahead`. Their prompts' chunks run side by side, and their answers
+    end at different steps, so the batch grows to 4 rows and later shrinks to 1."""
+    from jaxsmol.runtime import programs
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random
 
@@ -344,15 +342,13 @@ def _burst_compiles(cfg, ahead: bool, caplog) -> set[str]:
         side_by_side = 2 * 3 * 2 if sched.engine.side_by_side else 0
         assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + side_by_side
     sinks = [Collector() for _ in range(4)]
-    caplog.clear()
-    with jax.log_compiles(), caplog.at_level(logging.WARNING):
-        for p, n, sink in zip(prompts(12, [40, 9, 70, 25]), [30, 3, 4, 5], sinks):
-            sched.submit(Request(p, [SamplingParams(max_tokens=n)], sink))
-        sched.run()
+    before = {name: programs.ALL[name].prepared for name in BATCHED_PROGRAMS}
+    for p, n, sink in zip(prompts(12, [40, 9, 70, 25]), [30, 3, 4, 5], sinks):
+        sched.submit(Request(p, [SamplingParams(max_tokens=n)], sink))
+    sched.run()
     assert all(len(s.results[0].output_ids) == n for s, n in zip(sinks, [30, 3, 4, 5]))
     assert sched.stats.relayouts >= 2  # it grew and shrank
-    messages = [r.getMessage() for r in caplog.records]
-    return {name for name in BATCHED_PROGRAMS if any(m.startswith(f"Compiling jit({name})") for m in messages)}
+    return {name for name in BATCHED_PROGRAMS if programs.ALL[name].prepared > before[name]}
 
 
 def _burst_programs() -> set[str]:
@@ -362,12 +358,13 @@ def _burst_programs() -> set[str]:
     return set(BATCHED_PROGRAMS) - (set() if cpu_kernels.available() else {"prefill_rows"})
 
 
-def test_programs_compiled_ahead_are_the_ones_a_burst_runs(caplog):
+def test_programs_compiled_ahead_are_the_ones_a_burst_runs():
     """The daemon compiles the batched programs in the background at start (compile_programs, from
-    shapes alone): a burst of requests then compiles none of them. Without it the same burst compiles
-    them as the batch reaches each width. Each burst has a config of its own shapes (layers for the
-    cache, vocabulary for the sampling), so no earlier test compiled its programs."""
+    shapes alone): a burst of requests then makes none of them ready. Without it the same burst makes
+    them ready (compiles them, or loads them where an earlier run stored them) as the batch reaches each
+    width. Each burst has a config of its own shapes (layers for the cache, vocabulary for the
+    sampling), so no earlier test in this process made its programs ready."""
     from jaxsmol.model.config import Config
 
-    assert _burst_compiles(Config.tiny(n_layers=3, vocab_size=288), False, caplog) == _burst_programs()
-    assert _burst_compiles(Config.tiny(n_layers=4, vocab_size=320), True, caplog) == set()
+    assert _burst_prepares(Config.tiny(n_layers=3, vocab_size=288), False) == _burst_programs()
+    assert _burst_prepares(Config.tiny(n_layers=4, vocab_size=320), True) == set()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.side_by_side import MAX_ROWS, group_sizes
+from jaxsmol.cache.scheduler.state import free_mask
 from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.params import abstract_params
@@ -80,9 +81,11 @@ def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int
     params = abstract_params(cfg, getattr(jnp, dtype))
     cache_dtype = cfg.cache_dtype(params.compute_dtype)  # float32 under the kernels unless --kv-dtype says
     n = programs.compile_all(lone_request_calls(cfg, params, cache_dtype, n_prompt, max_tokens))
-    # the zeros of its caches are small programs of their own, compiled on first use: 15-150 ms each
+    # the zeros of its caches are small programs of their own, compiled on first use (15-150 ms each),
+    # and its first token's all-allowed mask a copy to the device: made here, beside the weights' load
     capacity = capacity_for(n_prompt + max_tokens)
-    jax.block_until_ready((KVCache.zeros(cfg, capacity, dtype=cache_dtype), empty_batch(cfg, 1, capacity, cache_dtype)))
+    jax.block_until_ready((KVCache.zeros(cfg, capacity, dtype=cache_dtype), empty_batch(cfg, 1, capacity, cache_dtype),
+                           free_mask(cfg.vocab_size, 1)))
     return n
 
 

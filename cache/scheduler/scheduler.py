@@ -166,7 +166,7 @@ class Scheduler:
         while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
             i = next_index(self.pending, self.settings, self.cache, stored)
             req = self.pending[i]
-            if not self._room_for(req) or (not req.bypass and self.saves.wanted_by(
+            if not self._room_for(req) or (not req.bypass and self.saves and self.saves.wanted_by(
                     req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first
                 return
             admitted(self.pending, i)
@@ -253,8 +253,8 @@ class Scheduler:
         prefill_s = time.perf_counter() - p.started
         want = max(sp.logprobs for sp in req.samplings)
         m = len(req.samplings)
-        out = jax.device_get(programs.sample_first(
-            jnp.broadcast_to(logits, (m, logits.shape[-1])),
+        out = jax.device_get(programs.sample_first(  # (a broadcast is an eager op: ~10 ms the first time)
+            logits if m == 1 else jnp.broadcast_to(logits, (m, logits.shape[-1])),
             row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
         ttft = time.perf_counter() - req.submitted
         kept = np.array(np.asarray(logits)[0]) if req.detail else None
