@@ -8,6 +8,7 @@ taken alternately in one process compare two builds."""
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -41,7 +42,7 @@ def register(rev: str, source: str, symbol: str) -> str:
         if text is not None:
             (work / name).write_text(text)
     renames = [f"-D{symbol}={symbol}Base", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
-    subprocess.run(["c++", *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
+    subprocess.run([os.environ.get("CXX", "c++"), *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
                     "-o", str(work / "base.so")], check=True, capture_output=True)
     lib = ctypes.cdll.LoadLibrary(str(work / "base.so"))
     target = f"{symbol.lower()}_base"

@@ -146,9 +146,11 @@ def main() -> None:
 def quantized_matmul(target):
     """cpu_kernels.matmul on a QuantizedMatrix, through another build's registered target."""
     def matmul(x, w):
-        P, K, _ = w.shape
+        w = jax.tree.map(lambda a: a[None], w)  # a stack of one layer, read at layer 0 (the kernels' operand)
+        P, K = w.q.shape[-3:-1]
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.size // K, P * formats.PANEL), jnp.float32))
-        return call(x.reshape(-1, K), w.q, *((w.d,) if w.m is None else (w.d, w.m))).reshape(*x.shape[:-1], -1)
+        scales = (w.d,) if w.m is None else (w.d, w.m)
+        return call(x.reshape(-1, K), w.q, *scales, jnp.int32(0)).reshape(*x.shape[:-1], -1)
     return matmul
 
 
