@@ -42,7 +42,8 @@ def register(rev: str, source: str, symbol: str) -> str:
         if text is not None:
             (work / name).write_text(text)
     renames = [f"-D{symbol}={symbol}Base", "-DJaxsmolVectorLanes=JaxsmolVectorLanesBase"]
-    subprocess.run([os.environ.get("CXX", "c++"), *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
+    cxx = os.environ.get("CXX", "c++")  # as cpu_kernels builds the current one
+    subprocess.run([cxx, *cpu_kernels.FLAGS, f"-I{jax.ffi.include_dir()}", *renames, str(work / source),
                     "-o", str(work / "base.so")], check=True, capture_output=True)
     lib = ctypes.cdll.LoadLibrary(str(work / "base.so"))
     target = f"{symbol.lower()}_base"
