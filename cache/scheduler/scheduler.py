@@ -251,8 +251,7 @@ class Scheduler:
         token, and give every choice that goes on a decode row."""
         req, lk = p.request, p.lookup
         prefill_s = time.perf_counter() - p.started
-        want = max(sp.logprobs for sp in req.samplings)
-        m = len(req.samplings)
+        want, m = max(sp.logprobs for sp in req.samplings), len(req.samplings)
         out = jax.device_get(programs.sample_first(  # (a broadcast is an eager op: ~10 ms the first time)
             logits if m == 1 else jnp.broadcast_to(logits, (m, logits.shape[-1])),
             row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
