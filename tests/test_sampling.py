@@ -9,28 +9,22 @@ import numpy as np
 import pytest
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.sampling import SamplingParams, sample
+from jaxsmol.runtime.sampling import SamplingParams
+from draws import draws
 from jaxsmol.cache.scheduler.many import generate
 
 
-# ---- sample(): the traced sampler itself ---------------------------------------------------------
-
-_sample_many = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)))  # one compile per logits shape
-
+# ---- sample_rows(): the traced sampler itself -----------------------------------------------------
 
 def _draws(logits, n, temperature=1.0, top_k=0, top_p=1.0):
-    """n samples from one row of logits, with n different keys."""
-    keys = jax.random.split(jax.random.key(0), n)
-    out = _sample_many(jnp.asarray(logits)[None], keys, jnp.float32(temperature), jnp.int32(top_k),
-                       jnp.float32(top_p))
-    return np.asarray(out)[:, 0]
+    """n samples from one row of logits, each with its own seed."""
+    return draws(logits, n, temperature, top_k, top_p)[:, 0]
 
 
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     for top_k, top_p in [(0, 1.0), (5, 0.5)]:  # filters do not matter at temperature 0
-        got = sample(jnp.asarray(logits), jax.random.key(1), jnp.float32(0), jnp.int32(top_k), jnp.float32(top_p))
-        np.testing.assert_array_equal(np.asarray(got), logits.argmax(-1))
+        np.testing.assert_array_equal(draws(logits, 1, 0.0, top_k, top_p)[0], logits.argmax(-1))
 
 
 def test_temperature_below_the_minimum_is_greedy(tiny_engine):
@@ -116,12 +110,6 @@ def test_a_rows_draw_does_not_depend_on_its_neighbours():
     for i in range(W):
         alone = draw(jnp.asarray(logits[i:i + 1]), **{k: jnp.asarray(v[i:i + 1]) for k, v in rows.items()})
         assert int(alone[0]) == together[i], i
-        if rows["temperature"][i] > 0:  # the single-sequence sampler draws the same token from the same key
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(rows["seed_lo"][i]), rows["seed_hi"][i]),
-                                     rows["step"][i])
-            single = sample(jnp.asarray(logits[i:i + 1]), key, jnp.float32(rows["temperature"][i]),
-                            jnp.int32(rows["top_k"][i]), jnp.float32(rows["top_p"][i]))
-            assert int(single[0]) == together[i], i
 
 
 def test_sampling_params_validation():

@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -10,20 +9,16 @@ import pytest
 
 from jaxsmol.cli.api.structured_request import structured_from_request
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.sampling import SamplingParams, sample, unpack_bitmask
+from jaxsmol.runtime.sampling import SamplingParams, unpack_bitmask
 from jaxsmol.runtime.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
 from jaxsmol.cache.scheduler.many import generate
+from draws import draws
 
 # ---- the mask inside the sampler (tiny shapes, no model) -------------------------------------------
 
-_draw_many = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None, None)))
-
-
 def _draws(logits, allowed, n, temperature=1.0, top_k=0, top_p=1.0):
-    """[n, B] samples of logits [B, V] under a packed mask, with n different keys."""
-    keys = jax.random.split(jax.random.key(0), n)
-    return np.asarray(_draw_many(jnp.asarray(logits), keys, jnp.float32(temperature), jnp.int32(top_k),
-                                 jnp.float32(top_p), jnp.asarray(allowed)))
+    """[n, B] samples of logits [B, V] under a packed mask, each draw with its own seed."""
+    return draws(logits, n, temperature, top_k, top_p, allowed)
 
 
 def test_pack_and_unpack_round_trip():
@@ -46,8 +41,7 @@ def test_mask_is_honoured_greedy_and_sampled(tiny_cfg):
     allowed[0, [3, 17, 200]] = True
     allowed[1, [V - 1]] = True
     packed = pack_bits(allowed)
-    greedy = np.asarray(sample(jnp.asarray(logits), jax.random.key(0), jnp.float32(0), jnp.int32(0),
-                               jnp.float32(1), jnp.asarray(packed)))
+    greedy = _draws(logits, packed, 1, temperature=0.0)[0]
     assert greedy[0] == [3, 17, 200][int(np.argmax(logits[0, [3, 17, 200]]))] and greedy[1] == V - 1
     for settings in (dict(), dict(temperature=2.0), dict(top_k=5), dict(top_k=100, top_p=0.9), dict(top_p=0.3)):
         got = _draws(logits, packed, 300, **settings)
@@ -56,11 +50,13 @@ def test_mask_is_honoured_greedy_and_sampled(tiny_cfg):
 
 
 def test_all_allowed_mask_changes_nothing(tiny_cfg):
+    """The mask of a row without structured output allows every id: its draws are those of every id
+    allowed one by one."""
     V = tiny_cfg.vocab_size
     logits = np.random.default_rng(2).standard_normal((1, V)).astype(np.float32)
-    free = np.asarray(jax.vmap(sample, in_axes=(None, 0, None, None, None))(
-        jnp.asarray(logits), jax.random.split(jax.random.key(0), 50), jnp.float32(1), jnp.int32(0), jnp.float32(1)))
-    np.testing.assert_array_equal(_draws(logits, all_allowed(1, V), 50), free)
+    every = pack_bits(np.ones((1, V), bool))
+    np.testing.assert_array_equal(all_allowed(1, V), every)
+    np.testing.assert_array_equal(_draws(logits, all_allowed(1, V), 50), _draws(logits, every, 50))
 
 
 def test_structured_needs_a_tokenizer(tiny_engine):

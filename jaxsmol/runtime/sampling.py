@@ -65,33 +65,6 @@ def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.pad(allowed, ((0, 0), (0, vocab_size - allowed.shape[1])))
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
-    """logits [B, V] float32 -> token ids [B] int32. Scalars are traced (no recompiles per setting).
-
-    `allowed` (structured output): None, or a packed bitmask [B, W] int32 (see unpack_bitmask, the
-    layout llguidance fills); ids it leaves out get MASKED_LOGIT before greedy, temperature, top-k and
-    top-p, so every decoding mode respects it. None vs an array is the argument's pytree structure, so
-    jit keeps the unconstrained program unchanged and compiles one more for masked sampling.
-
-    `lax.cond` runs only the branch taken, so greedy decoding costs an argmax, and plain
-    temperature sampling skips the search that top-k / top-p need. Row b draws with
-    `uniform(key, (B,))[b]` (see `_draw`).
-    """
-    if allowed is not None:  # static: pytree structure, not a traced value
-        logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
-
-    def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw(_):
-        B = logits.shape[0]
-        return _draw(logits / temperature, jnp.broadcast_to(top_k, (B,)), jnp.broadcast_to(top_p, (B,)),
-                     jax.random.uniform(key, (B,)))
-
-    return lax.cond(temperature >= MIN_TEMPERATURE, draw, greedy, None)
-
-
 def _draw(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Array) -> jax.Array:
     """Inverse-CDF sampling: scaled logits [B, V], top_k [B] int32, top_p [B], uniform [B] in [0, 1) -> ids [B].
 
@@ -158,29 +131,27 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return ids, values
 
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (logits / 1e-38 would overflow)
-
-
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                 seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array, allowed: jax.Array) -> jax.Array:
     """Each row with its own settings: logits [W, V] -> token ids [W] int32.
 
     temperature, top_p [W] float32; top_k, step [W] int32; seed_lo, seed_hi [W] uint32 (a 63-bit seed
-    split in two); allowed [W, ceil(V / 32)] int32, a packed bitmask as `sample` takes (all ones for a
-    row without structured output). Row i draws with `fold_in(fold_in(key(lo_i), hi_i), step_i)`: its
-    seed's 63 bits and its step alone, so a seed gives the same tokens alone or in a batch (given the
-    same logits).
+    split in two); allowed [W, ceil(V / 32)] int32, a packed bitmask (see unpack_bitmask, the layout
+    llguidance fills; all ones for a row without structured output): the ids it leaves out get
+    MASKED_LOGIT before greedy, temperature, top-k and top-p. Row i draws with
+    `fold_in(fold_in(key(lo_i), hi_i), step_i)`: its seed's 63 bits and its step alone, so a seed gives
+    the same tokens alone or in a batch (given the same logits).
     The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
     logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
-    greedy_rows = temperature < GREEDY_BELOW
+    greedy_rows = temperature < MIN_TEMPERATURE
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
         scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
         keys = jax.vmap(lambda lo, hi, i: jax.random.fold_in(
             jax.random.fold_in(jax.random.key(lo), hi), i))(seed_lo, seed_hi, step)
-        uniform = jax.vmap(lambda key: jax.random.uniform(key, (1,))[0])(keys)  # as `sample` draws a row
+        uniform = jax.vmap(lambda key: jax.random.uniform(key, (1,))[0])(keys)
         # greedy rows ask for no filter, so the filter runs only when a sampling row needs it
         return _draw(scaled, jnp.where(greedy_rows, 0, top_k), jnp.where(greedy_rows, 1.0, top_p), uniform)
 

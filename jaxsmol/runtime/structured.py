@@ -11,7 +11,7 @@ A spec has the shape of OpenAI's `response_format`, plus extensions for what the
 
 `canonical_spec` checks a spec and returns its canonical JSON, the hashable `SamplingParams.structured`.
 `constraint_for` turns that into a per-request `Constraint`: before each sampled token `bitmask()` gives
-the allowed ids (packed, what `sampling.sample` takes as `allowed`), after it `advance(token)`. When the
+the allowed ids (packed, what `sampling.sample_rows` takes as `allowed`), after it `advance(token)`. When the
 output is complete only the end-of-sequence ids are allowed, so generation ends with `stop`.
 
 The library is llguidance (guidance-ai, MIT; the engine behind structured output in vLLM, SGLang and
@@ -222,7 +222,7 @@ def constraint_for(tokenizer, eos_ids, vocab_size: int, spec_json: str | None) -
 
 # ---- bit packing (NumPy; the jitted sampler unpacks with sampling.unpack_bitmask) ---------------
 def pack_bits(allowed: np.ndarray) -> np.ndarray:
-    """allowed [B, V] bool -> [B, ceil(V / 32)] int32 bitmask, the layout `sample` takes."""
+    """allowed [B, V] bool -> [B, ceil(V / 32)] int32 bitmask, the layout `sample_rows` takes."""
     allowed = np.asarray(allowed, bool)
     B, V = allowed.shape
     padded = np.zeros((B, -(-V // 32) * 32), bool)
