@@ -23,7 +23,7 @@ from jaxsmol.runtime.stream import Step
 
 @dataclasses.dataclass
 class Timings:
-    """Where a choice's time went, in seconds from its request's submission."""
+    """Where a choice's time went, in seconds (the request's submission starts ttft_s and total_s)."""
     prompt_tokens: int = 0
     reused_tokens: int = 0  # positions taken from a prefix snapshot
     prefilled_tokens: int = 0  # positions computed by prefill (real tokens, padding excluded)
