@@ -8,19 +8,21 @@
 // - One row (a decode step): kStreams panels side by side per thread (OneRow), each weight
 //   dequantized in the registers (widen, convert, multiply by its block's scale [+ m]) and used by
 //   one FMA; the scales load once per 32 k's.
-// - 2-16 rows: each weight row dequantized once in the registers for a group of rows (Rows).
-// - Many rows (17 on; AVX2: 4 for Q4_1, 12 for Q8_0, see kManyFromFor): each block of a panel
+// - Few rows (2-3 for Q4_1, 2-7 for Q8_0): each weight row dequantized once in the registers for a
+//   group of rows (Rows).
+// - Many rows (Q4_1 from 4, Q8_0 from 8, see Matmul): each block of a panel
 //   dequantized into L1 scratch once for all the row groups, then the float32 kernel's tiles over it
 //   (cpu_matmul.h's ManyPanelsWith).
 // Quantized / float32 time, the model's 30-layer stack with the unembedding side by side
-// (tools/time_matmuls.py --format; 2-core Zen 4, AVX-512, at load 4-8 from other work: 4 runs):
+// (tools/time_matmuls.py --format; 2-core Zen 4, AVX-512, at load 4-8 from other work: 4 runs; 4 and
+// 16 rows through the register groups, which Matmul has since left for the L1 blocks there):
 //   rows      1          4          16         64         512
 //   Q8_0   0.31-0.50  0.48-0.80  0.97-1.12  1.02-1.17  0.94-0.99    (weight bytes 0.28)
 //   Q4_1   0.33-0.48  0.53-0.74  0.93-1.03  0.82-1.02  0.97-1.14    (weight bytes 0.19)
 // At one row the arithmetic binds as much as the bytes (Q4_1, 2/3 of Q8_0's bytes, is no faster):
 // per 16 weights a widen, a convert, a multiply (Q4_1: an FMA) and the FMA, against float32's load
 // and FMA; the bits allow no less. An AVX2 build on Sapphire Rapids (2026-12-05): Q4_1 0.44 / 0.83-0.95
-// / 0.88-0.91 at 1 / 8 / 16 rows, Q8_0 0.52 / 0.99 / 1.00 (see kManyFromFor). The figures by each choice
+// / 0.88-0.91 at 1 / 8 / 16 rows, Q8_0 0.52 / 0.99 / 1.00 (see Matmul). The figures by each choice
 // below were taken side by side too.
 #include <array>
 
@@ -56,7 +58,7 @@ inline IntVec Widen(const void* p) {
 // the weights of row k, columns kLanes v.. of the panel, as float32 (Weight).
 struct Q8_0 {
   static constexpr int kScaleVecs = 1;  // vectors of scales per weight vector: d
-  static constexpr int64_t kManyFromAvx2 = 12;  // see kManyFromFor
+  static constexpr int64_t kManyFrom = 8;  // see Matmul
   struct Panel {
     const int8_t* q;  // [K, 32]
     const float* d;   // [K / 32, 32]
@@ -81,7 +83,7 @@ struct Q8_0 {
 
 struct Q4_1 {
   static constexpr int kScaleVecs = 2;  // d and m
-  static constexpr int64_t kManyFromAvx2 = 4;  // see kManyFromFor
+  static constexpr int64_t kManyFrom = 4;  // see Matmul
   struct Panel {
     const uint8_t* q;  // [K, 16]: byte j holds column j (low nibble) and j + 16 (high nibble)
     const float* d;    // [K / 32, 32]
@@ -164,9 +166,7 @@ void Rows(const float* xt, const typename F::Panel& w, float* y, int64_t K, int6
 
 // Rows per group: the accumulators, the weight row, its scales and x's broadcast in the registers
 // (AVX-512: 12 for Q8_0, 11 for Q4_1; AVX2, half a panel at a time: 4 and 3). More rows take two
-// groups, each dequantizing the weights again; yet dequantizing 128-row blocks into L1 once for the
-// float32 tiles (as the many-row path does) took 0.94-1.25x the CPU time at 12-16 rows, more in 6
-// of 8 runs.
+// groups, each dequantizing the weights again (Matmul says from how many rows the L1 blocks win).
 template <typename F>
 constexpr int kRowGroup = (kVecRegs - 3 - (1 + F::kScaleVecs) * kTileVecs) / kTileVecs;
 
@@ -227,19 +227,16 @@ void ManyRows(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64
   });
 }
 
-// The rows from which each block is dequantized into L1 once for the float32 tiles (ManyRows), not once
-// per row group in the registers (FewRows). AVX-512: the float32 kernel's kManyFrom. AVX2 fits a weight
-// row's codes and scales beside only 3 (Q4_1) or 4 (Q8_0) rows a group, so 16 rows dequantize each
-// weight 4-6 times. The L1 blocks against the row groups (tools/time_matmuls.py --format F --against,
-// an AVX2 build on Sapphire Rapids, side by side, bits equal): Q4_1 1.00x the time at 3 rows, 0.90x
-// at 4, 0.84x at 8, 0.75x at 12, 0.70x at 16; Q8_0 0.98-1.03x at 4 and 8 rows, 0.89-0.94x at 12,
-// 0.84x at 16.
-template <typename F>
-constexpr int64_t kManyFromFor = kVecRegs == 32 ? kManyFrom : F::kManyFromAvx2;
-
+// From F::kManyFrom rows (Q4_1 4, Q8_0 8) each block is dequantized into L1 once for the float32 tiles
+// (ManyRows), not once per row group in the registers (FewRows): a group holds a weight row's codes
+// and scales beside 3-12 rows, so 16 rows dequantized each weight 2-6 times. The L1 blocks against
+// the row groups (tools/time_matmuls.py --format F --against, Sapphire Rapids, side by side, bits
+// equal): AVX-512 build, Q4_1 0.72-0.78x the time at 4 rows, 0.81-0.88x at 8, 0.80x at 12, 1.00-1.03x
+// at 16; Q8_0 1.04x at 4, 0.91x at 8, 0.72-0.74x at 12, 0.94x at 16. AVX2 build: Q4_1 0.90x at 4,
+// 0.84x at 8, 0.75x at 12, 0.70x at 16; Q8_0 0.98-1.03x at 4 and 8, 0.89-0.94x at 12, 0.84x at 16.
 template <typename F>
 void Matmul(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t M, int64_t K, int64_t N) {
-  (M < kManyFromFor<F> ? FewRows<F> : ManyRows<F>)(pool, x, w, y, M, K, N);
+  (M < F::kManyFrom ? FewRows<F> : ManyRows<F>)(pool, x, w, y, M, K, N);
 }
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
