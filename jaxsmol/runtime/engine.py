@@ -41,7 +41,7 @@ from jaxsmol.checkpoint.gguf_weights import GGUFFile
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
 
 def compiled_programs(program: str = "forward") -> int:
-    """How many programs the jitted `forward` (or `sample`, ...: see programs.py) has compiled in this
+    """How many programs the jitted `forward` (or `decode_step`, ...: see programs.py) has compiled in this
     process so far (what compile_bound bounds; programs.clear() resets it)."""
     return programs.compiled_count(program)
 
