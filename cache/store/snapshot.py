@@ -64,7 +64,8 @@ def identity(engine) -> dict:
     tok_fp = "none" if tok is None else (getattr(tok, "fingerprint", None) or f"unhashed:{type(tok).__name__}")
     return {"model": engine.fingerprint, "tokenizer": tok_fp,
             "kv_dims": (cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim),
-            "kv_dtype": np.dtype(engine.cache_dtype).name, "vocab": cfg.vocab_size, "ctx": engine.ctx,
+            "kv_dtype": np.dtype(engine.cache_dtype).name, "matmul": cfg.matmul, "vocab": cfg.vocab_size,
+            "ctx": engine.ctx,
             "max_bytes": max_snapshot_bytes(engine)}
 
 
@@ -137,7 +138,7 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
     tensors = {"k": snap.k, "v": snap.v}
     if lengths:
         tensors["logits"] = np.stack([np.asarray(snap.logits[n]) for n in lengths])
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "model": ident["model"],
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "model": ident["model"], "matmul": ident.get("matmul"),
                 "tokenizer": ident["tokenizer"], "salt": snap.salt, "tokens": list(snap.tokens),
                 "length": snap.length, "logits_at": lengths,
                 "dtypes": {name: np.asarray(a).dtype.name for name, a in tensors.items()}}
@@ -259,6 +260,10 @@ def _check_identity(path, manifest: dict, ident: dict) -> None:
         if isinstance(kv_dtype, str) and kv_dtype != ident.get("kv_dtype", kv_dtype):  # say why when it is that
             raise SnapshotError(f"{path} holds a {kv_dtype} KV cache; "
                                 f"this engine's is {ident['kv_dtype']} (--kv-dtype)")
+        matmul = manifest.get("matmul")
+        if isinstance(matmul, str) and matmul != ident.get("matmul", matmul):
+            raise SnapshotError(f"{path} was computed with --matmul {matmul}; this engine runs --matmul "
+                                f"{ident['matmul']} (their states differ in the last bits)")
         raise SnapshotError(f"{path} was made by another model (fingerprint {str(manifest.get('model'))[:12]}, "
                             f"this model {ident['model'][:12]}: config, dtype, weights or the kernels' "
                             "numerics differ)")

@@ -22,14 +22,14 @@ def free_port() -> int:
 
 
 def model_flags(args, default_ctx: int | None = 2048) -> list[str]:
-    """The benchmark's --model/--ctx/--dtype/--quantize/--kv-dtype/--tp/--dp as a command's flags (ctx
+    """The benchmark's --model/--ctx/--dtype/--quantize/--kv-dtype/--matmul/--tp/--dp as a command's flags (ctx
     default_ctx unless given)."""
     out = ["--model", str(args.model)] if args.model else []
     ctx = args.ctx or default_ctx
     out += ["--ctx", str(ctx)] if ctx else []
     out += ["--dtype", args.dtype]
-    for flag in ("quantize", "kv_dtype"):
-        if getattr(args, flag, None):
+    for flag in ("quantize", "kv_dtype", "matmul"):
+        if getattr(args, flag, None) not in (None, "auto"):
             out += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     for flag in ("tp", "dp"):
         if getattr(args, flag, 1) != 1:

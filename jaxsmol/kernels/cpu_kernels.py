@@ -12,6 +12,10 @@ interface (`jax.ffi`): two computing the forward in float32, and a copy.
   stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which at
   2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over
   the panels, as fast as XLA's.
+- `matmul` on quantized weights (formats.py): cpu_matmul_quant.cc dequantizes them in registers (the
+  float32 kernel's bits on their values; `--matmul exact`), cpu_matmul_int8.cc rounds x to 8 bits per
+  32 k's and sums integer dot products (`--matmul int8`, llama.cpp's arithmetic; a row's bits still
+  depend on the row alone).
 - `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked
   attention copies every 256-slot block of the cache before its matmuls (a batch's or several heads'
   block is not contiguous) and runs every row to the chunk's or batch's last position; the kernel
@@ -54,7 +58,8 @@ from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.system.data_dirs import kernels_dir
 
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc"))
+                for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc",
+                          "cpu_matmul_int8.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_matmul.h"))
 # What one compiler process builds: a source, with its own flags. The attention source once per cache
 # type, so that two cores share its compile (a cold start's longest step).
@@ -62,6 +67,7 @@ UNITS = tuple((src, ()) for src in SOURCES if src.name != "cpu_attention.cc") + 
     (SOURCES[2], (f"-DJAXSMOL_ATTENTION_CACHE={t}",)) for t in ("JAXSMOL_F32", "JAXSMOL_BF16"))
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
+           "jaxsmol_matmul_q8_0_int8": "JaxsmolMatmulQ8_0Int8", "jaxsmol_matmul_q4_1_int8": "JaxsmolMatmulQ4_1Int8",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
            "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
@@ -359,7 +365,8 @@ def matmul(x: jax.Array, panels, target: str | None = None, layer: jax.Array | N
 def _matmul_quantized(x: jax.Array, w: QuantizedMatrix, layer: jax.Array) -> jax.Array:
     P, K = w.q.shape[-3:-1]
     lead, N = x.shape[:-1], P * PANEL
-    call = jax.ffi.ffi_call(f"jaxsmol_matmul_{w.fmt}", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
+    suffix = "" if w.dot == "float" else "_" + w.dot
+    call = jax.ffi.ffi_call(f"jaxsmol_matmul_{w.fmt}{suffix}", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     scales = (w.d,) if w.m is None else (w.d, w.m)
     return call(x.reshape(-1, K), w.q, *scales, layer).reshape(*lead, N)
 

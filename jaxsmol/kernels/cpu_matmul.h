@@ -7,6 +7,7 @@
 
 #include "cpu_kernels.h"
 
+#include <array>
 #include <utility>
 
 namespace {
@@ -184,6 +185,29 @@ void ManyRowsWith(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, i
   const int64_t part = (panels_n + threads - 1) / threads;
   ParallelFor(pool, (panels_n + part - 1) / part,
               [=](int64_t t) { panels(xp, t * part, std::min(panels_n, (t + 1) * part)); });
+}
+
+// ---- Quantized operands ----
+
+constexpr int64_t kBlock = 32;  // k's per scale (and minimum): GGUF's blocks
+
+using Matrix = ffi::Buffer<ffi::F32, 2>;
+using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
+using Scales = ffi::Buffer<ffi::F32, 4>;
+using CodesQ8 = ffi::Buffer<ffi::S8, 4>;  // aliases: a template's comma would split the macro's arguments
+using CodesQ4 = ffi::Buffer<ffi::U8, 4>;
+
+// A quantized matmul's operands (cpu_matmul_quant.cc, cpu_matmul_int8.cc), every one stacked over the layers ([L, ...]), of which layer l is read in place: -> (l, P, K),
+// l = -1 where a shape disagrees.
+inline std::array<int64_t, 3> QuantShapes(const Matrix& x, const LayerIndex& layer, int64_t q_cols, const ffi::Span<const int64_t> q,
+                              const Scales& d, const Scales* m, OutMatrix& y) {
+  const int64_t L = q[0], P = q[1], K = x.dimensions()[1];
+  const auto dd = d.dimensions();
+  const bool scales = dd[0] == L && dd[1] == P && dd[2] == K / kBlock && dd[3] == kPanel &&
+                      (m == nullptr || std::equal(dd.begin(), dd.end(), m->dimensions().begin()));
+  const bool ok = K >= kBlock && K % kBlock == 0 && q[2] == K && q[3] == q_cols && scales &&
+                  y->dimensions()[0] == x.dimensions()[0] && y->dimensions()[1] == P * kPanel;
+  return {ok ? LayerOf(layer, L) : -1, P, K};
 }
 
 }  // namespace

@@ -32,7 +32,6 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;          // k's per scale (and minimum)
 constexpr int64_t kHalf = kPanel / 2;   // Q4_1: bytes per panel row
 
 typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -239,27 +238,8 @@ void Matmul(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t
   (M < F::kManyFrom ? FewRows<F> : ManyRows<F>)(pool, x, w, y, M, K, N);
 }
 
-using Matrix = ffi::Buffer<ffi::F32, 2>;
-using OutMatrix = ffi::ResultBuffer<ffi::F32, 2>;
-using Scales = ffi::Buffer<ffi::F32, 4>;
-using CodesQ8 = ffi::Buffer<ffi::S8, 4>;  // aliases: a template's comma would split the macro's arguments
-using CodesQ4 = ffi::Buffer<ffi::U8, 4>;
-
-// Every operand stacked over the layers ([L, ...]), of which layer l is read in place: -> (l, P, K),
-// l = -1 where a shape disagrees.
-std::array<int64_t, 3> Shapes(const Matrix& x, const LayerIndex& layer, int64_t q_cols, const ffi::Span<const int64_t> q,
-                              const Scales& d, const Scales* m, OutMatrix& y) {
-  const int64_t L = q[0], P = q[1], K = x.dimensions()[1];
-  const auto dd = d.dimensions();
-  const bool scales = dd[0] == L && dd[1] == P && dd[2] == K / kBlock && dd[3] == kPanel &&
-                      (m == nullptr || std::equal(dd.begin(), dd.end(), m->dimensions().begin()));
-  const bool ok = K >= kBlock && K % kBlock == 0 && q[2] == K && q[3] == q_cols && scales &&
-                  y->dimensions()[0] == x.dimensions()[0] && y->dimensions()[1] == P * kPanel;
-  return {ok ? LayerOf(layer, L) : -1, P, K};
-}
-
 ffi::Error MatmulQ8_0(ffi::ThreadPool pool, Matrix x, CodesQ8 q, Scales d, LayerIndex layer, OutMatrix y) {
-  const auto [l, P, K] = Shapes(x, layer, kPanel, q.dimensions(), d, nullptr, y);
+  const auto [l, P, K] = QuantShapes(x, layer, kPanel, q.dimensions(), d, nullptr, y);
   if (l < 0)
     return ffi::Error::InvalidArgument(
         "matmul_q8_0: needs x [M, K], q [L, N / 32, K, 32], d [L, N / 32, K / 32, 32], layer in 0..L-1");
@@ -269,7 +249,7 @@ ffi::Error MatmulQ8_0(ffi::ThreadPool pool, Matrix x, CodesQ8 q, Scales d, Layer
 }
 
 ffi::Error MatmulQ4_1(ffi::ThreadPool pool, Matrix x, CodesQ4 q, Scales d, Scales m, LayerIndex layer, OutMatrix y) {
-  const auto [l, P, K] = Shapes(x, layer, kHalf, q.dimensions(), d, &m, y);
+  const auto [l, P, K] = QuantShapes(x, layer, kHalf, q.dimensions(), d, &m, y);
   if (l < 0)
     return ffi::Error::InvalidArgument(
         "matmul_q4_1: needs x [M, K], q [L, N / 32, K, 16], d and m [L, N / 32, K / 32, 32], layer in 0..L-1");

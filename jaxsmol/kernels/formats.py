@@ -11,6 +11,9 @@ In memory (`QuantizedMatrix`, a registered pytree), like a packed float weight (
         low four bits and column j + 16 in its high four)
     d   [N / 32, K / 32, 32] float32: the block's scale (a float16 value, widened exactly)
     m   [N / 32, K / 32, 32] float32: the block's minimum (Q4_1), else None
+With `dot="int8"` (the integer-dot class) q has the same shape and bytes, reordered:
+each column's 4 consecutive k's adjacent ([N / 32, K / 4, 32 or 16, 4]), what the integer-dot kernel
+(cpu_matmul_int8.cc) multiplies in one lane (`to_dot`).
 d * q is exact in float32 (11 significant bits times at most 7), so a weight's value is the same
 float32 number wherever it is computed: XLA's path (`dequantize`, inside the jitted forward), the C++
 kernels (in registers), or the float32 import of a GGUF file. Q4_1's `d * q + m` rounds once, and an
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMATS = ("q8_0", "q4_1")
+DOTS = ("float", "int8")  # how the kernels multiply a matrix: its float32 values, or codes by rounded x
 BLOCK = 32  # k's per block (GGUF's QK8_0 and QK4_1)
 PANEL = 32  # columns per panel (cpu_kernels.PANEL)
 BYTES_PER_WEIGHT = {"q8_0": 1 + 4 / BLOCK, "q4_1": 0.5 + 8 / BLOCK}  # in memory here (scales as float32)
@@ -40,6 +44,7 @@ class QuantizedMatrix:
     d: jax.Array  # [N / 32, K / 32, 32] float32
     m: jax.Array | None = None  # [N / 32, K / 32, 32] float32 (Q4_1)
     fmt: str = flax.struct.field(pytree_node=False, default="q8_0")
+    dot: str = flax.struct.field(pytree_node=False, default="float")  # one of DOTS; "int8": q in k-quads
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -119,11 +124,33 @@ def from_rows(fmt: str, values: np.ndarray, d: np.ndarray, m: np.ndarray | None 
     return QuantizedMatrix(q=jnp.asarray(panels), d=scale(d), m=None if m is None else scale(m), fmt=fmt)
 
 
+def to_dot(w: QuantizedMatrix, dot: str) -> QuantizedMatrix:
+    """w for the kernels of `dot` (DOTS): its codes in k order ("float") or in k-quads ("int8"), the
+    same values (numpy, at load)."""
+    if dot not in DOTS:
+        raise ValueError(f"unknown dot {dot!r}; one of {', '.join(DOTS)}")
+    if w.dot == dot:
+        return w
+    q = np.asarray(w.q)
+    *lead, K, C = q.shape
+    moved = (q.reshape(*lead, K // 4, 4, C) if dot == "int8" else q.reshape(*lead, K // 4, C, 4)).swapaxes(-1, -2)
+    return w.replace(q=jnp.asarray(np.ascontiguousarray(moved).reshape(q.shape)), dot=dot)
+
+
+def _k_major(w: QuantizedMatrix) -> jax.Array:
+    """w.q as [..., K, C] in k order (to_dot's quads undone: traceable)."""
+    if w.dot == "float":
+        return w.q
+    *lead, K, C = w.q.shape
+    return w.q.reshape(*lead, K // 4, C, 4).swapaxes(-1, -2).reshape(w.q.shape)
+
+
 def codes(w: QuantizedMatrix) -> jax.Array:
     """The integer codes as float32, [N / 32, K, 32] (Q4_1's nibbles unpacked)."""
+    q = _k_major(w)
     if w.fmt == "q8_0":
-        return w.q.astype(jnp.float32)
-    low, high = w.q & 0xF, w.q >> 4
+        return q.astype(jnp.float32)
+    low, high = q & 0xF, q >> 4
     return jnp.concatenate([low, high], axis=-1).astype(jnp.float32)
 
 
@@ -140,19 +167,33 @@ def columns(w: QuantizedMatrix, ids: jax.Array) -> jax.Array:
     tied model, whose table is the unembedding's (each row the same values dequantize gives)."""
     p, c = ids // PANEL, ids % PANEL
     if w.fmt == "q8_0":
-        q = w.q[p, :, c].astype(jnp.float32)  # [..., K]
+        q = _column(w, p, c).astype(jnp.float32)  # [..., K]
     else:
-        q = ((w.q[p, :, c % (PANEL // 2)] >> (4 * (c // (PANEL // 2)))[..., None]) & 0xF).astype(jnp.float32)
+        q = ((_column(w, p, c % (PANEL // 2)) >> (4 * (c // (PANEL // 2)))[..., None]) & 0xF).astype(jnp.float32)
     out = q * jnp.repeat(w.d[p, :, c], BLOCK, axis=-1)
     return out if w.m is None else out + jnp.repeat(w.m[p, :, c], BLOCK, axis=-1)
+
+
+def _column(w: QuantizedMatrix, p: jax.Array, c: jax.Array) -> jax.Array:
+    """The bytes of column c of panels p, [..., K] in k order."""
+    if w.dot == "float":
+        return w.q[p, :, c]
+    P, K, C = w.q.shape
+    return w.q.reshape(P, K // 4, C, 4)[p, :, c, :].reshape(*p.shape, K)
+
+
+def params_for_dot(tree, dot: str):
+    """Every QuantizedMatrix in a pytree (Params) in `dot`'s layout (to_dot); other leaves as they are."""
+    is_matrix = lambda a: isinstance(a, QuantizedMatrix)  # noqa: E731
+    return jax.tree.map(lambda a: to_dot(a, dot) if is_matrix(a) else a, tree, is_leaf=is_matrix)
 
 
 UNEMBED_FORMAT = "q8_0"  # the unembedding under every format (see params.py)
 
 
-def abstract(K: int, N: int, fmt: str) -> QuantizedMatrix:
+def abstract(K: int, N: int, fmt: str, dot: str = "float") -> QuantizedMatrix:
     """ShapeDtypeStructs of a [K, N] matrix in fmt (compiling programs before the weights load)."""
     sds = jax.ShapeDtypeStruct
     q = sds((N // PANEL, K, PANEL), jnp.int8) if fmt == "q8_0" else sds((N // PANEL, K, PANEL // 2), jnp.uint8)
     scales = sds((N // PANEL, K // BLOCK, PANEL), jnp.float32)
-    return QuantizedMatrix(q=q, d=scales, m=scales if fmt == "q4_1" else None, fmt=fmt)
+    return QuantizedMatrix(q=q, d=scales, m=scales if fmt == "q4_1" else None, fmt=fmt, dot=dot)

@@ -36,6 +36,12 @@ class Config:
     # (jaxsmol/kernels/formats.py: GGUF's blocks, dequantized inside the matmul). Part of every
     # compiled program's shape, and of the engine's fingerprint.
     quant: str | None = None
+    # How the kernels multiply quantized matrices (an execution choice, resolved by Engine.load's
+    # `matmul`): "exact", the float32 kernel's bits on the dequantized weights, or "int8", the
+    # integer-dot class (x rounded to 8 bits per 32 k's, as llama.cpp does: cpu_matmul_int8.cc). Part
+    # of every program's shape and of the engine's fingerprint, so one class's snapshots never
+    # restore into the other.
+    matmul: str = "exact"
     # The KV cache's dtype: None (the matrix products' input dtype: float32 under the kernels, else the
     # weights'), or "bfloat16" / "float32". bfloat16 halves the cache, its snapshots and attention's
     # reads; keys and values are rounded to it as they are written, every sum stays float32.

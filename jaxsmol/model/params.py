@@ -174,13 +174,16 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
         if shape_of(name) != shape:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
+    def for_dot(w):  # the layout of cfg's matmul class, one matrix at a time
+        return formats.to_dot(w, dot(cfg))
+
     def matrix(a, fmt=cfg.quant):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra)
         if isinstance(a, formats.QuantizedMatrix):  # a GGUF's own blocks (checkpoint/gguf_weights.py)
             if a.fmt == fmt:
-                return a
+                return for_dot(a)
             a = np.asarray(cpu_kernels.unpack(formats.dequantize(a))).T  # e.g. a Q4_0 token table: to Q8_0
         if fmt:  # quantized from its float32 values, in panels on both paths
-            return formats.quantize(np.asarray(a, np.float32).T, fmt)
+            return for_dot(formats.quantize(np.asarray(a, np.float32).T, fmt))
         return jnp.asarray(cpu_kernels.pack(a.T) if cfg.cpu_kernels else np.ascontiguousarray(a.T), dtype)
 
     def weight(i, suffix, shape):  # a matrix, or a norm's [D]
@@ -208,6 +211,11 @@ def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params
     return params_from_hf(cfg, Checkpoint(model_dir, jnp.dtype(dtype)), dtype)
 
 
+def dot(cfg: Config) -> str:
+    """The quantized matrices' formats.DOTS entry for cfg.matmul."""
+    return "int8" if cfg.matmul == "int8" else "float"
+
+
 def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
     (or while) the weights load."""
@@ -215,14 +223,14 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
 
     def spec(shape):  # a norm's [D], or a matrix [in, out]
         if len(shape) == 2 and cfg.quant:
-            return formats.abstract(*shape, cfg.quant)
+            return formats.abstract(*shape, cfg.quant, dot(cfg))
         return sds(shape)
 
     layer = LayerParams(**{field: spec(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
     if cfg.cpu_kernels or cfg.quant:
         layer = jax.eval_shape(cpu_kernels.pack_layer, layer)
     layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((cfg.n_layers, *a.shape), a.dtype), layer)
-    unembed = (formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT) if cfg.quant
+    unembed = (formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT, dot(cfg)) if cfg.quant
                else sds((cfg.dim, cfg.vocab_size)))
     embed = unembed if cfg.quant and cfg.tie_embeddings else sds((cfg.vocab_size, cfg.dim))
     params = Params(embed=embed, layers=layers, final_norm=sds((cfg.dim,)), unembed=unembed)

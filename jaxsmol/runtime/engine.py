@@ -36,7 +36,8 @@ from jaxsmol.model.kv import KVCache, check_snapshot
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length,
                             chunk_plan, prefill_buckets)
 from jaxsmol.model.forward import ATTN_BLOCK
-from jaxsmol.model.params import Params, load_params, params_from_hf
+from jaxsmol.model.params import Params, dot, load_params, params_from_hf
+from jaxsmol.runtime.load_options import MATMULS, with_matmul, with_quantization  # noqa: F401 (MATMULS: the API's)
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
 
@@ -104,20 +105,6 @@ def numerics_identity() -> str:
     return h.hexdigest()
 
 
-def with_quantization(cfg: Config, quantize: str | None, dtype: str, mesh) -> Config:
-    """cfg with its weights' format, or a JaxsmolError saying why the model cannot take it."""
-    if quantize is None:
-        return cfg
-    if quantize not in formats.FORMATS:
-        raise JaxsmolError(f"quantize must be one of {', '.join(formats.FORMATS)}, got {quantize!r}")
-    if dtype != "float32":
-        raise JaxsmolError(f"quantized weights compute in float32: --quantize {quantize} takes --dtype float32")
-    if mesh is not None:
-        raise JaxsmolError("quantized weights run on one device: --quantize takes no mesh")
-    cfg.check_blocks(quantize, formats.BLOCK)
-    return dataclasses.replace(cfg, quant=quantize)
-
-
 class Engine:
     """A loaded model. Stateless between requests: every request gets its own immutable caches."""
 
@@ -127,9 +114,12 @@ class Engine:
         if cfg.quant and mesh is not None:
             raise JaxsmolError("quantized weights run on one device: no mesh")
         cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
+        if cfg.matmul == "int8":
+            with_matmul(cfg, "int8")  # a JaxsmolError where it cannot run
         # the weights' layout follows cfg (a no-op for params loaded with it; another engine's
-        # params may come packed or not)
+        # params may come packed or not, their codes in either order)
         params = cpu_kernels.pack_params(params, packed=cfg.cpu_kernels)
+        params = formats.params_for_dot(params, dot(cfg))
         if mesh is not None:
             params = shard_params(params, mesh)
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
@@ -140,13 +130,15 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
-             quantize: str | None = None, kv_dtype: str | None = None, progress: bool = True, mesh=None,
-             on_config: Callable | None = None) -> Engine:
+             quantize: str | None = None, kv_dtype: str | None = None, matmul: str = "auto", progress: bool = True,
+             mesh=None, on_config: Callable | None = None) -> Engine:
         """Load a Hugging Face checkpoint directory, a GGUF file (its matrices as they are), or the bundled
         default model when None (its Q4_1 file as it is where the CPU kernels run, float32 elsewhere:
         checkpoint/default_model.py). quantize "q8_0" or "q4_1": every matrix quantized at load
         (kernels/formats.py), run as it is; "none": the float values (a GGUF's dequantized).
         kv_dtype "bfloat16" or "float32": the KV cache's dtype (default: the matrix products' input dtype).
+        matmul (MATMULS, `with_matmul`): how quantized matrices multiply; "auto" is "int8" (x rounded
+        to 8 bits per block, integer dots) under the CPU kernels, "exact" (the float32 bits) elsewhere.
         on_config(cfg, tokenizer), if given, runs before the weights are read (e.g. to start compiling).
         Compiled programs are kept on disk for the next process, unless JAX has a cache set (compile_cache.py)."""
         from jaxsmol.checkpoint.tokenizer import Tokenizer
@@ -173,7 +165,8 @@ class Engine:
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer.eos_ids:
             cfg = dataclasses.replace(cfg, eos_ids=tuple(dict.fromkeys(cfg.eos_ids + tokenizer.eos_ids)))
-        cfg = cpu_kernels.configure(cfg, dtype, mesh)  # before on_config, which may compile programs
+        # before on_config, which may compile programs
+        cfg = with_matmul(cpu_kernels.configure(cfg, dtype, mesh), matmul)
         if on_config is not None:
             on_config(cfg, tokenizer)
         if gguf is not None and gguf.format and cfg.quant == gguf.format:
