@@ -37,7 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul", default="auto", choices=["auto", "exact", "int8"],
                    help="how quantized weights multiply: exact (the float32 bits of their values), or int8 "
                         "(activations rounded to 8 bits per 32 values, integer dot products, as llama.cpp does: "
-                        "~0.5% error, 1.5-2x faster matmuls); auto (the default): int8 where the CPU kernels run")
+                        "logprobs within ~0.2-0.4 of the float32 weights', 1.5-2x faster matmuls); auto (the "
+                        "default): int8 where the CPU kernels run")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads and MLP columns)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch)")
 

@@ -37,9 +37,9 @@ def collect() -> dict:
 def matmul_choice(kernels_in_use: bool) -> dict:
     """How quantized weights multiply by default (--matmul auto, load_options.with_matmul) and why."""
     if kernels_in_use:
-        return {"auto": "int8", "why": "the CPU kernels run: activations rounded to 8 bits per 32 values, integer "
-                "dot products (~0.5% from the float32 values; 1.5-2x the exact kernel's speed on AVX2 and "
-                "AVX-512, docs/performance.md); --matmul exact for the float32 bits"}
+        return {"auto": "int8", "why": "the CPU kernels run: activations rounded to 8 bits per 32 values, "
+                "integer dot products (logprobs within ~0.2-0.4 of the float32 weights'; 1.5-2x the exact "
+                "kernel's speed on AVX2 and AVX-512, docs/performance.md); --matmul exact for the float32 bits"}
     return {"auto": "exact", "why": "the CPU kernels do not run (see kernels): XLA's path multiplies the "
             "dequantized float32 values"}
 

@@ -234,3 +234,14 @@ def test_the_python_page_passes_its_doctests(tiny_model_dir):
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def test_every_commands_help_prints():
+    """`jaxsmol COMMAND --help` formats every option's help (a bare % in one made argparse raise)."""
+    from jaxsmol.cli.aitest import build_parser as aitest_parser
+    from jaxsmol.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    for name, parser in sub.choices.items():
+        assert parser.format_help().startswith("usage:"), name
+    assert aitest_parser().format_help().startswith("usage:")
