@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ w[K, N] in the integer-dot class (`--matmul int8`): w in Q8_0 or Q4_1
-// (formats.py, its codes in k-quads: formats.to_quads), x rounded to 8 bits per 32 k's as llama.cpp
+// (formats.py, its codes in k-quads: formats.to_dot), x rounded to 8 bits per 32 k's as llama.cpp
 // rounds it (its Q8_0 / Q8_1 activations), each block's dot product in integers.
 //
 // For a row of x and a block b of 32 k's: dx = max |x| / 127, qx = round(x / dx) (to nearest even),
@@ -16,7 +16,9 @@
 // (vpmaddwd) sums them into the column's lane. Q4_1's codes (0..15) are the unsigned operand, as
 // they are; Q8_0's signed codes take their magnitude, and x their sign (llama.cpp's way): products
 // below 2^15 either way, so nothing saturates. Q4_1 sums a block's 8 quads in 16 bits (8 x 2 x 15 x
-// 127 < 2^15) before widening once.
+// 127 < 2^15) before widening once. With VNNI (AVX512_VNNI, AVX-VNNI) one vpdpbusd does a quad's
+// products and sums: the same integers (Q8_0 at one row on Sapphire Rapids: 0.35x float32's time
+// against 0.41-0.46x without it, 16 rows 0.51-0.57x against 0.80x).
 #include "cpu_matmul.h"
 
 #include <immintrin.h>
@@ -29,6 +31,10 @@ constexpr int64_t kAheadQuads = 32;               // prefetch distance (2-4 KB)
 
 #if defined(__AVX512F__) && !defined(__AVX512BW__)
 #define JAXSMOL_NO_INT8 1  // 16 lanes without byte arithmetic (Xeon Phi): the handlers refuse
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || (!defined(__AVX512F__) && defined(__AVXVNNI__))
+#define JAXSMOL_VNNI 1  // vpdpbusd: a lane's 4 byte products summed into it in one instruction
 #endif
 
 #if !defined(JAXSMOL_NO_INT8)
@@ -49,6 +55,9 @@ inline IVec SignBy(IVec x, IVec w) {  // x where w > 0, -x where w < 0 (0 where 
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
 inline Vec ToFloat(IVec a) { return (Vec)_mm512_cvtepi32_ps(a); }
+inline IVec RoundToInt(Vec a) { return _mm512_cvtps_epi32((__m512)a); }
+inline void StoreI(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
+inline Vec Max(Vec a, Vec b) { return (Vec)_mm512_max_ps((__m512)a, (__m512)b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #else
 using IVec = __m256i;
@@ -65,10 +74,33 @@ inline IVec Shift4(IVec a) { return _mm256_srli_epi16(a, 4); }
 inline IVec Abs8(IVec a) { return _mm256_abs_epi8(a); }
 inline IVec SignBy(IVec x, IVec w) { return _mm256_sign_epi8(x, w); }
 inline Vec ToFloat(IVec a) { return (Vec)_mm256_cvtepi32_ps(a); }
+inline IVec RoundToInt(Vec a) { return _mm256_cvtps_epi32((__m256)a); }
+inline void StoreI(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+inline Vec Max(Vec a, Vec b) { return (Vec)_mm256_max_ps((__m256)a, (__m256)b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #endif
 
 inline Vec Splat(float v) { return Vec{} + v; }
+
+// sum + (u . s over each lane's 4 bytes), u unsigned, s signed: one vpdpbusd with VNNI, else a
+// multiply-add of byte pairs then of 16-bit pairs (|pair sum| < 2^15 for the codes here: exact).
+inline IVec DotQuads(IVec sum, IVec u, IVec s) {
+#if defined(JAXSMOL_VNNI) && defined(__AVX512F__)
+  return _mm512_dpbusd_epi32(sum, u, s);
+#elif defined(JAXSMOL_VNNI)
+  return _mm256_dpbusd_avx_epi32(sum, u, s);
+#else
+  return Add32(sum, MulAdd16(MulPairs(u, s), Splat16(1)));
+#endif
+}
+inline Vec Abs(Vec a) {
+  typedef int32_t Bits __attribute__((vector_size(sizeof(Vec))));
+  Bits b;
+  std::memcpy(&b, &a, sizeof b);
+  b &= 0x7FFFFFFF;
+  std::memcpy(&a, &b, sizeof a);
+  return a;
+}
 
 // x's rows rounded: codes [M, K], and per block dx and sx [M, K / 32].
 struct Rounded {
@@ -78,17 +110,24 @@ struct Rounded {
   int64_t K;
 };
 
-// One row's block of 32 floats -> 32 codes, its dx and sx (scalar reductions in a fixed order; the
-// codes by lanes, each rounded on its own).
+// One row's block of 32 floats -> 32 codes, its dx and sx: amax and the code sum are order-free (a
+// max, an integer sum), each code rounded on its own (vcvtps2dq: to nearest even).
 inline void RoundBlock(const float* x, int8_t* q, float* d, float* s) {
-  float amax = 0.0f;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float dx = amax / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+  constexpr int kParts = kBlock / kLanes;
+  Vec v[kParts], amax = {};
+  for (int i = 0; i < kParts; ++i) {
+    v[i] = Load(x + kLanes * i);
+    amax = Max(amax, Abs(v[i]));
+  }
+  float top = 0.0f;
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, amax[l]);
+  const float dx = top / 127.0f, inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+  alignas(64) int32_t codes[kBlock];
+  for (int i = 0; i < kParts; ++i) StoreI(codes + kLanes * i, RoundToInt(v[i] * inv));  // |code| <= 127
   int32_t sum = 0;
   for (int i = 0; i < kBlock; ++i) {
-    const int32_t c = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // |c| <= 127
-    q[i] = static_cast<int8_t>(c);
-    sum += c;
+    q[i] = static_cast<int8_t>(codes[i]);
+    sum += codes[i];
   }
   *d = dx;
   *s = dx * static_cast<float>(sum);
@@ -105,9 +144,7 @@ struct Q8_0 {
   };
   static const char* Bytes(const Panel& w) { return reinterpret_cast<const char*>(w.q); }
   static IVec Codes(const Panel& w, int64_t g, int v) { return LoadI(w.q + g * 4 * kPanel + 4 * kLanes * v); }
-  static IVec Step(IVec sum, IVec w, IVec x4) {
-    return Add32(sum, MulAdd16(MulPairs(Abs8(w), SignBy(x4, w)), Splat16(1)));
-  }
+  static IVec Step(IVec sum, IVec w, IVec x4) { return DotQuads(sum, Abs8(w), SignBy(x4, w)); }
   static IVec Total(IVec sum) { return sum; }
   static Vec Update(Vec acc, const Panel& w, int64_t b, int v, IVec sum, float dx, float) {
     return Fma(Load(w.d + b * kPanel + kLanes * v) * dx, ToFloat(sum), acc);
@@ -127,8 +164,13 @@ struct Q4_1 {
     const IVec bytes = LoadI(w.q + g * 2 * kPanel + 4 * (col % (kPanel / 2)));
     return And(col < kPanel / 2 ? bytes : Shift4(bytes), Splat32(0x0F0F0F0F));
   }
+#if defined(JAXSMOL_VNNI)
+  static IVec Step(IVec sum, IVec w, IVec x4) { return DotQuads(sum, w, x4); }
+  static IVec Total(IVec sum) { return sum; }
+#else  // a block's 8 quads summed in 16 bits, widened once
   static IVec Step(IVec sum, IVec w, IVec x4) { return Add16(sum, MulPairs(w, x4)); }
   static IVec Total(IVec sum) { return MulAdd16(sum, Splat16(1)); }
+#endif
   static Vec Update(Vec acc, const Panel& w, int64_t b, int v, IVec sum, float dx, float sx) {
     acc = Fma(Load(w.d + b * kPanel + kLanes * v) * dx, ToFloat(sum), acc);
     return Fma(Load(w.m + b * kPanel + kLanes * v), Splat(sx), acc);
@@ -145,7 +187,8 @@ void DotTile(const Rounded& x, int64_t r0, const typename F::Panel& w, float* y,
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) sum[r][v] = Zero();
     for (int64_t g = b * kQuads; g < (b + 1) * kQuads; ++g) {
-      for (int64_t line = 0; line < F::kQuadBytes; line += 64) __builtin_prefetch(F::Bytes(w) + (g + kAheadQuads) * F::kQuadBytes + line);
+      for (int64_t line = 0; line < F::kQuadBytes; line += 64)
+        __builtin_prefetch(F::Bytes(w) + (g + kAheadQuads) * F::kQuadBytes + line);
       IVec codes[V];
       for (int v = 0; v < V; ++v) codes[v] = F::Codes(w, g, v0 + v);
       for (int r = 0; r < R; ++r) {
@@ -164,37 +207,11 @@ void DotTile(const Rounded& x, int64_t r0, const typename F::Panel& w, float* y,
     for (int v = 0; v < V; ++v) Store(y + r * N + kLanes * (v0 + v), acc[r][v]);
 }
 
-// One row over S panels side by side (first, first + apart, ...): S streams of codes per thread.
-template <typename F, int S, typename At>
-void OneRow(const Rounded& x, At at, float* y, int64_t first, int64_t apart) {
-  const int64_t K = x.K, KB = K / kBlock;
-  typename F::Panel w[S];
-  for (int s = 0; s < S; ++s) w[s] = at(first + s * apart);
-  Vec acc[S][kVecs] = {};
-  for (int64_t b = 0; b < KB; ++b) {
-    IVec sum[S][kVecs];
-    for (int s = 0; s < S; ++s)
-      for (int v = 0; v < kVecs; ++v) sum[s][v] = Zero();
-    for (int64_t g = b * kQuads; g < (b + 1) * kQuads; ++g) {
-      int32_t four;
-      std::memcpy(&four, x.q + 4 * g, 4);
-      const IVec x4 = Splat32(four);
-      for (int s = 0; s < S; ++s) {
-        for (int64_t line = 0; line < F::kQuadBytes; line += 64)
-          __builtin_prefetch(F::Bytes(w[s]) + (g + kAheadQuads) * F::kQuadBytes + line);
-        for (int v = 0; v < kVecs; ++v) sum[s][v] = F::Step(sum[s][v], F::Codes(w[s], g, v), x4);
-      }
-    }
-    for (int s = 0; s < S; ++s)
-      for (int v = 0; v < kVecs; ++v) acc[s][v] = F::Update(acc[s][v], w[s], b, v, F::Total(sum[s][v]), x.d[b], x.s[b]);
-  }
-  for (int s = 0; s < S; ++s)
-    for (int v = 0; v < kVecs; ++v) Store(y + (first + s * apart) * kPanel + kLanes * v, acc[s][v]);
-}
-constexpr int kStreams = 1;
 
 // Rows per group and vectors per pass over a panel beside one row: the sums and accumulators (2 a
-// row and vector), the codes and x's splat in the registers.
+// row and vector), the codes and x's splat in the registers (AVX2: 3 rows, half a panel a pass;
+// AVX-512: 7, the whole panel). Measured on AVX2 (tools/time_matmuls.py --dot int8, 8 and 16 rows):
+// the accumulators in memory with 5 rows a group, or a quarter panel a pass with 8, were no faster.
 constexpr int kPassVecs = kVecRegs == 32 ? kVecs : 2;
 constexpr int kDotGroup = (kVecRegs - 2 - kPassVecs) / (2 * kPassVecs);
 
@@ -208,7 +225,7 @@ static_assert(kDotGroup <= 7);
 
 // x [M, K] -> its codes and scales (ThreadScratch site 6, reused by the pool threads during this call).
 Rounded Round(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K) {
-  const int64_t KB = K / kBlock, rows_per_task = 16;
+  const int64_t KB = K / kBlock, rows_per_task = 4;  // one task for a decode row; 16 rows on 4
   float* const scales = ThreadScratch<6>(2 * M * KB + (M * K + 3) / 4);
   const Rounded r{reinterpret_cast<const int8_t*>(scales + 2 * M * KB), scales, scales + M * KB, K};
   int8_t* const q = const_cast<int8_t*>(r.q);
@@ -227,17 +244,13 @@ void Matmul(ffi::ThreadPool& pool, const float* x, At at, float* y, int64_t M, i
   const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t part = (panels + threads - 1) / threads;
   ParallelFor(pool, (panels + part - 1) / part, [=](int64_t t) {
-    int64_t p = t * part;
-    const int64_t end = std::min(panels, (t + 1) * part);
-    if (M == 1) {
-      const int64_t part_len = (end - p) / kStreams;
-      for (int64_t i = p; i < p + part_len; ++i) OneRow<F, kStreams>(r, at, y, i, part_len);
-      for (p += kStreams * part_len; p < end; ++p) OneRow<F, 1>(r, at, y, p, 0);
-      return;
-    }
-    for (; p < end; ++p) {
+    for (int64_t p = t * part; p < std::min(panels, (t + 1) * part); ++p) {
       const typename F::Panel panel = at(p);
       float* const yp = y + p * kPanel;
+      if (M == 1) {  // the whole panel in one pass: its codes read once, one stream (2 or 4 side by side: no faster)
+        DotTile<F, 1, kVecs>(r, 0, panel, yp, N, 0);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kDotGroup)
         for (int v0 = 0; v0 < kVecs; v0 += kPassVecs)
           kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0);
