@@ -3,7 +3,7 @@
 The per-row-position path (kv.pos [W], as the scheduler runs it) against a same-position batch of
 the same width (kv.pos scalar), in one process.
 
-    PYTHONPATH=$PWD python tools/time_batched_decode.py [--model DIR] [--position 64] [--rounds 5]
+    PYTHONPATH=$PWD python tools/time_batched_decode.py [--model DIR] [--position 64] [--rounds 5] [--matmul int8]
 
 Variants alternate round by round and each figure is a median over rounds (the machine is shared).
 `decode_step` is the scheduler's program (forward + per-row sampling); `forward pos[W]` and
@@ -84,12 +84,13 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--matmul", default="auto", help="Engine.load's matmul class (auto, exact, int8)")
     args = ap.parse_args()
 
     from jaxsmol.runtime.chunks import capacity_for
     from jaxsmol.runtime.engine import Engine
 
-    eng = Engine.load(args.model, progress=False)
+    eng = Engine.load(args.model, matmul=args.matmul, progress=False)
     cap, pos = capacity_for(args.position + args.steps + 1), args.position
     table = {}
     for W in args.widths:

