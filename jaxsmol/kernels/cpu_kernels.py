@@ -1,38 +1,36 @@
-"""CPU kernels written in C++ and called from jitted programs through JAX's foreign function
-interface (`jax.ffi`): two computing the forward in float32, and a copy.
+"""CPU kernels written in C++ and called from jitted programs through JAX's foreign function interface
+(`jax.ffi`): two computing the forward in float32, and a copy.
 
-- `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16
-  (widened exactly as they load; activations, sums and the cache stay float32). Each output element
-  is one fused multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the
-  other rows: decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk
-  as in a 512-row one (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill
-  without the kernels needs >= 64-row chunks). Its weights are packed once, at load, in 32-column
-  panels (`pack`, `pack_params`; q, k, v as one product and gate, up as another: `pack_layer`), so
-  every call streams them sequentially. Few rows (decode steps)
-  stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which at
-  2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over
-  the panels, as fast as XLA's.
-- `matmul` on quantized weights (formats.py): cpu_matmul_quant.cc dequantizes them in registers (the
-  float32 kernel's bits on their values; `--matmul exact`), cpu_matmul_int8.cc rounds x to 8 bits per
-  32 k's and sums integer dot products (`--matmul int8`, llama.cpp's arithmetic; a row's bits still
-  depend on the row alone).
-- `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked
-  attention copies every 256-slot block of the cache before its matmuls (a batch's or several heads'
-  block is not contiguous) and runs every row to the chunk's or batch's last position; the kernel
-  reads each (row, kv head)'s keys and values in place, up to that query's own position. Each query
-  row is computed on its own in position order, so its bits do not depend on the chunk or batch
-  carrying it (a decode step's single row takes a different, split path: T == 1 differs from T >= 2).
-- `load_prefix` (cpu_prefix.cc): Engine.restore's copy of a snapshot's prefix into a cache, split
-  between the threads (XLA's dynamic-update-slice copies on one).
+- `matmul` (cpu_matmul.cc), for every matmul of the model, its weights stored float32 or bfloat16 (widened
+  exactly as they load; activations, sums and the cache stay float32). Each output element is one fused
+  multiply-add chain over k in order, whatever the row count, so a row's bits do not depend on the other rows:
+  decode rows are batch-invariant, and a prompt row gets the same bits in a 16-row chunk as in a 512-row one
+  (XLA:CPU's GEMM sums differently below 64 rows, which is why exact prefill without the kernels needs >=
+  64-row chunks). Its weights are packed once, at load, in 32-column panels (`pack`, `pack_params`; q, k, v as
+  one product and gate, up as another: `pack_layer`), so every call streams them sequentially. Few rows
+  (decode steps) stream each weight row once; XLA:CPU's dot packs a weight panel before every product, which
+  at 2-16 rows costs more than the arithmetic. Many rows (prefill chunks) run a cache-blocked GEMM over the
+  panels, as fast as XLA's.
+- `matmul` on quantized weights (formats.py): cpu_matmul_quant.cc dequantizes them in registers (the float32
+  kernel's bits on their values; `--matmul exact`), cpu_matmul_int8.cc rounds x to 8 bits per 32 k's and sums
+  integer dot products (`--matmul int8`, llama.cpp's arithmetic; a row's bits still depend on the row alone).
+- `attention` (cpu_attention.cc), causal, for prefill chunks and decode steps alike. XLA's blocked attention
+  copies every 256-slot block of the cache before its matmuls (a batch's or several heads' block is not
+  contiguous) and runs every row to the chunk's or batch's last position; the kernel reads each (row, kv
+  head)'s keys and values in place, up to that query's own position. Each query row is computed on its own in
+  position order, so its bits do not depend on the chunk or batch carrying it (a decode step's single row
+  takes a different, split path: T == 1 differs from T >= 2).
+- `load_prefix` (cpu_prefix.cc): Engine.restore's copy of a snapshot's prefix into a cache, split between the
+  threads (XLA's dynamic-update-slice copies on one).
 
-The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this
-CPU (`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and CPU.
-Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
-`JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build,
-`on` makes that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path
-every GPU and TPU takes). In `auto`, where they cannot be built (no compiler, a CPU other than x86-64
-with AVX2 and FMA: skipped before compiling), the forward uses XLA's dot and attention, with one line
-on stderr saying why. `state()` records what happened (`jaxsmol info` prints it).
+The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
+(`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and
+CPU. Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
+`JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build, `on` makes
+that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path every GPU and TPU
+takes). In `auto`, where they cannot be built (no compiler, a CPU other than x86-64 with AVX2 and FMA: skipped
+before compiling), the forward uses XLA's dot and attention, with one line on stderr saying why. `state()`
+records what happened (`jaxsmol info` prints it).
 """
 
 from __future__ import annotations
@@ -53,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.kernels.cpu_identity import _cpu_flags, cpu_signature, unsupported_cpu  # noqa: F401 (the API's)
 from jaxsmol.kernels.formats import QuantizedMatrix, concat_panels
 from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.system.data_dirs import kernels_dir
@@ -112,34 +111,6 @@ def kernel_switch(environ=os.environ) -> tuple[str, str | None]:
                 raise JaxsmolError(f"{name} must be one of {', '.join(MODES)}, got {raw!r}")
             return mode, name
     return "auto", None
-
-
-def unsupported_cpu(machine: str, flags: set[str] | None) -> str | None:
-    """Why a CPU cannot run the kernels, or None: they are written for x86-64 with AVX2 and FMA (a
-    narrower vector is emulated, slower than XLA). flags None: unknown (no /proc/cpuinfo), left to the compiler."""
-    if machine.lower() not in ("x86_64", "amd64"):
-        return f"the CPU is {machine}; they need x86-64 with AVX2 and FMA"
-    missing = [f.upper() for f in ("avx2", "fma") if flags is not None and f not in flags]
-    return f"the CPU lacks {' and '.join(missing)}" if missing else None
-
-
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, None where it cannot be read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
-
-
-def cpu_signature() -> str:
-    """The CPU model and feature flags (a library built with -march=native runs only where they match)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(wanted))
 
 
 def _build() -> tuple[Path, bool]:

@@ -210,4 +210,19 @@ inline std::array<int64_t, 3> QuantShapes(const Matrix& x, const LayerIndex& lay
   return {ok ? LayerOf(layer, L) : -1, P, K};
 }
 
+// Their FFI bindings: the exact and the integer-dot handlers take the same operands.
+inline auto BindQ8_0() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<CodesQ8>().Arg<Scales>().Arg<LayerIndex>().Ret<Matrix>();
+}
+inline auto BindQ4_1() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Matrix>()
+      .Arg<CodesQ4>()
+      .Arg<Scales>()
+      .Arg<Scales>()
+      .Arg<LayerIndex>()
+      .Ret<Matrix>();
+}
+
 }  // namespace

@@ -261,21 +261,5 @@ ffi::Error MatmulQ4_1(ffi::ThreadPool pool, Matrix x, CodesQ4 q, Scales d, Scale
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ8_0, MatmulQ8_0,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<CodesQ8>()
-                                  .Arg<Scales>()
-                                  .Arg<LayerIndex>()
-                                  .Ret<Matrix>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ4_1, MatmulQ4_1,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
-                                  .Arg<CodesQ4>()
-                                  .Arg<Scales>()
-                                  .Arg<Scales>()
-                                  .Arg<LayerIndex>()
-                                  .Ret<Matrix>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ8_0, MatmulQ8_0, BindQ8_0());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolMatmulQ4_1, MatmulQ4_1, BindQ4_1());
