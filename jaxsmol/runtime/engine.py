@@ -90,8 +90,8 @@ def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
 # The sources whose changes can change a state's bits (the forward, its kernels), with jax's version.
 # relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
 NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
-                    "kernels/cpu_matmul_quant.cc", "kernels/formats.py", "kernels/cpu_attention.cc",
-                    "kernels/cpu_kernels.h", "kernels/cpu_matmul.h", "runtime/programs.py")
+                    "kernels/cpu_matmul_quant.cc", "kernels/cpu_matmul_int8.cc", "kernels/formats.py",
+                    "kernels/cpu_attention.cc", "kernels/cpu_kernels.h", "kernels/cpu_matmul.h", "runtime/programs.py")
 
 
 @functools.cache
