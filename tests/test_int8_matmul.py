@@ -89,8 +89,8 @@ def test_the_quad_layout_holds_the_same_weights(fmt):
     assert np.array_equal(formats.dequantize(quads), formats.dequantize(exact))
     ids = jnp.asarray([0, 5, 17, 31, 63])
     assert np.array_equal(formats.columns(quads, ids), formats.columns(exact, ids))  # the embedding lookup
-    back = formats.to_dot(quads, "float")
-    assert back.dot == "float" and np.array_equal(back.q, exact.q)
+    back = formats.to_dot(quads, "exact")
+    assert back.dot == "exact" and np.array_equal(back.q, exact.q)
 
 
 # ---- the engine --------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     p.add_argument("--per-shape", action="store_true", help="each fused product (q/k/v, o, gate/up, down) alone")
     p.add_argument("--format", choices=formats.FORMATS, help="time this quantized format against float32")
-    p.add_argument("--dot", choices=formats.DOTS, default="float",
+    p.add_argument("--dot", choices=formats.DOTS, default="exact",
                    help="with --format: int8 times the integer-dot kernel in the quantized kernel's place "
                         "(its outputs differ from float32's: x is rounded)")
     args = p.parse_args()

@@ -336,7 +336,7 @@ def matmul(x: jax.Array, panels, target: str | None = None, layer: jax.Array | N
 def _matmul_quantized(x: jax.Array, w: QuantizedMatrix, layer: jax.Array) -> jax.Array:
     P, K = w.q.shape[-3:-1]
     lead, N = x.shape[:-1], P * PANEL
-    suffix = "" if w.dot == "float" else "_" + w.dot
+    suffix = "" if w.dot == "exact" else "_" + w.dot
     call = jax.ffi.ffi_call(f"jaxsmol_matmul_{w.fmt}{suffix}", jax.ShapeDtypeStruct((x.size // K, N), jnp.float32))
     scales = (w.d,) if w.m is None else (w.d, w.m)
     return call(x.reshape(-1, K), w.q, *scales, layer).reshape(*lead, N)

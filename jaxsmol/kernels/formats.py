@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMATS = ("q8_0", "q4_1")
-DOTS = ("float", "int8")  # how the kernels multiply a matrix: its float32 values, or codes by rounded x
+DOTS = ("exact", "int8")  # how the kernels multiply a matrix (Config.matmul): its float32 values, or codes by rounded x
 BLOCK = 32  # k's per block (GGUF's QK8_0 and QK4_1)
 PANEL = 32  # columns per panel (cpu_kernels.PANEL)
 BYTES_PER_WEIGHT = {"q8_0": 1 + 4 / BLOCK, "q4_1": 0.5 + 8 / BLOCK}  # in memory here (scales as float32)
@@ -44,7 +44,7 @@ class QuantizedMatrix:
     d: jax.Array  # [N / 32, K / 32, 32] float32
     m: jax.Array | None = None  # [N / 32, K / 32, 32] float32 (Q4_1)
     fmt: str = flax.struct.field(pytree_node=False, default="q8_0")
-    dot: str = flax.struct.field(pytree_node=False, default="float")  # one of DOTS; "int8": q in k-quads
+    dot: str = flax.struct.field(pytree_node=False, default="exact")  # one of DOTS; "int8": q in k-quads
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -125,7 +125,7 @@ def from_rows(fmt: str, values: np.ndarray, d: np.ndarray, m: np.ndarray | None 
 
 
 def to_dot(w: QuantizedMatrix, dot: str) -> QuantizedMatrix:
-    """w for the kernels of `dot` (DOTS): its codes in k order ("float") or in k-quads ("int8"), the
+    """w for the kernels of `dot` (DOTS): its codes in k order ("exact") or in k-quads ("int8"), the
     same values (numpy, at load)."""
     if dot not in DOTS:
         raise ValueError(f"unknown dot {dot!r}; one of {', '.join(DOTS)}")
@@ -139,7 +139,7 @@ def to_dot(w: QuantizedMatrix, dot: str) -> QuantizedMatrix:
 
 def _k_major(w: QuantizedMatrix) -> jax.Array:
     """w.q as [..., K, C] in k order (to_dot's quads undone: traceable)."""
-    if w.dot == "float":
+    if w.dot == "exact":
         return w.q
     *lead, K, C = w.q.shape
     return w.q.reshape(*lead, K // 4, C, 4).swapaxes(-1, -2).reshape(w.q.shape)
@@ -176,7 +176,7 @@ def columns(w: QuantizedMatrix, ids: jax.Array) -> jax.Array:
 
 def _column(w: QuantizedMatrix, p: jax.Array, c: jax.Array) -> jax.Array:
     """The bytes of column c of panels p, [..., K] in k order."""
-    if w.dot == "float":
+    if w.dot == "exact":
         return w.q[p, :, c]
     P, K, C = w.q.shape
     return w.q.reshape(P, K // 4, C, 4)[p, :, c, :].reshape(*p.shape, K)
@@ -191,7 +191,7 @@ def params_for_dot(tree, dot: str):
 UNEMBED_FORMAT = "q8_0"  # the unembedding under every format (see params.py)
 
 
-def abstract(K: int, N: int, fmt: str, dot: str = "float") -> QuantizedMatrix:
+def abstract(K: int, N: int, fmt: str, dot: str = "exact") -> QuantizedMatrix:
     """ShapeDtypeStructs of a [K, N] matrix in fmt (compiling programs before the weights load)."""
     sds = jax.ShapeDtypeStruct
     q = sds((N // PANEL, K, PANEL), jnp.int8) if fmt == "q8_0" else sds((N // PANEL, K, PANEL // 2), jnp.uint8)

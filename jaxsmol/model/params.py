@@ -175,7 +175,7 @@ def params_from_hf(cfg: Config, tensors, dtype=jnp.float32) -> Params:
             raise JaxsmolError(f"tensor {name} has shape {shape_of(name)}, expected {shape} from config.json")
 
     def for_dot(w):  # the layout of cfg's matmul class, one matrix at a time
-        return formats.to_dot(w, dot(cfg))
+        return formats.to_dot(w, cfg.matmul)
 
     def matrix(a, fmt=cfg.quant):  # HF's [out, in] -> [in, out], packed one at a time (peak: one extra)
         if isinstance(a, formats.QuantizedMatrix):  # a GGUF's own blocks (checkpoint/gguf_weights.py)
@@ -211,11 +211,6 @@ def load_params(model_dir: str | Path, cfg: Config, dtype=jnp.float32) -> Params
     return params_from_hf(cfg, Checkpoint(model_dir, jnp.dtype(dtype)), dtype)
 
 
-def dot(cfg: Config) -> str:
-    """The quantized matrices' formats.DOTS entry for cfg.matmul."""
-    return "int8" if cfg.matmul == "int8" else "float"
-
-
 def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs in the layout params_from_hf builds: enough to compile programs before
     (or while) the weights load."""
@@ -223,14 +218,14 @@ def abstract_params(cfg: Config, dtype=jnp.float32) -> Params:
 
     def spec(shape):  # a norm's [D], or a matrix [in, out]
         if len(shape) == 2 and cfg.quant:
-            return formats.abstract(*shape, cfg.quant, dot(cfg))
+            return formats.abstract(*shape, cfg.quant, cfg.matmul)
         return sds(shape)
 
     layer = LayerParams(**{field: spec(tuple(reversed(shape))) for field, shape in layer_specs(cfg).values()})
     if cfg.cpu_kernels or cfg.quant:
         layer = jax.eval_shape(cpu_kernels.pack_layer, layer)
     layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((cfg.n_layers, *a.shape), a.dtype), layer)
-    unembed = (formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT, dot(cfg)) if cfg.quant
+    unembed = (formats.abstract(cfg.dim, cfg.vocab_size, formats.UNEMBED_FORMAT, cfg.matmul) if cfg.quant
                else sds((cfg.dim, cfg.vocab_size)))
     embed = unembed if cfg.quant and cfg.tie_embeddings else sds((cfg.vocab_size, cfg.dim))
     params = Params(embed=embed, layers=layers, final_norm=sds((cfg.dim,)), unembed=unembed)

@@ -36,7 +36,7 @@ from jaxsmol.model.kv import KVCache, check_snapshot
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length,
                             chunk_plan, prefill_buckets)
 from jaxsmol.model.forward import ATTN_BLOCK
-from jaxsmol.model.params import Params, dot, load_params, params_from_hf
+from jaxsmol.model.params import Params, load_params, params_from_hf
 from jaxsmol.runtime.load_options import MATMULS, with_matmul, with_quantization  # noqa: F401 (MATMULS: the API's)
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
@@ -119,7 +119,7 @@ class Engine:
         # the weights' layout follows cfg (a no-op for params loaded with it; another engine's
         # params may come packed or not, their codes in either order)
         params = cpu_kernels.pack_params(params, packed=cfg.cpu_kernels)
-        params = formats.params_for_dot(params, dot(cfg))
+        params = formats.params_for_dot(params, cfg.matmul)
         if mesh is not None:
             params = shard_params(params, mesh)
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
