@@ -149,44 +149,48 @@ void AttendKeys(const float* q, const KV* keys, const KV* values, int64_t G, int
   }
 }
 
-// A decode step's attention for one query per row. Each (row, kv head) is split into kDecodeParts
-// key ranges (from kSplitFrom keys on), computed as separate tasks and merged in order, so that 3 kv
-// heads keep 2 threads busy; the split depends only on the row's own position, so a row's bits do
-// not depend on the batch.
+// A decode step's attention: each query row (b, t) of [B, T] as the decode step at its position
+// ps[b] + t would compute it (T is 1 for a decode step; a speculative step verifies T drafted rows
+// this way, so each gets a decode step's bits: cached and plain decoding agree). Each (row, kv head)
+// is split into kDecodeParts key ranges (from kSplitFrom keys on), computed as separate tasks and
+// merged in order, so that 3 kv heads keep 2 threads busy; the split depends only on the row's own
+// position, so a row's bits do not depend on the batch or on the rows beside it.
 constexpr int64_t kDecodeParts = 2, kSplitFrom = 256;
 
 template <typename KV, int HV>
 void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
-                  float* os, int64_t layer, int64_t B, int64_t K, int64_t G, int64_t S) {
+                  float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
   constexpr int64_t H = HV * kLanes;
-  const int64_t P = kDecodeParts;
-  const auto keys_of = [ps, S](int64_t b) { return std::min<int64_t>(std::max<int32_t>(ps[b], 0), S - 1) + 1; };
+  const int64_t P = kDecodeParts, R = B * T;  // query rows r = b T + t
+  const auto keys_of = [ps, S, T](int64_t r) {
+    return std::min<int64_t>(std::max<int32_t>(ps[r / T], 0) + r % T, S - 1) + 1;
+  };
   const auto parts_of = [P](int64_t n) { return n >= kSplitFrom ? P : 1; };
-  std::vector<float> m(B * K * P * G), l(B * K * P * G), acc(B * K * P * G * H);
-  ParallelFor(pool, B * K * P, [&, qs, ks, vs](int64_t task) {
-    const int64_t bk = task / P, part = task % P, b = bk / K;
-    const int64_t n = keys_of(b), parts = parts_of(n);
+  std::vector<float> m(R * K * P * G), l(R * K * P * G), acc(R * K * P * G * H);
+  ParallelFor(pool, R * K * P, [&, qs, ks, vs](int64_t task) {
+    const int64_t rk = task / P, part = task % P, r = rk / K;
+    const int64_t n = keys_of(r), parts = parts_of(n);
     if (part >= parts) return;
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
-    const int64_t slots = ((layer * B + b) * K + bk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
+    const int64_t slots = ((layer * B + r / T) * K + rk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
     std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
-    AttendKeys<KV, HV>(qs + bk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
-                   &acc[task * G * H]);
+    AttendKeys<KV, HV>(qs + rk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
+                       &acc[task * G * H]);
   });
-  for (int64_t bk = 0; bk < B * K; ++bk) {  // merge the parts, in order
-    const int64_t parts = parts_of(keys_of(bk / K));
+  for (int64_t rk = 0; rk < R * K; ++rk) {  // merge the parts, in order
+    const int64_t parts = parts_of(keys_of(rk / K));
     for (int64_t g = 0; g < G; ++g) {
       float mx = -INFINITY;
-      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(bk * P + part) * G + g]);
+      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(rk * P + part) * G + g]);
       float scale[kDecodeParts], sum = 0.0f;
       for (int64_t part = 0; part < parts; ++part) {
-        scale[part] = std::exp(m[(bk * P + part) * G + g] - mx);
-        sum += l[(bk * P + part) * G + g] * scale[part];
+        scale[part] = std::exp(m[(rk * P + part) * G + g] - mx);
+        sum += l[(rk * P + part) * G + g] * scale[part];
       }
       for (int64_t h = 0; h < H; ++h) {
         float v = 0.0f;
-        for (int64_t part = 0; part < parts; ++part) v += acc[((bk * P + part) * G + g) * H + h] * scale[part];
-        os[(bk * G + g) * H + h] = v / sum;
+        for (int64_t part = 0; part < parts; ++part) v += acc[((rk * P + part) * G + g) * H + h] * scale[part];
+        os[(rk * G + g) * H + h] = v / sum;
       }
     }
   }
@@ -366,11 +370,12 @@ using Positions = ffi::Buffer<ffi::S32, 1>;
 using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
 // Attention with head dim H = kLanes HV over [B, T, K, G, H] queries.
+// as_steps: every row as a decode step computes it (a speculative step's drafted rows).
 template <typename KV, int HV>
 void AttendAll(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
-               float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
+               float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S, bool as_steps) {
   constexpr int64_t H = HV * kLanes;
-  if (T == 1) return AttendDecode<KV, HV>(pool, qs, ks, vs, ps, os, layer, B, K, G, S);  // a decode step
+  if (T == 1 || as_steps) return AttendDecode<KV, HV>(pool, qs, ks, vs, ps, os, layer, B, T, K, G, S);
   // a chunk: one task per (row, kv head, tile of kTileRows query positions), or, when that leaves threads
   // idle (3 kv heads on 2 threads), per query head too: each head's rows are computed the same way
   // either way, only the keys are read once per head instead of per kv head. A short chunk on
@@ -416,7 +421,7 @@ AttendFn<KV> AttendFor(int64_t hv) {
 // The cache's element type names the kernel: F32 (float) or BF16 (uint16_t, widened as it loads).
 template <ffi::DataType CacheType>
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, CacheOf<CacheType> v_all,
-                     Positions pos, LayerIndex layer_index, OutQueries out) {
+                     Positions pos, LayerIndex layer_index, int32_t as_steps, OutQueries out) {
   using KV = ffi::NativeType<CacheType>;
   const auto qd = q.dimensions(), cd = k_all.dimensions();
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], S = cd[3], layer = LayerOf(layer_index, cd[0]);
@@ -425,7 +430,7 @@ ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, 
   auto* attend = H == 16 || H == 32 || H == 64 || H == 128 ? AttendFor<KV>(H / kLanes) : nullptr;
   if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
   attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
-         B, T, K, G, S);
+         B, T, K, G, S, as_steps != 0);
   return ffi::Error::Success();
 }
 
@@ -444,6 +449,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention<ffi::F32>,
                                   .Arg<Cache>()
                                   .Arg<Positions>()
                                   .Arg<LayerIndex>()
+                                  .Attr<int32_t>("as_steps")
                                   .Ret<Queries>());
 #endif
 
@@ -458,5 +464,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttentionBf16, Attention<ffi::BF16>,
                                   .Arg<CacheBf16>()
                                   .Arg<Positions>()
                                   .Arg<LayerIndex>()
+                                  .Attr<int32_t>("as_steps")
                                   .Ret<Queries>());
 #endif

@@ -355,11 +355,13 @@ def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.Array,
-              target: str | None = None) -> jax.Array:
+              target: str | None = None, as_steps: bool = False) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
     [B]) over cache layer `layer` (an int32 scalar, traced or not) of k_all, v_all [L, B, K, S, H] (the
     chunk's keys already written)
     -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
+    as_steps: every row (b, t) with the bits of a decode step at position pos[b] + t (a one-row chunk's
+    numerics, which differ from a longer chunk's in the last bits): a speculative step's drafted rows.
     A bfloat16 cache is read in place and widened exactly: the bits of a float32 cache of its values.
     `target`: another build's registered name (tools/kernel_revision.py); by default the project's own
     for the cache's dtype."""
@@ -367,7 +369,7 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.
         target = "jaxsmol_attention_bf16" if k_all.dtype == jnp.bfloat16 else "jaxsmol_attention"
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_all, v_all, pos, jnp.asarray(layer, jnp.int32))
+    return call(q, k_all, v_all, pos, jnp.asarray(layer, jnp.int32), as_steps=np.int32(as_steps))
 
 
 def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:

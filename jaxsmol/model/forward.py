@@ -96,11 +96,11 @@ def _layer_of(stacked, layer: jax.Array):
 
 
 def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
-           cfg: Config) -> jax.Array:
+           cfg: Config, as_steps: bool = False) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] over layer `layer` of the cache: the C++ kernel when
-    cfg.cpu_kernels, `attention` (XLA) otherwise."""
+    cfg.cpu_kernels (as_steps: each row with a decode step's bits), `attention` (XLA) otherwise."""
     if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
-        return cpu_kernels.attention(q, k_all, v_all, layer, pos)
+        return cpu_kernels.attention(q, k_all, v_all, layer, pos, as_steps=as_steps)
     return attention(q, k_all, v_all, layer, pos)
 
 
@@ -170,10 +170,12 @@ def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -
 
 
 def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
-                  sin: jax.Array, cos: jax.Array, cfg: Config, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  sin: jax.Array, cos: jax.Array, cfg: Config, dt,
+                  as_steps: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoder layer `layer` (an int32 scalar, traced: one compiled body serves every layer): x [B, T, D]
     float32 (the residual stream) with its keys/values written into k_all, v_all [L, B, K, S, H] at
-    slots pos.. -> (x, k_all, v_all); w: every layer's weights, stacked; dt: the matrix products' inputs."""
+    slots pos.. -> (x, k_all, v_all); w: every layer's weights, stacked; dt: the matrix products' inputs;
+    as_steps: attention computes each row as a decode step would (see `forward`)."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     mm = lambda a, m, out_dtype=None: linear(a, m, cfg, out_dtype, layer)  # noqa: E731
@@ -192,7 +194,7 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
     q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
     k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
     v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
-    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg).reshape(B, T, K * G * H)
+    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg, as_steps).reshape(B, T, K * G * H)
     x = x + mm(a.astype(dt), w.wo, jnp.float32)
     h = rms_norm(x, _layer_of(w.mlp_norm, layer), cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     if w.w_gate_up is not None:
@@ -219,7 +221,7 @@ def _last_real(x: jax.Array, length: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
-            all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+            all_logits: bool = False, as_steps: bool = False) -> tuple[jax.Array, KVCache]:
     """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
 
     kv.pos is a scalar (every row at the same position: one sequence, or a prompt's forks) or a
@@ -228,6 +230,8 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     Writes their keys/values into the cache with `dynamic_update_slice` and returns
     (logits, new kv with pos + length). Logits are [B, V] for the last real token, or
     [B, T, V] for every row when `all_logits`. Requires kv.pos + T <= S (the caller sizes S).
+    as_steps (the CPU kernels): every row gets the bits a one-token decode step at its position would
+    (a speculative step's drafted rows; a prompt chunk's rows are otherwise the chunk's).
     """
     B, T = tokens.shape
     pos = kv.pos
@@ -238,7 +242,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     # ~1/L the size and compile time (docs/design.md, "One layer, looped"). The kernels read layer i
     # of the stacked weights and cache in place, so the loop copies no weight.
     def layer(i, carry):
-        return decoder_layer(params.layers, *carry, i, pos, sin, cos, cfg, dt)
+        return decoder_layer(params.layers, *carry, i, pos, sin, cos, cfg, dt, as_steps)
 
     x, k_all, v_all = lax.fori_loop(0, cfg.n_layers, layer, (x, kv.k, kv.v), unroll=LAYER_UNROLL)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxsmol.model.config import Config
 from jaxsmol.model.kv import SEQ_AXIS, KVCache, seq_index
@@ -48,6 +49,34 @@ def decode_step(params: Params, tokens: jax.Array, kv: KVCache, active: jax.Arra
     ({"tokens" [W], and with `logprobs` "logprob" [W], "top_ids"/"top_logprobs" [W, 20]}, kv)."""
     logits, kv = decode_rows(params, tokens, kv, active, cfg)
     return sample_and_score(logits, sampling, logprobs), kv
+
+
+def verify_step(params: Params, tokens: jax.Array, lengths: jax.Array, kv: KVCache, active: jax.Array,
+                sampling: dict, cfg: Config, logprobs: bool = False) -> tuple[dict, KVCache]:
+    """One speculative step of every row: row w's last sampled token and its lengths[w] - 1 drafted
+    tokens, tokens [W, T] (the rest padding), each position computed as a decode step would compute it
+    (forward's as_steps: the CPU kernels) and sampled as that step would sample it (its own step
+    number), so what is accepted is exactly what plain decoding would have produced.
+
+    sampling: per-row arrays as `decode_step` takes them, with step [W] the row's first position's and
+    "allowed" [W, T, words] per position. Row w accepts its drafts while each equals the token sampled
+    before it; its pos advances by 1 + accepted (the KV written past it is overwritten later, never
+    read). Returns ({"tokens" [W, T] sampled, "count" [W] how many of them are the row's new tokens,
+    and with `logprobs` "logprob" [W, T], "top_ids"/"top_logprobs" [W, T, 20]}, kv)."""
+    W, T = tokens.shape
+    pos = kv.pos
+    logits, kv = forward(params, tokens, lengths, kv, cfg, all_logits=True, as_steps=True)  # [W, T, V]
+    # Sampled position by position, each a decode step's [W, V] computation: XLA:CPU's reductions over
+    # V (log_softmax's sum) give other bits for another row count ([W T, V] against [W, V]).
+    def position(t):
+        at_t = {**sampling, "step": sampling["step"] + t, "allowed": sampling["allowed"][:, t]}
+        return sample_and_score(logits[:, t], at_t, logprobs)
+
+    out = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), lax.map(position, jnp.arange(T, dtype=jnp.int32)))
+    drafted = jnp.arange(1, T) < lengths[:, None]  # [W, T - 1]: position t + 1 holds a draft
+    matches = (out["tokens"][:, :-1] == tokens[:, 1:]) & drafted
+    out["count"] = 1 + jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
+    return out, kv.replace(pos=jnp.where(active, pos + out["count"], 0))
 
 
 def sample_and_score(logits: jax.Array, sampling: dict, logprobs: bool = False) -> dict:
