@@ -112,6 +112,11 @@ class PrefixCache:
             return f"prompt exceeds the cache capacity ({self.capacity_tokens} tokens)"
         return None
 
+    def continuation(self, lk: Lookup, most: int) -> list[int]:
+        """Up to `most` tokens stored after lk's prompt in its namespace (an earlier answer to it, or a
+        longer prompt it begins): speculation's drafts from the cache."""
+        return [] if lk.ns is None or self.mode == "off" else self.store.continuation(lk.ns, lk.prompt, most)
+
     def exact_state(self, tokens):
         """tokens, where this cache's entries are their exact state (exact mode), else None: what
         Engine.restore takes so that a kept cache holding that state may stand in for a copy."""

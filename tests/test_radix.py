@@ -34,6 +34,19 @@ def test_longest_match_ends_inside_an_edge():
     assert s.match("ns", (7, 1, 2)).length == 0
 
 
+def test_continuation_follows_the_most_recent_branch():
+    """What speculation drafts from the cache: the tokens stored after a query wholly stored."""
+    s = RadixStore(BIG)
+    put(s, "ns", (1, 2, 3, 4, 5, 6))
+    put(s, "ns", (1, 2, 3, 7, 8))  # splits the edge at 3; the newer branch
+    assert s.continuation("ns", (1, 2), 9) == [3, 7, 8]  # inside an edge, then the most recent child
+    s.match("ns", (1, 2, 3, 4, 5, 6))  # now the older branch is the more recent
+    assert s.continuation("ns", (1, 2, 3), 9) == [4, 5, 6]
+    assert s.continuation("ns", (1, 2, 3), 2) == [4, 5]
+    assert s.continuation("ns", (1, 2, 3, 4, 5, 6), 9) == []  # nothing stored past the whole key
+    assert s.continuation("ns", (1, 9), 9) == [] and s.continuation("other", (1, 2), 9) == []
+
+
 def test_a_pinned_match_gathers_its_positions_after_its_edges_split():
     """A lease read later (an answer's prefix is gathered at its first chunk, cache/records.py) still
     gives its own positions after inserts split the edges it runs through."""

@@ -44,6 +44,7 @@ from jaxsmol.cache.scheduler.compile_ahead import compile_batched
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
+from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, column, speculating, verify_inputs
 from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask, step_inputs
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
@@ -77,6 +78,7 @@ class Scheduler:
         self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
         self._shrink_votes = 0
+        self.speculator = Speculator(self.engine) if speculating(s, self.engine.cfg) else None
 
     # ---- the public surface ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -109,7 +111,8 @@ class Scheduler:
         """What /metrics shows of the batch (see cli/server/metrics.py)."""
         return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
                 "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
-                "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens}
+                "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens,
+                "drafted_tokens": self.stats.drafted, "accepted_tokens": self.stats.accepted}
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);
@@ -258,9 +261,12 @@ class Scheduler:
         ttft = time.perf_counter() - req.submitted
         kept = np.array(np.asarray(logits)[0]) if req.detail else None
         rows = []
+        reference = self.cache.continuation(lk, max(sp.max_tokens for sp in req.samplings)) if (
+            self.speculator and self.settings.speculate != "ngram") else []
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
+            drafts = NgramDrafts(lk.prompt, self.settings.speculate_tokens, reference) if self.speculator else None
             rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
-                            p.constraints[i], prefill_s, kept))
+                            p.constraints[i], prefill_s, kept, drafts))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 rows[-1].push(out, i)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
@@ -357,29 +363,52 @@ class Scheduler:
             self._relayout(target, self.batch.capacity)
 
     def _decode(self) -> None:
-        """One decode step of every live row, then each row's host side (its token's stream, stop
-        strings, events). (Dispatching the next step before reading this one, as vLLM's async
-        scheduling does, gave no steady gain on two cores: docs/design.md, the scheduler.)"""
+        """One decode step of every live row (a verify step where rows drafted tokens: speculation.py),
+        then each row's host side (its tokens' stream, stop strings, events). (Dispatching the next
+        step before reading this one, as vLLM's async scheduling does, gave no steady gain on two
+        cores: docs/design.md, the scheduler.)"""
         live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        tokens, active, settings = step_inputs(self.rows, self._free(len(self.rows)))
+        plan = self.speculator.plan(self.rows, self.batch.capacity) if self.speculator else None
         want = any(r.stream.sp.logprobs for _, r in live)
+        free = self._free(len(self.rows))
+        started = time.perf_counter()
         try:
             # NumPy inputs straight into the jitted step: jnp.asarray ran an eager op each (~0.2 ms a step)
-            out, self.batch = programs.decode_step(self.engine.params, tokens, self.batch, active, settings,
-                                                   self.engine.cfg, logprobs=want)
+            if plan is None:
+                tokens, active, settings = step_inputs(self.rows, free)
+                out, self.batch = programs.decode_step(self.engine.params, tokens, self.batch, active, settings,
+                                                       self.engine.cfg, logprobs=want)
+            else:
+                tokens, lengths, active, settings = verify_inputs(self.rows, plan[1], plan[0], free)
+                out, self.batch = programs.verify_step(self.engine.params, tokens, lengths, self.batch, active,
+                                                       settings, self.engine.cfg, logprobs=want)
             out = jax.device_get(out)
         except Exception as e:  # the batch is lost: fail its requests, keep serving
             for _, r in live:
                 r.request.sink.error(e)
             self.batch, self.rows = None, []
             return
+        if self.speculator:
+            self.speculator.timed(len(self.rows), 1 if plan is None else plan[0], time.perf_counter() - started)
         self.stats.steps += 1
-        self.stats.decoded_tokens += len(live)
         for i, r in live:
-            r.push(out, i)
+            n = 1 if plan is None else int(out["count"][i])
+            if plan is not None:
+                self._verified(r, len(plan[1][i]), n - 1)
+            for j in range(n):  # the step's new tokens, up to where the row's stream ends
+                self.stats.decoded_tokens += 1
+                r.push(out if plan is None else column(out, j), i)
+                if r.stream.done:
+                    break
             if r.stream.done:
                 self.rows[i] = None
                 self._finish(r)
+
+    def _verified(self, row: Row, drafted: int, accepted: int) -> None:
+        if row.drafts is not None:
+            row.drafts.verified(drafted, accepted)
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup

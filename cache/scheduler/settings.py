@@ -1,11 +1,12 @@
-"""How a Scheduler batches: its settings (the daemon's --max-batch, --kv-cache-bytes,
---batch-invariant, --prefill-chunk, --admission, --admission-bound), the ladder of batch widths, and
+"""How a Scheduler batches: its settings (the daemon's --max-batch, --kv-cache-bytes, --batch-invariant,
+--prefill-chunk, --admission, --admission-bound, --speculate, --speculate-tokens), the ladder of batch widths, and
 the prompt rows a step may run."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxsmol.cache.scheduler.speculation import SPECULATE_MODES, VERIFY_ROWS
 from jaxsmol.runtime.chunks import PREFILL_BUCKETS
 from jaxsmol.errors import JaxsmolError
 
@@ -40,6 +41,8 @@ class BatchSettings:
     chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
     admission: str = "lpm"  # one of ADMISSION_ORDERS
     admission_bound: int = 8  # lpm: later requests that may be admitted before a waiting one
+    speculate: str = "auto"  # one of SPECULATE_MODES (cache/scheduler/speculation.py)
+    speculate_tokens: int = 7  # the most drafted tokens a row verifies in one step
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -48,6 +51,10 @@ class BatchSettings:
             raise JaxsmolError(f"admission must be one of {', '.join(ADMISSION_ORDERS)}, got {self.admission!r}")
         if self.admission_bound < 0:
             raise JaxsmolError(f"admission_bound must be >= 0, got {self.admission_bound}")
+        if self.speculate not in SPECULATE_MODES:
+            raise JaxsmolError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        if not 1 <= self.speculate_tokens <= VERIFY_ROWS[-1] - 1:
+            raise JaxsmolError(f"speculate_tokens must be in [1, {VERIFY_ROWS[-1] - 1}], got {self.speculate_tokens}")
         if self.chunk_rows not in CHUNK_ROWS_CHOICES:
             raise JaxsmolError(f"chunk_rows must be one of {CHUNK_ROWS_CHOICES}, got {self.chunk_rows}")
 

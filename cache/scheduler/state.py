@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
+from jaxsmol.cache.scheduler.speculation import FORCED_CHANCE, NgramDrafts
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.sampling import SamplingParams
@@ -41,6 +42,30 @@ class Row:
     constraint: Constraint | None = None
     prefill_s: float = 0.0  # admission to the prompt's state computed
     prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
+    drafts: NgramDrafts | None = None  # speculation's drafter (None: this row does not speculate)
+    draft_chance: float = 0.0  # of the last drafts (see draft)
+
+    @property
+    def position(self) -> int:
+        """The cache position its last token goes to (the tokens before it are in the cache)."""
+        return len(self.lookup.prompt) + len(self.stream.output_ids) - 1
+
+    def draft(self, most: int) -> list[int]:
+        """Up to `most` drafted tokens, no more than the choice's max_tokens leaves room for: under a
+        grammar the tokens it forces (jump-forward) where there are any, else n-gram drafts as far as
+        it allows them; `draft_chance` is then each one's estimated chance of being accepted."""
+        s = self.stream
+        most = min(most, s.sp.max_tokens - len(s.output_ids) - 1)
+        self.drafts.sync(s.output_ids, len(self.lookup.prompt))
+        self.draft_chance = self.drafts.chance
+        if self.constraint is None or most <= 0:
+            return self.drafts.draft(most)
+        forced = self.constraint.forced()[:most]
+        if forced:
+            self.draft_chance = FORCED_CHANCE
+            return forced
+        drafts = self.drafts.draft(most)
+        return drafts[:self.constraint.valid_prefix(drafts)]
 
     def push(self, out: dict, i: int) -> None:
         """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
@@ -94,3 +119,5 @@ class SchedulerStats:
     prefill_calls: int = 0  # forwards that ran prompt chunks (several prompts side by side count once)
     admitted: int = 0
     relayouts: int = 0
+    drafted: int = 0  # drafted tokens verified (speculation)
+    accepted: int = 0  # of which accepted

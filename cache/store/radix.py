@@ -123,6 +123,27 @@ class RadixStore(PinnedKeys):
             heapq.heapify(self._heap)
 
     # ---- lookup ------------------------------------------------------------------------------
+    def continuation(self, namespace, tokens, most: int) -> list:
+        """Up to `most` tokens that follow `tokens` in a stored key where all of `tokens` is stored (the
+        most recently used branch at each fork), else []: what an earlier request went on with (its
+        answer, stored for the next turn). A walk of the tree: nothing gathered, touched or held."""
+        tokens = tuple(tokens)
+        node, depth, edge = self._roots.get(namespace), 0, 0  # edge: tokens of node's edge matched
+        while node is not None and depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                return []
+            edge = common_prefix_len(child.tokens, tokens, depth)
+            depth += edge
+            node = child
+            if depth < len(tokens) and edge < len(child.tokens):
+                return []  # diverges inside an edge
+        out = list(node.tokens[edge:]) if node is not None and depth else []
+        while node is not None and len(out) < most and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_used)
+            out += node.tokens
+        return out[:most]
+
     def match(self, namespace, tokens, touch: bool = True) -> Match:
         """The longest stored prefix of `tokens` (at token granularity) and the nodes that hold it;
         touch=False leaves the LRU order as it is (a peek)."""

@@ -198,6 +198,25 @@ class Constraint:
         if not self._matcher.consume_token(int(token)):
             raise RuntimeError(f"structured output: token {token} rejected: {self._matcher.get_error()}")
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, whatever the model says (a JSON key, a brace): llguidance's
+        fast-forward tokens, the drafts of jump-forward decoding."""
+        return list(self._matcher.compute_ff_tokens())
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here."""
+        return self._matcher.validate_tokens(list(tokens))
+
+    def masks_along(self, tokens: list[int]) -> np.ndarray:
+        """[len(tokens) + 1, words] int32: the bitmask now, and after each of `tokens` (which the grammar
+        must allow: see valid_prefix); the constraint is left where it was."""
+        masks = [self.bitmask()]
+        for token in tokens:
+            self.advance(token)
+            masks.append(self.bitmask())
+        self._matcher.rollback(len(tokens))
+        return np.stack(masks)
+
     @property
     def done(self) -> bool:
         return self._matcher.is_stopped()

@@ -1,0 +1,177 @@
+"""Speculative decoding's host side: drafts for a decode row, and one verify step's inputs.
+
+A row drafts the tokens that followed the last time its newest n-gram appeared in its own prompt and
+output (prompt lookup: `NgramDrafts`); a step then runs every row's last token and its drafts in one
+forward (`programs.verify_step`), each position with a decode step's bits and sampled with its own
+step's key, and each row keeps its drafts while they equal what was sampled before them. So the
+tokens, logprobs and KV are the ones plain decoding would have produced, bit for bit; speculation only
+changes how many tokens one pass over the weights yields (docs/design.md, "Speculation").
+
+A step verifies only where that is expected to pay (`Speculator`): each row's chance of accepting a
+drafted token is estimated from what it accepted before, and each step shape's time (rows x
+positions) is measured as it runs, so open-ended text (drafts rarely accepted) decodes one token per
+step and a wide batch verifies only where many rows copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from jaxsmol.errors import JaxsmolError
+
+from jaxsmol.runtime.batch import row_settings
+from jaxsmol.runtime.sampling import SamplingParams
+
+# ngram: drafts from the request's own tokens; cache: from those and from what the prefix cache stored after
+# its prompt; auto: cache where the CPU kernels run (a verify step's exactness needs them), none elsewhere
+SPECULATE_MODES = ("auto", "none", "ngram", "cache")
+NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
+VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes), padded up to one of these
+FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
+DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see NgramDrafts.chance)
+MEASURED = 0.2  # the weight of the newest time of a step shape in its running estimate
+
+
+def speculating(settings, cfg) -> bool:
+    """Whether a scheduler with these BatchSettings drafts, for a model of this Config: "auto" where the
+    CPU kernels run, "ngram" and "cache" only there (a verify step has a decode step's bits only with them)."""
+    if settings.speculate == "none" or (settings.speculate == "auto" and not cfg.cpu_kernels):
+        return False
+    if not cfg.cpu_kernels:
+        raise JaxsmolError(f"--speculate {settings.speculate} needs the CPU kernels (its verify step has a decode "
+                           "step's bits only with them); use --speculate auto or none here")
+    return True
+
+
+def _index(seen: dict, tokens: list[int], new) -> None:
+    """Append `new` to tokens, recording in `seen` each n-gram's latest position (of the token after it)."""
+    for token in new:
+        i = len(tokens)  # token i follows every n-gram ending at i
+        for n in NGRAM_SIZES:
+            if i >= n:
+                seen[tuple(tokens[i - n:i])] = i
+        tokens.append(int(token))
+
+
+class NgramDrafts:
+    """A row's drafts by n-gram lookup in a reference (what the prefix cache stored after the row's
+    prompt: an earlier answer to it) and in its own tokens (prompt, then output so far); and its record."""
+
+    def __init__(self, prompt, most: int, reference=()):
+        self.tokens: list[int] = []
+        self.seen: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        self.ref: list[int] = []
+        self.ref_seen: dict[tuple[int, ...], int] = {}  # the same over the prompt's tail + the reference
+        if len(reference):
+            _index(self.ref_seen, self.ref, list(prompt[-max(NGRAM_SIZES):]) + list(reference))
+        self.most = most
+        self.accepted = self.rejected = 0.0  # decayed counts of accepted drafts and of rejections
+        self.extend(prompt)
+
+    def extend(self, tokens) -> None:
+        _index(self.seen, self.tokens, tokens)
+
+    def sync(self, output_ids: list[int], prompt_n: int) -> None:
+        """Take in the row's output tokens not yet seen."""
+        self.extend(output_ids[len(self.tokens) - prompt_n:])
+
+    def draft(self, most: int) -> list[int]:
+        """Up to `most` tokens that followed the newest n-gram's latest earlier occurrence, in the
+        reference first (none when no n-gram recurs). Each draft ages the row's record, so a row that
+        stopped being verified comes back to an even chance and is tried again."""
+        for n in NGRAM_SIZES:
+            key = tuple(self.tokens[-n:]) if len(self.tokens) >= n else None
+            for seen, tokens in ((self.ref_seen, self.ref), (self.seen, self.tokens)):  # the reference first
+                at = seen.get(key)
+                if at is not None and at < len(tokens):
+                    self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
+                    return tokens[at:at + min(most, self.most)]
+        return []
+
+    @property
+    def chance(self) -> float:
+        """The estimated chance that a drafted token is accepted, given the one before it was: accepted
+        over accepted and rejections (a geometric model), from an even start."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.rejected += accepted < drafted
+
+
+def expected(chance: float, k: int) -> float:
+    """Tokens expected accepted of k drafts, each accepted with `chance` after the one before it."""
+    return sum(chance ** i for i in range(1, k + 1))
+
+
+_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its step shapes' times
+
+
+class Speculator:
+    """Which verify step, if any, the batch runs next: the shape whose expected new tokens per second
+    is highest, plain decoding included, from each row's record and each shape's measured time."""
+
+    def __init__(self, engine=None, adaptive: bool = True):
+        # (width, positions per row) -> a step's time, and the shapes run once (a first run compiles: not
+        # timed); one table per engine, so that a library call's scheduler starts from what earlier ones measured
+        self.seconds, self.seen = _TIMES.setdefault(engine, ({}, set())) if engine is not None else ({}, set())
+        self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
+
+    def plan(self, rows: list, capacity: int) -> tuple[int, list[list[int]]] | None:
+        """(T, each row's drafts) for a verify step of T positions per row (one of VERIFY_ROWS, every
+        row's pos + T within the capacity), or None for a plain decode step."""
+        W, live = len(rows), [r for r in rows if r is not None]
+        plain = self.seconds.get((W, 1))
+        room = min(capacity - r.position for r in live)
+        fits = [t for t in VERIFY_ROWS if t <= room]
+        if (plain is None and self.adaptive) or not fits:
+            return None
+        drafts = [r.draft(fits[-1] - 1) if r is not None and r.drafts is not None else [] for r in rows]
+        if not self.adaptive:
+            longest = max(map(len, drafts))
+            return (next(t for t in fits if t > longest), drafts) if longest else None
+        best, best_rate = None, len(live) / plain
+        for t in fits:
+            gain = sum(expected(r.draft_chance, min(len(d), t - 1)) for r, d in zip(rows, drafts) if d)
+            if gain == 0:
+                break
+            guess = self.seconds.get((W, t), plain * (1 + 0.05 * (t - 1)))  # a shape not yet timed is tried
+            if (len(live) + gain) / guess > best_rate:
+                best, best_rate = t, (len(live) + gain) / guess
+        return None if best is None else (best, [d[:best - 1] for d in drafts])
+
+    def timed(self, width: int, positions: int, seconds: float) -> None:
+        """A step of this shape took `seconds` (its first run, which compiles, is left out)."""
+        key = (width, positions)
+        if key not in self.seen:
+            self.seen.add(key)
+            return
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + MEASURED * (seconds - old)
+
+
+def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray) -> tuple:
+    """A verify step's host inputs: tokens [W, T] (the last token, the drafts, padding), lengths [W],
+    the active mask [W] and the sampling arrays, "allowed" [W, T, words] (a constrained row's mask at
+    each of its positions, given the drafts before it; every id elsewhere)."""
+    W = len(rows)
+    tokens, lengths = np.zeros((W, T), np.int32), np.ones((W,), np.int32)
+    allowed = np.repeat(np.asarray(free)[:, None], T, axis=1)
+    for i, (r, d) in enumerate(zip(rows, drafts)):
+        if r is not None:
+            tokens[i, :1 + len(d)] = [r.stream.output_ids[-1], *d]
+            lengths[i] = 1 + len(d)
+            if r.constraint is not None:
+                allowed[i, :1 + len(d)] = r.constraint.masks_along(d)
+    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows],
+                            [len(r.stream.output_ids) if r is not None else 0 for r in rows],
+                            [None] * W, free)
+    settings["allowed"] = allowed
+    return tokens, lengths, np.array([r is not None for r in rows]), settings
+
+
+def column(out: dict, j: int) -> dict:
+    """Position j of a verify step's output, in a decode step's form (per row)."""
+    return {k: v[:, j] for k, v in out.items() if k != "count"}

@@ -1,0 +1,194 @@
+"""Speculation changes nothing but speed: with drafts verified (`speculate="ngram"`), the token ids,
+log-probabilities and finish reasons equal plain decoding's bit for bit, greedy and sampled, alone and
+in a batch; and the verify step's rows have a decode step's bits (the attention kernel's as_steps).
+
+Prompts that repeat themselves make the tiny random model loop, so drafts are accepted and the
+identity is tested where it matters (each test asserts that drafts were accepted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import _run, generate, generate_many
+from jaxsmol.cache.scheduler.requests import Collector, Request
+from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.scheduler.settings import BatchSettings
+from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, expected, speculating
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime import batch, programs
+from jaxsmol.runtime.sampling import SamplingParams
+
+
+def looping_prompts(seed: int, count: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [(lambda base: base * 3 + base[:5])(rng.integers(3, 256, 10).tolist()) for _ in range(count)]
+
+
+def assert_same(a, b, what=""):
+    assert a.output_ids == b.output_ids, what
+    assert a.logprobs == b.logprobs, what
+    assert a.finish_reason == b.finish_reason, what
+
+
+@pytest.mark.parametrize("start", [7, 300])  # before and past the decode kernel's split of the keys in two
+def test_verify_rows_have_decode_step_bits(tiny_engine, start):
+    eng, rng = tiny_engine, np.random.default_rng(start)
+    prompt, tokens = rng.integers(3, 256, start).tolist(), rng.integers(3, 256, 6).tolist()
+    _, kv = programs.forward(eng.params, jnp.asarray([prompt]), jnp.int32(start), eng.new_cache(1024), eng.cfg)
+    rows = programs.insert_row(batch.empty_batch(eng.cfg, 2, 1024, eng.cache_dtype), kv, np.int32(1))
+    stepped, steps = rows, []
+    for t in tokens:  # plain decoding, one token a step (row 0 idle)
+        logits, stepped = jax.jit(batch.decode_rows, static_argnames="cfg")(
+            eng.params, jnp.asarray([0, t], jnp.int32), stepped, jnp.asarray([False, True]), eng.cfg)
+        steps.append(np.asarray(logits[1]))
+    chunk = jnp.asarray([[0] * 6, tokens], jnp.int32)
+    logits, verified = programs.forward(eng.params, chunk, jnp.asarray([1, 6], jnp.int32), rows, eng.cfg,
+                                        all_logits=True, as_steps=True)
+    assert np.array_equal(np.asarray(logits[1]), np.stack(steps))
+    n = start + len(tokens)
+    assert np.array_equal(np.asarray(verified.k[:, 1, :, :n]), np.asarray(stepped.k[:, 1, :, :n]))
+    assert np.array_equal(np.asarray(verified.v[:, 1, :, :n]), np.asarray(stepped.v[:, 1, :, :n]))
+
+
+def verifying(sched: Scheduler) -> Scheduler:
+    """sched verifying whenever a row drafts (not only where its measured step times say it pays), so
+    that a test's verify steps do not depend on the machine's speed."""
+    if sched.speculator is not None:
+        sched.speculator.adaptive = False
+    return sched
+
+
+def run_one(engine, prompt, sp, speculate):
+    sched = verifying(Scheduler(PrefixCache(engine, mode="off"), max_batch=1, speculate=speculate))
+    result = _run(sched, [Request(list(prompt), [sp], Collector(), detail=True)])[0][0]
+    return result, sched.stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])  # (the tiny model's flat logits: 0.8 would accept little)
+def test_alone_equals_plain_decoding(tiny_engine, temperature):
+    accepted = 0
+    for i, prompt in enumerate(looping_prompts(1, 4)):
+        sp = SamplingParams(max_tokens=40, temperature=temperature, top_p=0.9 if temperature else 1.0, seed=i,
+                            logprobs=2, ignore_eos=True)
+        plain, _ = run_one(tiny_engine, prompt, sp, "none")
+        spec, stats = run_one(tiny_engine, prompt, sp, "ngram")
+        assert_same(spec, plain, f"prompt {i}")
+        accepted += stats.accepted
+    assert accepted > 0  # drafts were verified and kept: the identity held where it is at stake
+
+
+def test_cache_drafts_an_answer_stored_before(tiny_engine):
+    """speculate="cache": a request asked again drafts the answer the prefix cache stored after its
+    prompt (the answer kept for the next turn); a fresh prompt (no loops) drafts nothing from its own tokens."""
+    cache = PrefixCache(tiny_engine)
+    prompt = np.random.default_rng(4).permutation(np.arange(3, 256))[:30].tolist()  # no n-gram repeats
+    sp = SamplingParams(max_tokens=16, temperature=0.5, seed=2, logprobs=1, ignore_eos=True)
+
+    def ask(mode):
+        sched = verifying(Scheduler(cache, max_batch=1, speculate=mode))
+        return _run(sched, [Request(list(prompt), [sp], Collector())])[0][0], sched.stats
+
+    first, _ = ask("cache")
+    again, stats = ask("cache")
+    assert_same(again, first)
+    assert stats.accepted >= 12  # the stored answer, drafted and accepted
+    assert_same(ask("none")[0], first)
+
+
+def test_stops_inside_accepted_drafts(tiny_engine):
+    """max_tokens and stop ids that fall inside a step's accepted drafts end the output where plain
+    decoding ends it."""
+    prompt = looping_prompts(2, 1)[0]
+    for max_tokens in (3, 9, 17):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        plain, _ = run_one(tiny_engine, prompt, sp, "none")
+        assert_same(run_one(tiny_engine, prompt, sp, "ngram")[0], plain, f"max_tokens {max_tokens}")
+    long, _ = run_one(tiny_engine, prompt, SamplingParams(max_tokens=30, ignore_eos=True), "none")
+    stop = SamplingParams(max_tokens=30, stop_ids=(long.output_ids[12],), ignore_eos=True)
+    assert_same(run_one(tiny_engine, prompt, stop, "ngram")[0], run_one(tiny_engine, prompt, stop, "none")[0])
+
+
+def test_batch_equals_plain_decoding(tiny_engine):
+    """Choices of several prompts in one continuous batch, each row drafting on its own."""
+    cache = PrefixCache(tiny_engine, mode="off")
+    prompts = looping_prompts(3, 3)
+    sp = SamplingParams(max_tokens=30, temperature=0.3, seed=5, logprobs=1, ignore_eos=True)
+    sched = verifying(Scheduler(cache, max_batch=8, speculate="ngram"))
+    spec = generate_many(cache, prompts, sp, n=2, scheduler=sched)
+    plain = generate_many(cache, prompts + [[5, 6]], sp, n=2)[:3]  # another width: its rows' bits are their own
+    for xs, ys in zip(spec, plain):
+        for x, y in zip(xs, ys):
+            assert_same(x, y)
+    assert sched.stats.accepted > 0 and sched.stats.drafted >= sched.stats.accepted
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a_rather_long_property_name", "flag"],
+          "properties": {"a_rather_long_property_name": {"type": "integer"}, "flag": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_structured_output_jumps_forward(tiny_model_dir, temperature):
+    """The tokens a JSON schema forces (its keys, braces) are drafted and verified in one step, each
+    position under its own mask; the output equals plain decoding's."""
+    from jaxsmol.runtime.engine import Engine
+    from jaxsmol.runtime.structured import canonical_spec
+
+    engine = Engine.load(tiny_model_dir, ctx=512, progress=False)
+    ids = engine.tokenizer.encode("Answer in JSON:")
+    sp = SamplingParams(max_tokens=40, temperature=temperature, seed=3, logprobs=1,
+                        structured=canonical_spec({"type": "json_schema", "json_schema": {"schema": SCHEMA}}))
+    sched = verifying(Scheduler(PrefixCache(engine, mode="off"), max_batch=1, speculate="ngram"))
+    spec = _run(sched, [Request(ids, [sp], Collector())])[0][0]
+    assert_same(spec, generate(engine, ids, sp, speculate="none"))
+    assert sched.stats.accepted >= 5  # the long key's tokens, at least
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(JaxsmolError, match="speculate must be one of"):
+        BatchSettings(speculate="draft-model")
+    with pytest.raises(JaxsmolError, match="speculate_tokens must be in"):
+        BatchSettings(speculate_tokens=0)
+
+
+def test_ngram_needs_the_kernels(tiny_cfg):
+    """Without the CPU kernels a verify step's rows are not a decode step's bits: ngram is refused, auto is off."""
+    xla = dataclasses.replace(tiny_cfg, cpu_kernels=False)
+    with pytest.raises(JaxsmolError, match="needs the CPU kernels"):
+        speculating(BatchSettings(speculate="ngram"), xla)
+    assert not speculating(BatchSettings(speculate="auto"), xla)
+    assert speculating(BatchSettings(speculate="auto"), dataclasses.replace(tiny_cfg, cpu_kernels=True))
+
+
+def test_ngram_drafts_follow_the_latest_occurrence():
+    d = NgramDrafts([1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3], most=3)
+    assert d.draft(7) == [4, 5, 6]  # "1 2 3" last seen before 4 5 6 (not the earlier 9)
+    assert d.draft(2) == [4, 5]
+    assert NgramDrafts([1, 2, 3, 4], most=3).draft(3) == []  # nothing recurs
+    d.verified(3, 0)
+    assert d.chance < 0.5 < NgramDrafts([], 3).chance + 0.01
+
+
+def test_speculator_verifies_only_where_it_pays():
+    class Row:  # what the speculator reads of a decode row
+        def __init__(self, chance):
+            self.position, self.drafts, self.draft_chance = 10, NgramDrafts([7, 8, 7], 7), chance
+
+        def draft(self, most):
+            return [8, 7, 8, 7, 8, 7, 8][:most]
+
+    s = Speculator()
+    assert s.plan([Row(0.9)], 64) is None  # no step timed yet: plain
+    for shape, seconds in {(1, 1): 1.0, (1, 2): 1.1, (1, 4): 1.3, (1, 8): 1.8}.items():
+        s.timed(*shape, seconds)
+        s.timed(*shape, seconds)
+    t, drafts = s.plan([Row(0.95)], 64)
+    assert t == 8 and drafts == [[8, 7, 8, 7, 8, 7, 8]]
+    assert s.plan([Row(0.02)], 64) is None  # rarely accepted: plain decoding is faster
+    assert s.plan([Row(0.95)], 13) is None or s.plan([Row(0.95)], 13)[0] <= 3  # within the capacity
+    assert expected(0.5, 2) == 0.75
