@@ -52,6 +52,18 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
     p.add_argument("--seed", type=int, default=0, help="the sampling seed: one seed, one output")
 
 
+def add_speculate_args(p: argparse.ArgumentParser) -> None:
+    from jaxsmol.cache.scheduler.speculation import SPECULATE_MODES, VERIFY_ROWS
+
+    p.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
+                   help="draft tokens and verify them in one step, the output unchanged bit for bit: ngram = "
+                        "from the request's own prompt and output (and the tokens a JSON schema forces); cache = "
+                        "those and what the prefix cache stored after the prompt (an earlier answer); auto "
+                        "(default) = cache where the CPU kernels run, none elsewhere; none = one token per step")
+    p.add_argument("--speculate-tokens", type=int, default=7, metavar="K",
+                   help=f"the most drafted tokens a row verifies in one step, 1-{VERIFY_ROWS[-1] - 1} (default 7)")
+
+
 def add_structured_args(p: argparse.ArgumentParser) -> None:
     s = p.add_mutually_exclusive_group()
     s.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching the JSON schema in FILE "

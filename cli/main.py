@@ -7,8 +7,9 @@ import sys
 import time
 
 from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
-                                add_structured_args, close_prompt_cache, load_engine, open_prompt_cache, prompt_ids,
-                                warn_refused, sampling_kwargs, structured_spec, user_errors)
+                                add_speculate_args, add_structured_args, close_prompt_cache, load_engine,
+                                open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, structured_spec,
+                                user_errors)
 from jaxsmol.cli.tables import format_probe
 
 
@@ -35,7 +36,8 @@ def _generate(args) -> int:
         sys.stdout.write(step.text)
         sys.stdout.flush()
 
-    gen = generate(cache or engine, ids, sp, on_token=show if stream else None)
+    gen = generate(cache or engine, ids, sp, speculate=args.speculate, speculate_tokens=args.speculate_tokens,
+                   on_token=show if stream else None)
     t = gen.timings
     t.load_s, t.compile_s, t.startup_s = load_s, compile_s, startup_s
     cache_out = None
@@ -140,7 +142,8 @@ def _serve(args) -> int:
           write_timeout_s=args.write_timeout, warmup=args.warmup, pinned_bytes=args.pinned_bytes,
           batch=BatchSettings(max_batch=args.max_batch, kv_bytes=args.kv_cache_bytes,
                               batch_invariant=args.batch_invariant, chunk_rows=args.prefill_chunk,
-                              admission=args.admission, admission_bound=args.admission_bound))
+                              admission=args.admission, admission_bound=args.admission_bound,
+                              speculate=args.speculate, speculate_tokens=args.speculate_tokens))
     return 0
 
 
@@ -200,6 +203,7 @@ def _add_generate(sub) -> None:
     add_prompt_cache_arg(g)
     add_structured_args(g)
     add_sampling_args(g)
+    add_speculate_args(g)
     add_model_args(g)
     g.set_defaults(func=_generate)
 
@@ -276,8 +280,8 @@ def _add_bench(sub) -> None:
                    help=f"run only these sections: {', '.join(SECTIONS)} (the default run), or "
                         f"{', '.join(EXTRA_SECTIONS)} (only when named here)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    b.add_argument("--peer-url", metavar="URL", help="serve and ttft-peer: also measure this OpenAI-compatible "
-                   "server (e.g. llama.cpp's llama-server), alternating with jaxsmol")
+    b.add_argument("--peer-url", metavar="URL", help="serve, ttft-peer and speculate: also measure this "
+                   "OpenAI-compatible server (e.g. llama.cpp's llama-server), alternating with jaxsmol")
     add_section_flags(b)
     add_model_args(b)
     b.set_defaults(func=_bench)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxsmol.cli.common import ArgumentParser, add_model_args
+from jaxsmol.cli.common import ArgumentParser, add_model_args, add_speculate_args
 
 
 def add_serve_options(s: argparse.ArgumentParser) -> None:
@@ -58,6 +58,7 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                         "use, holding every stream)")
     s.add_argument("--no-compile-ahead", dest="warmup", action="store_const", const="none",
                    help="the same as --warmup none")
+    add_speculate_args(s)
     add_model_args(s)
 
 

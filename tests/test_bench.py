@@ -112,11 +112,12 @@ def _bench(tmp_path, model_dir, *flags: str, plot: bool = True):
 
 
 def test_bench_in_process_sections(tmp_path, tiny_model_dir):
-    """forks, prompt-cache and ttft-peer (without a peer: jaxsmol's two rows) at their smallest sizes."""
-    stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "forks", "prompt-cache", "ttft-peer", "--samples", "2",
+    """forks, prompt-cache, ttft-peer (without a peer: jaxsmol's two rows) and speculate at their smallest sizes."""
+    stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "forks", "prompt-cache", "ttft-peer", "speculate",
+                         "--samples", "2",
                          "--tokens", "2", "--prompt-tokens", "24", "--rounds", "1", "--prefix", "40", "--suffix", "4",
                          "--report")
-    assert res["meta"]["sections"] == ["forks", "prompt-cache", "ttft-peer"]
+    assert res["meta"]["sections"] == ["forks", "prompt-cache", "ttft-peer", "speculate"]
     # the run's command (without its output files), machine and date, and its markdown table (--report)
     meta = res["meta"]
     assert meta["command"].startswith("jaxsmol bench --quick --model ") and "--json" not in meta["command"]
@@ -125,7 +126,7 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     assert "| 2 samples x 2 tokens of one 24-token question | " in stdout
     assert ("| time to first token, 40 + 4 tokens, cold | " in stdout
             and "| time to first token, 4 new after 40 stored | " in stdout)
-    assert set(res["meta"]["section_wall_s"]) == {"forks", "prompt-cache", "ttft-peer"}
+    assert set(res["meta"]["section_wall_s"]) == {"forks", "prompt-cache", "ttft-peer", "speculate"}
     assert not {"prefill", "decode", "ttft", "cli"} & set(res)  # the default run's sections did not run
 
     f = res["forks"]
@@ -150,6 +151,15 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
         _positive(r["cold_ttft_s"], f"{r['way']} cold")
         _positive(r["warm_ttft_s"], f"{r['way']} warm")
     assert "time to first token, 40 stored + 4 new tokens" in stdout
+
+    sp = res["speculate"]
+    assert (sp["tokens"], sp["rounds"], sp["peer_url"]) == (2, 1, None)
+    assert [r["prompt"] for r in sp["rows"]] == ["copy", "rename", "turn 2", "json", "open"]
+    for r in sp["rows"]:
+        assert r["same"] is True  # speculation's output is plain decoding's
+        _positive(r["plain_tok_s"], f"speculate {r['prompt']} plain tok/s")
+        _positive(r["spec_tok_s"], f"speculate {r['prompt']} tok/s")
+    assert "speculation, one stream, greedy, 2 tokens" in stdout
 
 
 def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypatch):

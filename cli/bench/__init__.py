@@ -31,6 +31,8 @@ Only when named in --only (each takes minutes at its full sizes, or starts daemo
                 tokens, requests/s, TTFT (`cluster.py`; its workload and clients: `tenants.py`)
   admission     a few-shot workload through daemons admitting by longest cached prefix (lpm) and by
                 arrival (fifo): time to first token p50/p99 side by side
+  speculate     one stream's tokens/s with speculation against plain decoding (copy-heavy prompts, a JSON
+                schema, open text), acceptance, outputs equal; with --peer-url llama.cpp's on the same texts
 
 TTFT here is what a caller sees: from `PrefixCache.start` (lookup, gather, restore) to the first
 token, the snapshot save of a cold request included. Timings on a shared machine are noisy: the JSON
@@ -39,7 +41,7 @@ records the load average before and after.
 Files: `plans.py` (what each section runs, quick and full, and the flags of the --only sections),
 `measure.py` (timers, warmup, one measurement), `sections.py` (the default sections), `hf.py` (the
 transformers harness), one module per --only section (`forks.py`, `prompt_cache.py`, `ttft_peer.py`,
-`serve.py`, `first_burst.py`, `admission.py`: its measurement, table and plot panel), `clients.py` (the
+`serve.py`, `first_burst.py`, `admission.py`, `speculate.py`: its measurement, table and plot panel), `clients.py` (the
 HTTP clients: streaming completions, a prompt-cache server), `daemon.py` (a `jaxsmol serve` on a free
 loopback port), `report.py` (the tables), `plot.py` (the PNG), `run.py` (the entry point, `run_bench`).
 """

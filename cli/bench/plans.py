@@ -4,7 +4,8 @@ from __future__ import annotations
 
 SECTIONS = ("compilations", "prefill", "decode", "ttft", "snapshot", "cli")  # the default run, in this order
 # run only when named in --only (each takes minutes at its full sizes, or starts daemons), after the above
-EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster", "admission")
+EXTRA_SECTIONS = ("forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster", "admission",
+                  "speculate")
 HEADLINE = (1008, 16)  # the course exercise's question: a 1008-token shared prefix, then 16 new tokens
 
 FULL = dict(
@@ -30,6 +31,7 @@ FULL = dict(
     admission_workloads=("bursts", "churn"), admission_blocks=2, admission_hot=0.75, admission_churn_blocks=6,
     admission_block_tokens=400, admission_question=20, admission_clients=12, admission_requests=4,
     admission_max_batch=4, admission_cache_blocks=2.5, admission_rounds=1, admission_tokens=16,
+    spec_tokens=128, spec_rounds=3,
 )
 QUICK = dict(
     FULL,
@@ -48,12 +50,13 @@ QUICK = dict(
     cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400, cluster_tokens=4,
     admission_churn_blocks=3, admission_block_tokens=64, admission_question=8, admission_clients=4,
     admission_requests=2, admission_max_batch=2, admission_cache_blocks=1.5, admission_tokens=4,
+    spec_tokens=24, spec_rounds=1,
 )
 
 # the flags of the extra sections (cli/main.py _add_bench) -> the plan entries each one sets
 FLAG_KEYS = {
-    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "admission_tokens"),
-    "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "admission_rounds"),
+    "tokens": ("serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "admission_tokens", "spec_tokens"),
+    "rounds": ("forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "admission_rounds", "spec_rounds"),
     "prefix": ("pc_prefix", "peer_prefix"),
     "suffix": ("pc_suffix", "peer_suffix"),
     "prompt_tokens": ("forks_prompt",),
@@ -71,9 +74,9 @@ def add_section_flags(parser) -> None:
     e.add_argument("--clients", type=int, nargs="+", metavar="N", help="serve: concurrent streaming clients, a row "
                    "each (full plan 1 2 4 8 16); first-burst, admission: the largest")
     e.add_argument("--tokens", type=int, metavar="N", help="tokens per answer (serve, forks, first-burst, ready, "
-                   "admission)")
+                   "admission, speculate)")
     e.add_argument("--rounds", type=int, metavar="N", help="rounds, medians over them (forks, prompt-cache, "
-                   "ttft-peer, first-burst, admission)")
+                   "ttft-peer, first-burst, admission, speculate)")
     e.add_argument("--prefix", type=int, metavar="N", help="stored prefix tokens (ttft-peer, prompt-cache; 1008)")
     e.add_argument("--suffix", type=int, metavar="N", help="new tokens after it (ttft-peer, prompt-cache; 16)")
     e.add_argument("--prompt-tokens", type=int, metavar="N", help="forks: the question's tokens (500)")

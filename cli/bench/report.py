@@ -10,6 +10,7 @@ from jaxsmol.cli.bench.forks import format_forks
 from jaxsmol.cli.bench.plans import HEADLINE
 from jaxsmol.cli.bench.prompt_cache import format_prompt_cache
 from jaxsmol.cli.bench.serve import format_serve
+from jaxsmol.cli.bench.speculate import format_speculate
 from jaxsmol.cli.bench.ttft_peer import format_ttft_peer
 from jaxsmol.cli.tables import format_table
 
@@ -96,7 +97,8 @@ def _hf(h: dict) -> list[str]:
 _SECTIONS = (("compilations", _compilations), ("prefill", _prefill), ("decode", _decode), ("ttft", _ttft),
              ("snapshot", _snapshot), ("cli", _cli), ("forks", format_forks), ("prompt-cache", format_prompt_cache),
              ("ttft-peer", format_ttft_peer), ("serve", format_serve), ("first-burst", format_first_burst),
-             ("ready", format_ready), ("cluster", format_cluster), ("admission", format_admission), ("hf", _hf))
+             ("ready", format_ready), ("cluster", format_cluster), ("admission", format_admission),
+             ("speculate", format_speculate), ("hf", _hf))
 
 
 def format_results(res: dict) -> str:

@@ -72,6 +72,7 @@ def _calls(args, engine, plan, rng) -> dict:
     from jaxsmol.cli.bench.prompt_cache import section_prompt_cache
     from jaxsmol.cli.bench.ready import section_ready
     from jaxsmol.cli.bench.serve import section_serve
+    from jaxsmol.cli.bench.speculate import section_speculate
     from jaxsmol.cli.bench.ttft_peer import section_ttft_peer
 
     warm = Warmup(engine)
@@ -89,6 +90,7 @@ def _calls(args, engine, plan, rng) -> dict:
             "ready": (section_ready, args, plan),
             "cluster": (section_cluster, args, engine, plan),
             "admission": (section_admission, args, engine, plan),
+            "speculate": (section_speculate, engine, plan, args.peer_url),
             "hf": (section_hf, engine, plan, rng, warm)}
 
 
@@ -119,9 +121,9 @@ def run_bench(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise JaxsmolError("--plot needs matplotlib: pip install matplotlib")
     sections = list(args.only or SECTIONS)
-    if args.peer_url and not {"serve", "ttft-peer"} & set(sections):
-        raise JaxsmolError("--peer-url is measured by the serve and ttft-peer sections: "
-                           "add --only serve and/or ttft-peer")
+    if args.peer_url and not {"serve", "ttft-peer", "speculate"} & set(sections):
+        raise JaxsmolError("--peer-url is measured by the serve, ttft-peer and speculate sections: "
+                           "add --only serve, ttft-peer or speculate")
 
     import numpy as np
 

@@ -50,7 +50,9 @@ MEMORY_GAUGES = (
                           "something holds memory nobody counts)."),
 )
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
-                  ("prefilled_tokens", "Prompt positions computed by the scheduler."))
+                  ("prefilled_tokens", "Prompt positions computed by the scheduler."),
+                  ("drafted_tokens", "Drafted tokens verified (--speculate)."),
+                  ("accepted_tokens", "Drafted tokens accepted: each the token plain decoding produced there."))
 # (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
 # Extension reads by default, aliases of the queue, the rows in use and the decode KV in use
 VLLM_ALIASES = (

@@ -1,0 +1,111 @@
+"""`--only speculate`: one stream's decode tokens/s with speculation (`--speculate ngram`) against plain
+decoding (`none`), greedy, on prompts that repeat text (a one-shot "Original:/Copy:" passage, a function
+restated with one name changed, a second chat turn that repeats its answer), a JSON schema with long
+keys (jump-forward) and open-ended text; the two alternate, `--rounds` times, medians reported, and
+the outputs must be equal (a row says so). With --peer-url, the same prompt texts (and schema) to a
+llama.cpp server's /completion, greedy, the same number of tokens: its own decode tokens/s
+(`timings.predicted_per_second`). Start it once plain and once with `--spec-type ngram-mod` to read its
+gain from its speculation beside jaxsmol's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from jaxsmol.cli.bench.measure import log, median
+from jaxsmol.cli.tables import format_table
+
+PASSAGE = ("The river runs north through the valley, past the old mill and the stone bridge, until it reaches "
+           "the lake where the fishermen keep their boats in summer and the children skate in winter.")
+CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
+        "    return result\n")
+MOON = ("1. The Moon orbits the Earth about every 27 days.\n2. The Moon has no atmosphere to speak of.\n"
+        "3. The Moon's gravity causes the tides on Earth.")
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["customer_full_name", "shipping_street_address", "preferred_delivery_window", "gift_wrapping"],
+          "properties": {"customer_full_name": {"type": "string"}, "shipping_street_address": {"type": "string"},
+                         "preferred_delivery_window": {"type": "string"}, "gift_wrapping": {"type": "boolean"}}}
+# name -> (chat messages, JSON schema or None)
+PROMPTS = {
+    "copy": ([("user", "Copy the text exactly.\nOriginal: The cat sat on the mat.\nCopy: The cat sat on the "
+                       f"mat.\nOriginal: {PASSAGE}\nCopy:")], None),
+    "rename": ([("user", "Rewrite this function with the name total instead of add_all, nothing else changed:\n"
+                         + CODE)], None),
+    "turn 2": ([("user", "List three facts about the Moon."), ("assistant", MOON),
+                ("user", "Repeat your list exactly, then add a fourth fact.")], None),
+    "json": ([("user", "An order for Ada Lovelace, 12 Analytical Lane, London, mornings, gift wrapped. As JSON.")],
+             SCHEMA),
+    "open": ([("user", "Write a short story about a dragon who learns to bake bread.")], None),
+}
+
+
+def _ours(engine, ids, tokens: int, schema, mode: str) -> dict:
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import _run
+    from jaxsmol.cache.scheduler.requests import Collector, Request
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
+    from jaxsmol.runtime.sampling import SamplingParams
+    from jaxsmol.runtime.structured import canonical_spec
+
+    spec = None if schema is None else canonical_spec({"type": "json_schema", "json_schema": {"schema": schema}})
+    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=1, speculate=mode)
+    sp = SamplingParams(max_tokens=tokens, structured=spec)
+    r = _run(sched, [Request(list(ids), [sp], Collector())])[0][0]
+    return {"tok_s": r.timings.decode_tok_s, "ids": r.output_ids, "drafted": sched.stats.drafted,
+            "accepted": sched.stats.accepted, "steps": sched.stats.steps}
+
+
+def _peer(url: str, text: str, tokens: int, schema) -> float:
+    body = {"prompt": text, "n_predict": tokens, "temperature": 0, "cache_prompt": False}
+    if schema is not None:
+        body["json_schema"] = schema
+    r = httpx.post(url.rstrip("/") + "/completion", json=body, timeout=600)
+    r.raise_for_status()
+    return float(r.json()["timings"]["predicted_per_second"])
+
+
+def section_speculate(engine, plan, peer_url: str | None) -> dict:
+    tokens, rounds, tok = plan["spec_tokens"], plan["spec_rounds"], engine.tokenizer
+    rows = []
+    for name, (messages, schema) in PROMPTS.items():
+        text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+        ids = tok.encode(text)
+        runs = {"none": [], "ngram": [], "peer": []}
+        for mode in ("none", "ngram"):  # compile and settle
+            _ours(engine, ids, tokens, schema, mode)
+        for _ in range(rounds):
+            for mode in ("none", "ngram"):
+                runs[mode].append(_ours(engine, ids, tokens, schema, mode))
+            if peer_url:
+                runs["peer"].append(_peer(peer_url, text, tokens, schema))
+        plain, spec = runs["none"], runs["ngram"]
+        row = {"prompt": name, "plain_tok_s": median([r["tok_s"] for r in plain]),
+               "spec_tok_s": median([r["tok_s"] for r in spec]), "tokens": len(spec[-1]["ids"]),
+               "drafted": spec[-1]["drafted"], "accepted": spec[-1]["accepted"], "steps": spec[-1]["steps"],
+               "same": all(s["ids"] == p["ids"] for s, p in zip(spec, plain)),
+               "peer_tok_s": median(runs["peer"]) if runs["peer"] else None}
+        row["ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
+        rows.append(row)
+        log(f"speculate {name}: plain {row['plain_tok_s']:.1f} tok/s, ngram {row['spec_tok_s']:.1f} "
+            f"({row['ratio']:.2f}x), accepted {row['accepted']}/{row['drafted']}, same {row['same']}")
+    return {"tokens": tokens, "rounds": rounds, "peer_url": peer_url, "rows": rows,
+            "schema": json.dumps(SCHEMA)}
+
+
+def format_speculate(t: dict) -> list[str]:
+    peer = t["peer_url"] is not None
+    head = ["prompt", "plain tok/s", "speculate tok/s", "x plain", "accepted/drafted", "tokens/step", "same"]
+    rows = []
+    for r in t["rows"]:
+        row = [r["prompt"], f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+               f"{r['accepted']}/{r['drafted']}", f"{(r['tokens'] - 1) / max(r['steps'], 1):.2f}",
+               "yes" if r["same"] else "NO"]
+        if peer:
+            row += [f"{r['peer_tok_s']:.1f}", f"{r['spec_tok_s'] / r['peer_tok_s']:.2f}x"]
+        rows.append(row)
+    head += ["peer tok/s", "speculate / peer"] if peer else []
+    title = (f"speculation, one stream, greedy, {t['tokens']} tokens, medians of {t['rounds']} alternated rounds"
+             + (f"; peer {t['peer_url']}" if peer else ""))
+    return [format_table(head, rows, title=title)]
