@@ -152,7 +152,7 @@ class Precompile:
 
         t0 = time.perf_counter()
         try:
-            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens)
+            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens, self.args.speculate)
         except Exception:  # noqa: BLE001 - compiled on first use instead
             pass
         self.seconds = time.perf_counter() - t0

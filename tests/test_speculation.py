@@ -192,3 +192,18 @@ def test_speculator_verifies_only_where_it_pays():
     assert s.plan([Row(0.02)], 64) is None  # rarely accepted: plain decoding is faster
     assert s.plan([Row(0.95)], 13) is None or s.plan([Row(0.95)], 13)[0] <= 3  # within the capacity
     assert expected(0.5, 2) == 0.75
+
+
+def test_a_verify_program_compiles_in_the_background(tiny_engine):
+    """A verify step not yet compiled is not waited for: it compiles in a background thread (the batch
+    decodes plainly meanwhile) and is ready afterwards."""
+    import time
+
+    from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms
+
+    programs_ = VerifyPrograms(tiny_engine)
+    assert not programs_.ready(3, 256, 4, False)  # a shape no scheduler of this suite runs
+    deadline = time.monotonic() + 120
+    while not programs_.ready(3, 256, 4, False):
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        time.sleep(0.05)

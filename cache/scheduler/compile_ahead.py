@@ -4,15 +4,20 @@ The daemon runs `compile_batched` in a background thread as soon as it listens: 
 use instead, a burst's first step at each new width held every stream while the 30-layer forward
 was traced and compiled. The static arguments are named exactly as the scheduler calls them (a
 program lowered with them positional, or left to their defaults, is another cache key).
+Speculation's verify steps (3 shapes a width) are not among them: `VerifyPrograms` compiles each in
+a background thread when a step first wants it, and the batch decodes plainly until it is ready.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import jax
 import jax.numpy as jnp
 
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.side_by_side import MAX_ROWS, group_sizes
+from jaxsmol.cache.scheduler.speculation import VERIFY_ROWS, speculating
 from jaxsmol.cache.scheduler.state import free_mask
 from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
@@ -55,11 +60,40 @@ def batched_calls(engine, widths: tuple[int, ...], slots: int, side_by_side: int
     return calls + [programs.first_token_call(cfg)] + side_by_side_calls(engine, side_by_side, capacity)
 
 
+_BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsmol-verify-compile")
+
+
+class VerifyPrograms:
+    """Which verify steps (programs.verify_step) an engine has ready; a missing one is compiled (or
+    loaded from the program store) in a background thread, one at a time, never holding a step."""
+
+    def __init__(self, engine):
+        self.engine, self.done = engine, set()
+        self.pending: dict[tuple, concurrent.futures.Future] = {}
+
+    def ready(self, width: int, capacity: int, positions: int, logprobs: bool) -> bool:
+        key = (width, capacity, positions, logprobs)
+        if key in self.done:
+            return True
+        future = self.pending.get(key)
+        if future is None:
+            e = self.engine
+            call = programs.verify_call(e.params, e.cfg, e.cache_dtype, width, capacity, positions, logprobs)
+            if not call[0].ready(*call[1], **call[2]):
+                self.pending[key] = _BACKGROUND.submit(programs.compile_all, [call])
+                return False
+        elif not future.done() or future.exception() is not None:  # compiling, or failed: plain steps
+            return False
+        self.done.add(key)
+        return True
+
+
 def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_tokens: int,
                        settings: BatchSettings = BatchSettings()) -> list:
     """What a lone request of n_prompt tokens generating max_tokens runs through a scheduler, as
     (program, args, kwargs) calls: its prompt's chunks (the lengths `Scheduler._prefill_newcomers`
-    picks with no row decoding), its first token's sampling, and its decode row if it has one."""
+    picks with no row decoding), its first token's sampling, and its decode row if it has one (with
+    its verify steps where the settings speculate)."""
     buckets = prefill_buckets(True, cfg.cpu_kernels)
     capacity = capacity_for(n_prompt + max_tokens)  # Request.capacity
     budget, lengths, left = max(settings.step_rows(False), buckets[0]), set(), n_prompt
@@ -72,15 +106,20 @@ def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_toke
     calls = [(programs.forward, (params, jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
                                  row, cfg), {}) for T in sorted(lengths)]
     calls.append(programs.first_token_call(cfg))
-    return calls + (programs.decode_calls(params, cfg, cache_dtype, 1, capacity) if max_tokens > 1 else [])
+    if max_tokens > 1:
+        calls += programs.decode_calls(params, cfg, cache_dtype, 1, capacity)
+    if max_tokens > 2 and speculating(settings, cfg):
+        calls += [programs.verify_call(params, cfg, cache_dtype, 1, capacity, t, False) for t in VERIFY_ROWS]
+    return calls
 
 
-def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int) -> int:
+def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, speculate: str = "none") -> int:
     """Compile (or load from the program store) a lone request's programs (lone_request_calls) from
     shapes alone, so it can run while the weights load (`jaxsmol generate`). Returns how many."""
     params = abstract_params(cfg, getattr(jnp, dtype))
     cache_dtype = cfg.cache_dtype(params.compute_dtype)  # float32 under the kernels unless --kv-dtype says
-    n = programs.compile_all(lone_request_calls(cfg, params, cache_dtype, n_prompt, max_tokens))
+    n = programs.compile_all(lone_request_calls(cfg, params, cache_dtype, n_prompt, max_tokens,
+                                                BatchSettings(speculate=speculate)))
     # the zeros of its caches are small programs of their own, compiled on first use (15-150 ms each),
     # and its first token's all-allowed mask a copy to the device: made here, beside the weights' load
     capacity = capacity_for(n_prompt + max_tokens)

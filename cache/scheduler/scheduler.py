@@ -40,7 +40,7 @@ import numpy as np
 from jaxsmol.cache.scheduler.admission import admitted, next_index
 from jaxsmol.cache.scheduler.answers import AnswerQueue
 from jaxsmol.cache.scheduler.settings import BatchSettings
-from jaxsmol.cache.scheduler.compile_ahead import compile_batched
+from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batched
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
@@ -79,6 +79,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._shrink_votes = 0
         self.speculator = Speculator(self.engine) if speculating(s, self.engine.cfg) else None
+        self.verify_programs = VerifyPrograms(self.engine)
 
     # ---- the public surface ------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -368,8 +369,9 @@ class Scheduler:
         step before reading this one, as vLLM's async scheduling does, gave no steady gain on two
         cores: docs/design.md, the scheduler.)"""
         live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        plan = self.speculator.plan(self.rows, self.batch.capacity) if self.speculator else None
         want = any(r.stream.sp.logprobs for _, r in live)
+        plan = self.speculator.plan(self.rows, self.batch.capacity, lambda t: self.verify_programs.ready(
+            len(self.rows), self.batch.capacity, t, want)) if self.speculator else None
         free = self._free(len(self.rows))
         started = time.perf_counter()
         try:

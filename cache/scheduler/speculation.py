@@ -119,9 +119,10 @@ class Speculator:
         self.seconds, self.seen = _TIMES.setdefault(engine, ({}, set())) if engine is not None else ({}, set())
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
-    def plan(self, rows: list, capacity: int) -> tuple[int, list[list[int]]] | None:
+    def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
         """(T, each row's drafts) for a verify step of T positions per row (one of VERIFY_ROWS, every
-        row's pos + T within the capacity), or None for a plain decode step."""
+        row's pos + T within the capacity, `ready(T)`: its program compiled), or None for a plain
+        decode step."""
         W, live = len(rows), [r for r in rows if r is not None]
         plain = self.seconds.get((W, 1))
         room = min(capacity - r.position for r in live)
@@ -137,6 +138,8 @@ class Speculator:
             gain = sum(expected(r.draft_chance, min(len(d), t - 1)) for r, d in zip(rows, drafts) if d)
             if gain == 0:
                 break
+            if not ready(t):
+                continue
             guess = self.seconds.get((W, t), plain * (1 + 0.05 * (t - 1)))  # a shape not yet timed is tried
             if (len(live) + gain) / guess > best_rate:
                 best, best_rate = t, (len(live) + gain) / guess

@@ -130,6 +130,10 @@ class Program:
         if key not in self._ready:
             self._prepare(key, static, dynamic)
 
+    def ready(self, *args, **kwargs) -> bool:
+        """Whether the executable of this call is held in memory (a call runs it at once)."""
+        return self._key(*self._split(args, kwargs)) in self._ready
+
     def missing(self, *args, **kwargs) -> bool:
         """Whether the executable of this call is neither held in memory nor in the store, and could be
         stored (a store is set, and the arguments live on one device)."""

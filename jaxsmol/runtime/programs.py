@@ -61,6 +61,18 @@ def decode_calls(params, cfg, cache_dtype, width: int, capacity: int) -> list:
             (insert_row, (batch_, row, jax.ShapeDtypeStruct((), jnp.int32)), {})]
 
 
+def verify_call(params, cfg, cache_dtype, width: int, capacity: int, positions: int, logprobs: bool) -> tuple:
+    """verify_step over a batch of `width` rows x `capacity` slots, `positions` per row, rows sampling
+    freely, as a (program, args, kwargs) call (compile_all)."""
+    batch_ = jax.eval_shape(lambda: batch.empty_batch(cfg, width, capacity, cache_dtype))
+    free = batch.row_settings([sampling.SamplingParams()] * width, [0] * width, [None] * width,
+                              all_allowed(width, cfg.vocab_size))
+    free["allowed"] = jax.ShapeDtypeStruct((width, positions, free["allowed"].shape[-1]), jnp.int32)
+    rows = jax.ShapeDtypeStruct((width, positions), jnp.int32)
+    return (verify_step, (params, rows, jax.ShapeDtypeStruct((width,), jnp.int32), batch_,
+                          jax.ShapeDtypeStruct((width,), bool), free, cfg), {"logprobs": logprobs})
+
+
 def first_token_call(cfg) -> tuple:
     """sample_first for one choice sampling freely, as a (program, args, kwargs) call (compile_all)."""
     free = batch.row_settings([sampling.SamplingParams()], [0], [None], all_allowed(1, cfg.vocab_size))
