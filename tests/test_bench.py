@@ -157,8 +157,8 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     assert [r["prompt"] for r in sp["rows"]] == ["copy", "rename", "turn 2", "json", "open"]
     for r in sp["rows"]:
         assert r["same"] is True  # speculation's output is plain decoding's
-        _positive(r["plain_tok_s"], f"speculate {r['prompt']} plain tok/s")
-        _positive(r["spec_tok_s"], f"speculate {r['prompt']} tok/s")
+        for way in ("none", "fresh", "again"):
+            _positive(r[f"{way}_tok_s"], f"speculate {r['prompt']} {way} tok/s")
     assert "speculation, one stream, greedy, 2 tokens" in stdout
 
 

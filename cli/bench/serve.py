@@ -43,7 +43,8 @@ def _measure(url: str, targets: list, plan) -> list[dict]:
     for with_long in longs:
         for i, c in enumerate(clients):
             for name, u in targets:  # alternate servers row by row: same machine state for both
-                wait_idle(url)
+                for _, other in targets:  # a jaxsmol peer stores its last row's answers meanwhile
+                    wait_idle(other)
                 # the same prompts for both servers, new ones for every row (a repeated row would
                 # find its prompts in either server's prompt cache)
                 r = clients_row(u, c, tokens, with_long, seed=1000 * (i + 1) + c)

@@ -1,11 +1,14 @@
 """`--only speculate`: one stream's decode tokens/s with speculation (`--speculate ngram`) against plain
 decoding (`none`), greedy, on prompts that repeat text (a one-shot "Original:/Copy:" passage, a function
 restated with one name changed, a second chat turn that repeats its answer), a JSON schema with long
-keys (jump-forward) and open-ended text; the two alternate, `--rounds` times, medians reported, and
-the outputs must be equal (a row says so). With --peer-url, the same prompt texts (and schema) to a
+keys (jump-forward) and open-ended text; asked fresh (nothing stored: drafts from the request's own
+tokens and its schema) and asked again (the prefix cache holds the earlier answer: drafts from it too,
+the default `--speculate auto`); they alternate, `--rounds` times, medians reported, and the outputs
+must be equal (a row says so). With --peer-url, the same prompt texts (and schema) to a
 llama.cpp server's /completion, greedy, the same number of tokens: its own decode tokens/s
-(`timings.predicted_per_second`). Start it once plain and once with `--spec-type ngram-mod` to read its
-gain from its speculation beside jaxsmol's.
+(`timings.predicted_per_second`; each prompt is sent every round, so a server that keeps drafts across
+requests, as `--spec-type ngram-mod` does, meets it again as jaxsmol's "again" does). Start it once
+plain and once with `--spec-type ngram-mod` to read its gain beside jaxsmol's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ PROMPTS = {
 }
 
 
-def _ours(engine, ids, tokens: int, schema, mode: str) -> dict:
+def _ours(engine, ids, tokens: int, schema, mode: str, cache=None) -> dict:
+    """One request, plain (mode "none") or speculating; through `cache` (an answer stored there before
+    is drafted from), else with no prefix cache."""
     from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.cache.scheduler.many import _run
     from jaxsmol.cache.scheduler.requests import Collector, Request
@@ -50,7 +55,7 @@ def _ours(engine, ids, tokens: int, schema, mode: str) -> dict:
     from jaxsmol.runtime.structured import canonical_spec
 
     spec = None if schema is None else canonical_spec({"type": "json_schema", "json_schema": {"schema": schema}})
-    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=1, speculate=mode)
+    sched = Scheduler(cache or PrefixCache(engine, mode="off"), max_batch=1, speculate=mode)
     sp = SamplingParams(max_tokens=tokens, structured=spec)
     r = _run(sched, [Request(list(ids), [sp], Collector())])[0][0]
     return {"tok_s": r.timings.decode_tok_s, "ids": r.output_ids, "drafted": sched.stats.drafted,
@@ -67,45 +72,51 @@ def _peer(url: str, text: str, tokens: int, schema) -> float:
 
 
 def section_speculate(engine, plan, peer_url: str | None) -> dict:
+    from jaxsmol.cache.prefix_cache import PrefixCache
+
     tokens, rounds, tok = plan["spec_tokens"], plan["spec_rounds"], engine.tokenizer
     rows = []
     for name, (messages, schema) in PROMPTS.items():
         text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])
-        ids = tok.encode(text)
-        runs = {"none": [], "ngram": [], "peer": []}
-        for mode in ("none", "ngram"):  # compile and settle
-            _ours(engine, ids, tokens, schema, mode)
+        ids, cache = tok.encode(text), PrefixCache(engine)
+        ways = {"none": ("none", None), "fresh": ("auto", None), "again": ("auto", cache)}
+        runs = {way: [] for way in ways} | {"peer": []}
+        for mode, through in ways.values():  # compile and settle (and store the answer "again" drafts from)
+            _ours(engine, ids, tokens, schema, mode, through)
         for _ in range(rounds):
-            for mode in ("none", "ngram"):
-                runs[mode].append(_ours(engine, ids, tokens, schema, mode))
+            for way, (mode, through) in ways.items():
+                runs[way].append(_ours(engine, ids, tokens, schema, mode, through))
             if peer_url:
                 runs["peer"].append(_peer(peer_url, text, tokens, schema))
-        plain, spec = runs["none"], runs["ngram"]
-        row = {"prompt": name, "plain_tok_s": median([r["tok_s"] for r in plain]),
-               "spec_tok_s": median([r["tok_s"] for r in spec]), "tokens": len(spec[-1]["ids"]),
-               "drafted": spec[-1]["drafted"], "accepted": spec[-1]["accepted"], "steps": spec[-1]["steps"],
-               "same": all(s["ids"] == p["ids"] for s, p in zip(spec, plain)),
+        row = {"prompt": name, "tokens": len(runs["none"][-1]["ids"]),
+               "same": all(r["ids"] == p["ids"] for way in ("fresh", "again") for r, p in zip(runs[way], runs["none"])),
                "peer_tok_s": median(runs["peer"]) if runs["peer"] else None}
-        row["ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
+        for way, results in runs.items():
+            if way != "peer":
+                row[f"{way}_tok_s"] = median([r["tok_s"] for r in results])
+                row[way] = {k: results[-1][k] for k in ("drafted", "accepted", "steps")}
         rows.append(row)
-        log(f"speculate {name}: plain {row['plain_tok_s']:.1f} tok/s, ngram {row['spec_tok_s']:.1f} "
-            f"({row['ratio']:.2f}x), accepted {row['accepted']}/{row['drafted']}, same {row['same']}")
+        log(f"speculate {name}: plain {row['none_tok_s']:.1f} tok/s, fresh {row['fresh_tok_s']:.1f}, "
+            f"again {row['again_tok_s']:.1f}, same {row['same']}")
     return {"tokens": tokens, "rounds": rounds, "peer_url": peer_url, "rows": rows,
             "schema": json.dumps(SCHEMA)}
 
 
 def format_speculate(t: dict) -> list[str]:
     peer = t["peer_url"] is not None
-    head = ["prompt", "plain tok/s", "speculate tok/s", "x plain", "accepted/drafted", "tokens/step", "same"]
+    head = ["prompt", "plain tok/s", "fresh tok/s", "x plain", "accepted/drafted", "again tok/s", "x plain",
+            "accepted/drafted", "same"]
     rows = []
     for r in t["rows"]:
-        row = [r["prompt"], f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}", f"{r['ratio']:.2f}x",
-               f"{r['accepted']}/{r['drafted']}", f"{(r['tokens'] - 1) / max(r['steps'], 1):.2f}",
-               "yes" if r["same"] else "NO"]
+        row = [r["prompt"], f"{r['none_tok_s']:.1f}"]
+        for way in ("fresh", "again"):
+            row += [f"{r[f'{way}_tok_s']:.1f}", f"{r[f'{way}_tok_s'] / r['none_tok_s']:.2f}x",
+                    f"{r[way]['accepted']}/{r[way]['drafted']}"]
+        row.append("yes" if r["same"] else "NO")
         if peer:
-            row += [f"{r['peer_tok_s']:.1f}", f"{r['spec_tok_s'] / r['peer_tok_s']:.2f}x"]
+            row += [f"{r['peer_tok_s']:.1f}", f"{r['again_tok_s'] / r['peer_tok_s']:.2f}x"]
         rows.append(row)
-    head += ["peer tok/s", "speculate / peer"] if peer else []
+    head += ["peer tok/s", "again / peer"] if peer else []
     title = (f"speculation, one stream, greedy, {t['tokens']} tokens, medians of {t['rounds']} alternated rounds"
              + (f"; peer {t['peer_url']}" if peer else ""))
     return [format_table(head, rows, title=title)]
