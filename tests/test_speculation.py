@@ -207,3 +207,18 @@ def test_a_verify_program_compiles_in_the_background(tiny_engine):
     while not programs_.ready(3, 256, 4, False):
         assert time.monotonic() < deadline, "the background compile did not finish"
         time.sleep(0.05)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_real_model_copy_equals_plain_decoding(real_engine, temperature):
+    """The real model copying a passage after a one-shot example: its drafts are mostly accepted, and
+    the tokens and logprobs are plain decoding's."""
+    tok = real_engine.tokenizer
+    passage = "The river runs north through the valley, past the old mill and the stone bridge, to the lake."
+    text = tok.apply_chat_template([{"role": "user", "content": "Copy the text exactly.\nOriginal: The cat sat.\n"
+                                     f"Copy: The cat sat.\nOriginal: {passage}\nCopy:"}])
+    sp = SamplingParams(max_tokens=40, temperature=temperature, seed=7, logprobs=2)
+    spec, stats = run_one(real_engine, tok.encode(text), sp, "auto")
+    assert_same(spec, run_one(real_engine, tok.encode(text), sp, "none")[0])
+    assert stats.accepted >= (10 if temperature == 0 else 3)  # sampling strays from the copy more often

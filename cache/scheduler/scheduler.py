@@ -113,7 +113,7 @@ class Scheduler:
         return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
                 "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens,
-                "drafted_tokens": self.stats.drafted, "accepted_tokens": self.stats.accepted}
+                "speculation": {k: tuple(v) for k, v in self.stats.by_source.items()}}
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);
@@ -411,6 +411,9 @@ class Scheduler:
             row.drafts.verified(drafted, accepted)
         self.stats.drafted += drafted
         self.stats.accepted += accepted
+        counts = self.stats.by_source.setdefault(row.draft_source, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup

@@ -27,6 +27,7 @@ from jaxsmol.runtime.sampling import SamplingParams
 # ngram: drafts from the request's own tokens; cache: from those and from what the prefix cache stored after
 # its prompt; auto: cache where the CPU kernels run (a verify step's exactness needs them), none elsewhere
 SPECULATE_MODES = ("auto", "none", "ngram", "cache")
+SOURCES = ("cache", "ngram", "grammar")  # where drafts come from: the prefix cache, the row's own tokens, forced
 NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
 VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes), padded up to one of these
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
@@ -66,7 +67,7 @@ class NgramDrafts:
         self.ref_seen: dict[tuple[int, ...], int] = {}  # the same over the prompt's tail + the reference
         if len(reference):
             _index(self.ref_seen, self.ref, list(prompt[-max(NGRAM_SIZES):]) + list(reference))
-        self.most = most
+        self.most, self.source = most, "ngram"  # source: where the last drafts came from (SOURCES)
         self.accepted = self.rejected = 0.0  # decayed counts of accepted drafts and of rejections
         self.extend(prompt)
 
@@ -83,10 +84,11 @@ class NgramDrafts:
         stopped being verified comes back to an even chance and is tried again."""
         for n in NGRAM_SIZES:
             key = tuple(self.tokens[-n:]) if len(self.tokens) >= n else None
-            for seen, tokens in ((self.ref_seen, self.ref), (self.seen, self.tokens)):  # the reference first
+            for source, seen, tokens in (("cache", self.ref_seen, self.ref), ("ngram", self.seen, self.tokens)):
                 at = seen.get(key)
                 if at is not None and at < len(tokens):
                     self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
+                    self.source = source
                     return tokens[at:at + min(most, self.most)]
         return []
 

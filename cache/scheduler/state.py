@@ -44,6 +44,7 @@ class Row:
     prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
     drafts: NgramDrafts | None = None  # speculation's drafter (None: this row does not speculate)
     draft_chance: float = 0.0  # of the last drafts (see draft)
+    draft_source: str = "ngram"  # of the last drafts: one of speculation.SOURCES
 
     @property
     def position(self) -> int:
@@ -58,14 +59,13 @@ class Row:
         most = min(most, s.sp.max_tokens - len(s.output_ids) - 1)
         self.drafts.sync(s.output_ids, len(self.lookup.prompt))
         self.draft_chance = self.drafts.chance
-        if self.constraint is None or most <= 0:
-            return self.drafts.draft(most)
-        forced = self.constraint.forced()[:most]
+        forced = self.constraint.forced()[:most] if self.constraint is not None and most > 0 else []
         if forced:
-            self.draft_chance = FORCED_CHANCE
+            self.draft_chance, self.draft_source = FORCED_CHANCE, "grammar"
             return forced
         drafts = self.drafts.draft(most)
-        return drafts[:self.constraint.valid_prefix(drafts)]
+        self.draft_source = self.drafts.source
+        return drafts if self.constraint is None else drafts[:self.constraint.valid_prefix(drafts)]
 
     def push(self, out: dict, i: int) -> None:
         """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
@@ -121,3 +121,4 @@ class SchedulerStats:
     relayouts: int = 0
     drafted: int = 0  # drafted tokens verified (speculation)
     accepted: int = 0  # of which accepted
+    by_source: dict = dataclasses.field(default_factory=dict)  # source -> [drafted, accepted]

@@ -50,9 +50,7 @@ MEMORY_GAUGES = (
                           "something holds memory nobody counts)."),
 )
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
-                  ("prefilled_tokens", "Prompt positions computed by the scheduler."),
-                  ("drafted_tokens", "Drafted tokens verified (--speculate)."),
-                  ("accepted_tokens", "Drafted tokens accepted: each the token plain decoding produced there."))
+                  ("prefilled_tokens", "Prompt positions computed by the scheduler."))
 # (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
 # Extension reads by default, aliases of the queue, the rows in use and the decode KV in use
 VLLM_ALIASES = (
@@ -112,6 +110,19 @@ class Metrics:
                 self._scrape.values = None
 
 
+def _speculation(by_source: dict):
+    """The speculation counters, by the drafts' source (cache/scheduler/speculation.py SOURCES)."""
+    from jaxsmol.cache.scheduler.speculation import SOURCES
+
+    for i, (name, help_) in enumerate((("drafted", "Drafted tokens verified (--speculate), by where they came from."),
+                                       ("accepted", "Drafted tokens accepted (each the token plain decoding "
+                                                    "produced there), by where they came from."))):
+        family = CounterMetricFamily(f"jaxsmol_speculation_{name}_tokens", help_, labels=["source"])
+        for source in SOURCES:
+            family.add_metric([source], by_source.get(source, (0, 0))[i])
+        yield family
+
+
 class _ScrapeTime:
     """A collector of the values read at render time: the worker's counts, the cache's stats, the queue."""
 
@@ -147,6 +158,8 @@ class _ScrapeTime:
         for key, help_ in BATCH_COUNTERS:
             if key in batch:
                 yield CounterMetricFamily(f"jaxsmol_batch_{key}", help_, value=batch[key])
+        if "speculation" in batch:
+            yield from _speculation(batch["speculation"])
         for key, help_ in CACHE_COUNTERS:
             yield CounterMetricFamily(f"jaxsmol_cache_{key}", help_, value=stats[key])
         bypasses = CounterMetricFamily("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.",
