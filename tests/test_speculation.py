@@ -222,3 +222,19 @@ def test_real_model_copy_equals_plain_decoding(real_engine, temperature):
     spec, stats = run_one(real_engine, tok.encode(text), sp, "auto")
     assert_same(spec, run_one(real_engine, tok.encode(text), sp, "none")[0])
     assert stats.accepted >= (10 if temperature == 0 else 3)  # sampling strays from the copy more often
+
+
+def test_a_shape_timed_long_ago_is_timed_afresh():
+    """A verify shape timed as slow (beside a compile, say) is tried again after RETIME_AFTER steps, and
+    its new time replaces the old one."""
+    from jaxsmol.cache.scheduler.speculation import RETIME_AFTER, StepTimes
+
+    t = StepTimes()
+    t.timed((1, 8), 5.0)  # its first run: compiling, not timed
+    t.timed((1, 8), 9.0)
+    assert t.estimate((1, 8), plain=1.0) == 9.0
+    for _ in range(RETIME_AFTER + 1):
+        t.timed((1, 1), 1.0)
+    assert t.estimate((1, 8), plain=1.0) == pytest.approx(1.35)  # stale: a guess, so it is tried
+    t.timed((1, 8), 2.0)
+    assert t.estimate((1, 8), plain=1.0) == 2.0

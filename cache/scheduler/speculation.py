@@ -33,6 +33,7 @@ VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
 DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see NgramDrafts.chance)
 MEASURED = 0.2  # the weight of the newest time of a step shape in its running estimate
+RETIME_AFTER = 64  # steps after which a shape's time is measured afresh (see StepTimes)
 
 
 def speculating(settings, cfg) -> bool:
@@ -108,7 +109,35 @@ def expected(chance: float, k: int) -> float:
     return sum(chance ** i for i in range(1, k + 1))
 
 
-_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its step shapes' times
+class StepTimes:
+    """Each step shape's time, (width, positions per row) -> seconds: a running estimate, and when it was
+    last measured. A shape not timed for RETIME_AFTER steps counts as untimed again, so that one timed
+    on a busy machine (beside a compile, in a slow phase) is tried again rather than never chosen."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.seen: set[tuple[int, int]] = set()  # shapes run once (a first run compiles: not timed)
+        self.when: dict[tuple[int, int], int] = {}  # shape -> the step count when it was last timed
+        self.steps = 0
+
+    def estimate(self, key: tuple[int, int], plain: float) -> float:
+        """The shape's time; untimed or stale: a guess a little above a plain step's, so that it is tried."""
+        if key not in self.seconds or self.steps - self.when[key] > RETIME_AFTER:
+            return plain * (1 + 0.05 * (key[1] - 1))
+        return self.seconds[key]
+
+    def timed(self, key: tuple[int, int], seconds: float) -> None:
+        self.steps += 1
+        if key not in self.seen:
+            self.seen.add(key)
+            return
+        old = self.seconds.get(key)
+        fresh = old is None or self.steps - self.when[key] > RETIME_AFTER
+        self.seconds[key] = seconds if fresh else old + MEASURED * (seconds - old)
+        self.when[key] = self.steps
+
+
+_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its StepTimes
 
 
 class Speculator:
@@ -116,9 +145,8 @@ class Speculator:
     is highest, plain decoding included, from each row's record and each shape's measured time."""
 
     def __init__(self, engine=None, adaptive: bool = True):
-        # (width, positions per row) -> a step's time, and the shapes run once (a first run compiles: not
-        # timed); one table per engine, so that a library call's scheduler starts from what earlier ones measured
-        self.seconds, self.seen = _TIMES.setdefault(engine, ({}, set())) if engine is not None else ({}, set())
+        # one table per engine, so that a library call's scheduler starts from what earlier ones measured
+        self.times = _TIMES.setdefault(engine, StepTimes()) if engine is not None else StepTimes()
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
     def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
@@ -126,7 +154,7 @@ class Speculator:
         row's pos + T within the capacity, `ready(T)`: its program compiled), or None for a plain
         decode step."""
         W, live = len(rows), [r for r in rows if r is not None]
-        plain = self.seconds.get((W, 1))
+        plain = self.times.seconds.get((W, 1))
         room = min(capacity - r.position for r in live)
         fits = [t for t in VERIFY_ROWS if t <= room]
         if (plain is None and self.adaptive) or not fits:
@@ -142,19 +170,14 @@ class Speculator:
                 break
             if not ready(t):
                 continue
-            guess = self.seconds.get((W, t), plain * (1 + 0.05 * (t - 1)))  # a shape not yet timed is tried
-            if (len(live) + gain) / guess > best_rate:
-                best, best_rate = t, (len(live) + gain) / guess
+            rate = (len(live) + gain) / self.times.estimate((W, t), plain)
+            if rate > best_rate:
+                best, best_rate = t, rate
         return None if best is None else (best, [d[:best - 1] for d in drafts])
 
     def timed(self, width: int, positions: int, seconds: float) -> None:
         """A step of this shape took `seconds` (its first run, which compiles, is left out)."""
-        key = (width, positions)
-        if key not in self.seen:
-            self.seen.add(key)
-            return
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + MEASURED * (seconds - old)
+        self.times.timed((width, positions), seconds)
 
 
 def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray) -> tuple:
