@@ -170,14 +170,13 @@ def test_ngram_drafts_follow_the_latest_occurrence():
     assert d.draft(7) == [4, 5, 6]  # "1 2 3" last seen before 4 5 6 (not the earlier 9)
     assert d.draft(2) == [4, 5]
     assert NgramDrafts([1, 2, 3, 4], most=3).draft(3) == []  # nothing recurs
-    d.verified(3, 0)
-    assert d.chance < 0.5 < NgramDrafts([], 3).chance + 0.01
 
 
 def test_speculator_verifies_only_where_it_pays():
     class Row:  # what the speculator reads of a decode row
         def __init__(self, chance):
-            self.position, self.drafts, self.draft_chance = 10, NgramDrafts([7, 8, 7], 7), chance
+            self.position, self.drafts, self.draft_source = 10, NgramDrafts([7, 8, 7], 7), "ngram"
+            self.drafts.accepted, self.drafts.rejected = 1000 * chance, 1000 * (1 - chance)
 
         def draft(self, most):
             return [8, 7, 8, 7, 8, 7, 8][:most]
@@ -192,6 +191,24 @@ def test_speculator_verifies_only_where_it_pays():
     assert s.plan([Row(0.02)], 64) is None  # rarely accepted: plain decoding is faster
     assert s.plan([Row(0.95)], 13) is None or s.plan([Row(0.95)], 13)[0] <= 3  # within the capacity
     assert expected(0.5, 2) == 0.75
+
+
+def test_a_rows_chance_leans_on_its_sources_record():
+    """A row with no record has its drafts' source's chance; verify steps move the row's and the source's."""
+    s = Speculator()
+
+    class Row:
+        drafts, draft_source = NgramDrafts([], 3), "ngram"
+
+    fresh, other = Row(), Row()
+    other.drafts = NgramDrafts([], 3)
+    assert s.chance(fresh) == 0.5
+    for _ in range(20):
+        s.verified(fresh, 3, 0)  # rejected every time
+    assert s.chance(fresh) < 0.1
+    assert s.chance(other) < 0.25  # a new row of the same source starts lower too
+    other.draft_source = "grammar"
+    assert s.chance(other) > 0.9
 
 
 def test_a_verify_program_compiles_in_the_background(tiny_engine):
@@ -230,9 +247,12 @@ def test_a_shape_timed_long_ago_is_timed_afresh():
     from jaxsmol.cache.scheduler.speculation import RETIME_AFTER, StepTimes
 
     t = StepTimes()
-    t.timed((1, 8), 5.0)  # its first run: compiling, not timed
+    t.timed((1, 1), 0.5)  # a first run: compiling, not timed
+    t.timed((1, 1), 1.0)
+    t.timed((1, 8), 5.0)
     t.timed((1, 8), 9.0)
     assert t.estimate((1, 8), plain=1.0) == 9.0
+    assert t.estimate((1, 8), plain=0.5) == 4.5  # a ratio to the plain step: the machine's speed moves both
     for _ in range(RETIME_AFTER + 1):
         t.timed((1, 1), 1.0)
     assert t.estimate((1, 8), plain=1.0) == pytest.approx(1.35)  # stale: a guess, so it is tried

@@ -408,7 +408,7 @@ class Scheduler:
 
     def _verified(self, row: Row, drafted: int, accepted: int) -> None:
         if row.drafts is not None:
-            row.drafts.verified(drafted, accepted)
+            self.speculator.verified(row, drafted, accepted)
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         counts = self.stats.by_source.setdefault(row.draft_source, [0, 0])

@@ -8,9 +8,10 @@ tokens, logprobs and KV are the ones plain decoding would have produced, bit for
 changes how many tokens one pass over the weights yields (docs/design.md, "Speculation").
 
 A step verifies only where that is expected to pay (`Speculator`): each row's chance of accepting a
-drafted token is estimated from what it accepted before, and each step shape's time (rows x
-positions) is measured as it runs, so open-ended text (drafts rarely accepted) decodes one token per
-step and a wide batch verifies only where many rows copy.
+drafted token is estimated from what it accepted before and from what drafts of the same source were
+accepted lately (its prior), and each step shape's time (rows x positions) is measured as it runs,
+so open-ended text (drafts rarely accepted) decodes one token per step and a wide batch verifies
+only where many rows copy.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ SOURCES = ("cache", "ngram", "grammar")  # where drafts come from: the prefix ca
 NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
 VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes), padded up to one of these
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
-DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see NgramDrafts.chance)
+DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see Speculator.chance)
+SOURCE_DECAY = 0.99  # the weight a source's earlier verify steps keep at each of its verify steps
+PRIOR = 2.0  # the weight, in drafts, of a source's record in a row's chance
 MEASURED = 0.2  # the weight of the newest time of a step shape in its running estimate
-RETIME_AFTER = 64  # steps after which a shape's time is measured afresh (see StepTimes)
+RETIME_AFTER = 512  # steps after which a verify shape's time is measured afresh (see StepTimes): ~1% of them
 
 
 def speculating(settings, cfg) -> bool:
@@ -82,7 +85,7 @@ class NgramDrafts:
     def draft(self, most: int) -> list[int]:
         """Up to `most` tokens that followed the newest n-gram's latest earlier occurrence, in the
         reference first (none when no n-gram recurs). Each draft ages the row's record, so a row that
-        stopped being verified comes back to an even chance and is tried again."""
+        stopped being verified comes back to its source's chance and is tried again."""
         for n in NGRAM_SIZES:
             key = tuple(self.tokens[-n:]) if len(self.tokens) >= n else None
             for source, seen, tokens in (("cache", self.ref_seen, self.ref), ("ngram", self.seen, self.tokens)):
@@ -92,12 +95,6 @@ class NgramDrafts:
                     self.source = source
                     return tokens[at:at + min(most, self.most)]
         return []
-
-    @property
-    def chance(self) -> float:
-        """The estimated chance that a drafted token is accepted, given the one before it was: accepted
-        over accepted and rejections (a geometric model), from an even start."""
-        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.accepted += accepted
@@ -110,12 +107,14 @@ def expected(chance: float, k: int) -> float:
 
 
 class StepTimes:
-    """Each step shape's time, (width, positions per row) -> seconds: a running estimate, and when it was
-    last measured. A shape not timed for RETIME_AFTER steps counts as untimed again, so that one timed
-    on a busy machine (beside a compile, in a slow phase) is tried again rather than never chosen."""
+    """Each step shape's time, (width, positions per row): a plain step's in seconds, a verify step's
+    over a plain step's of its width (a ratio: the machine's speed swings move both), running
+    estimates, and when each was last measured. A verify shape not timed for RETIME_AFTER steps
+    counts as untimed again, so that one timed on a busy machine (beside a compile) is tried again
+    rather than never chosen."""
 
     def __init__(self):
-        self.seconds: dict[tuple[int, int], float] = {}
+        self.seconds: dict[tuple[int, int], float] = {}  # (width, 1): seconds; (width, T > 1): ratios
         self.seen: set[tuple[int, int]] = set()  # shapes run once (a first run compiles: not timed)
         self.when: dict[tuple[int, int], int] = {}  # shape -> the step count when it was last timed
         self.steps = 0
@@ -124,16 +123,18 @@ class StepTimes:
         """The shape's time; untimed or stale: a guess a little above a plain step's, so that it is tried."""
         if key not in self.seconds or self.steps - self.when[key] > RETIME_AFTER:
             return plain * (1 + 0.05 * (key[1] - 1))
-        return self.seconds[key]
+        return plain * self.seconds[key]
 
     def timed(self, key: tuple[int, int], seconds: float) -> None:
         self.steps += 1
-        if key not in self.seen:
+        plain = self.seconds.get((key[0], 1))
+        if key not in self.seen or (key[1] > 1 and plain is None):
             self.seen.add(key)
             return
+        value = seconds if key[1] == 1 else seconds / plain
         old = self.seconds.get(key)
         fresh = old is None or self.steps - self.when[key] > RETIME_AFTER
-        self.seconds[key] = seconds if fresh else old + MEASURED * (seconds - old)
+        self.seconds[key] = value if fresh else old + MEASURED * (value - old)
         self.when[key] = self.steps
 
 
@@ -147,6 +148,7 @@ class Speculator:
     def __init__(self, engine=None, adaptive: bool = True):
         # one table per engine, so that a library call's scheduler starts from what earlier ones measured
         self.times = _TIMES.setdefault(engine, StepTimes()) if engine is not None else StepTimes()
+        self.sources = {s: [1.0, 1.0] for s in SOURCES}  # source -> decayed [accepted, rejections], from even
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
     def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
@@ -165,7 +167,7 @@ class Speculator:
             return (next(t for t in fits if t > longest), drafts) if longest else None
         best, best_rate = None, len(live) / plain
         for t in fits:
-            gain = sum(expected(r.draft_chance, min(len(d), t - 1)) for r, d in zip(rows, drafts) if d)
+            gain = sum(expected(self.chance(r), min(len(d), t - 1)) for r, d in zip(rows, drafts) if d)
             if gain == 0:
                 break
             if not ready(t):
@@ -178,6 +180,26 @@ class Speculator:
     def timed(self, width: int, positions: int, seconds: float) -> None:
         """A step of this shape took `seconds` (its first run, which compiles, is left out)."""
         self.times.timed((width, positions), seconds)
+
+    def chance(self, row) -> float:
+        """The estimated chance that a token of row's last drafts is accepted, given the one before it
+        was: the row's accepted over its accepted and rejections (a geometric model), with its drafts'
+        source's record as the prior (tokens a grammar forces: FORCED_CHANCE)."""
+        if row.draft_source == "grammar":
+            return FORCED_CHANCE
+        accepted, rejected = self.sources[row.draft_source]
+        prior = accepted / (accepted + rejected)
+        d = row.drafts
+        return (d.accepted + PRIOR * prior) / (d.accepted + d.rejected + PRIOR)
+
+    def verified(self, row, drafted: int, accepted: int) -> None:
+        """Row's drafts of the last step: `accepted` of `drafted` were; its record and its source's."""
+        if not drafted:
+            return
+        row.drafts.verified(drafted, accepted)
+        record = self.sources[row.draft_source]
+        record[0] = record[0] * SOURCE_DECAY + accepted
+        record[1] = record[1] * SOURCE_DECAY + (accepted < drafted)
 
 
 def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray) -> tuple:

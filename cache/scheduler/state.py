@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
-from jaxsmol.cache.scheduler.speculation import FORCED_CHANCE, NgramDrafts
+from jaxsmol.cache.scheduler.speculation import NgramDrafts
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.sampling import SamplingParams
@@ -43,7 +43,6 @@ class Row:
     prefill_s: float = 0.0  # admission to the prompt's state computed
     prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
     drafts: NgramDrafts | None = None  # speculation's drafter (None: this row does not speculate)
-    draft_chance: float = 0.0  # of the last drafts (see draft)
     draft_source: str = "ngram"  # of the last drafts: one of speculation.SOURCES
 
     @property
@@ -54,14 +53,13 @@ class Row:
     def draft(self, most: int) -> list[int]:
         """Up to `most` drafted tokens, no more than the choice's max_tokens leaves room for: under a
         grammar the tokens it forces (jump-forward) where there are any, else n-gram drafts as far as
-        it allows them; `draft_chance` is then each one's estimated chance of being accepted."""
+        it allows them; `draft_source` says which (speculation.SOURCES)."""
         s = self.stream
         most = min(most, s.sp.max_tokens - len(s.output_ids) - 1)
         self.drafts.sync(s.output_ids, len(self.lookup.prompt))
-        self.draft_chance = self.drafts.chance
         forced = self.constraint.forced()[:most] if self.constraint is not None and most > 0 else []
         if forced:
-            self.draft_chance, self.draft_source = FORCED_CHANCE, "grammar"
+            self.draft_source = "grammar"
             return forced
         drafts = self.drafts.draft(most)
         self.draft_source = self.drafts.source
