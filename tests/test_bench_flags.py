@@ -23,7 +23,7 @@ def test_only_takes_every_section_and_the_peer_flags():
                                       "--clients", "1", "8", "--no-long"])
     assert args.only == list(SECTIONS + EXTRA_SECTIONS) and args.peer_url == "http://h:1"
     assert set(EXTRA_SECTIONS) == {"forks", "prompt-cache", "ttft-peer", "serve", "first-burst", "ready", "cluster",
-                                   "admission"}
+                                   "admission", "speculate"}
     assert not set(EXTRA_SECTIONS) & set(SECTIONS)  # the default run does not grow
 
 
@@ -37,11 +37,13 @@ def test_flags_override_the_plan_and_nothing_else():
     assert plan["pc_prefix"] == plan["peer_prefix"] == 64 and plan["forks_n"] == 2
     assert plan["serve_batch_invariant"] and plan["serve_long"]
     assert (plan["admission_tokens"], plan["admission_clients"], plan["admission_rounds"]) == (3, 5, 4)
+    assert (plan["spec_tokens"], plan["spec_rounds"]) == (3, 4)
     untouched = {k for k in QUICK if plan[k] == QUICK[k]}
     assert untouched >= set(QUICK) - {"serve_tokens", "forks_tokens", "burst_tokens", "ready_tokens", "serve_clients",
                                       "burst_clients", "cluster_clients", "admission_tokens", "admission_clients",
                                       "forks_rounds", "pc_repeats", "peer_rounds", "burst_rounds", "pc_prefix",
-                                      "admission_rounds", "peer_prefix", "forks_n", "serve_batch_invariant"}
+                                      "admission_rounds", "peer_prefix", "forks_n", "serve_batch_invariant",
+                                      "spec_tokens", "spec_rounds"}
     assert with_flags(FULL, build_parser().parse_args(["bench"])) == FULL
     assert with_flags(FULL, argparse.Namespace()) == FULL  # a caller without the flags
 

@@ -114,6 +114,26 @@ def test_stops_inside_accepted_drafts(tiny_engine):
     assert_same(run_one(tiny_engine, prompt, stop, "ngram")[0], run_one(tiny_engine, prompt, stop, "none")[0])
 
 
+def test_stop_strings_inside_accepted_drafts(tiny_model_dir):
+    """A stop string completed inside a step's accepted drafts (here an answer drafted from the cache)
+    ends the text where plain decoding ends it (the real tokenizer: text, not ids)."""
+    from jaxsmol.runtime.engine import Engine
+
+    engine = Engine.load(tiny_model_dir, ctx=512, progress=False)
+    cache, ids = PrefixCache(engine), np.random.default_rng(6).permutation(np.arange(300, 3000))[:24].tolist()
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    long = _run(verifying(Scheduler(cache, max_batch=1, speculate="cache")), [Request(ids, [sp], Collector())])[0][0]
+    text = long.text
+    word = max((text[i:i + 3] for i in range(len(text) // 2, len(text) - 3)), key=text.find)  # first seen late
+    stop = dataclasses.replace(sp, stop_strings=(word,))
+    sched = verifying(Scheduler(cache, max_batch=1, speculate="cache"))
+    spec = _run(sched, [Request(ids, [stop], Collector())])[0][0]
+    plain = generate(engine, ids, stop, speculate="none")
+    assert_same(spec, plain)
+    assert spec.text == plain.text and spec.finish_reason == "stop"
+    assert sched.stats.accepted > 0
+
+
 def test_batch_equals_plain_decoding(tiny_engine):
     """Choices of several prompts in one continuous batch, each row drafting on its own."""
     cache = PrefixCache(tiny_engine, mode="off")
