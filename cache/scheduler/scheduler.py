@@ -11,7 +11,8 @@ Each `step()` does, in order:
      answer being stored for the next turn. A complete prompt's first tokens are sampled and its
      state inserted into a decode row per choice (`n` forks share one prefill);
   3. decode: one step of every live row (forward at each row's position, then each row's own
-     sampling), then the host side of every row (its TokenStream).
+     sampling; or, where rows drafted tokens and it pays, a verify step of their drafts:
+     cache/scheduler/speculation.py), then the host side of every row (its TokenStream).
 Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
 
 The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
@@ -44,8 +45,8 @@ from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batche
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
-from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, column, speculating, verify_inputs
-from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask, step_inputs
+from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, column, run_step, speculating
+from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
@@ -375,16 +376,7 @@ class Scheduler:
         free = self._free(len(self.rows))
         started = time.perf_counter()
         try:
-            # NumPy inputs straight into the jitted step: jnp.asarray ran an eager op each (~0.2 ms a step)
-            if plan is None:
-                tokens, active, settings = step_inputs(self.rows, free)
-                out, self.batch = programs.decode_step(self.engine.params, tokens, self.batch, active, settings,
-                                                       self.engine.cfg, logprobs=want)
-            else:
-                tokens, lengths, active, settings = verify_inputs(self.rows, plan[1], plan[0], free)
-                out, self.batch = programs.verify_step(self.engine.params, tokens, lengths, self.batch, active,
-                                                       settings, self.engine.cfg, logprobs=want)
-            out = jax.device_get(out)
+            out, self.batch = run_step(self.engine, self.batch, self.rows, plan, free, want)
         except Exception as e:  # the batch is lost: fail its requests, keep serving
             for _, r in live:
                 r.request.sink.error(e)
@@ -407,13 +399,8 @@ class Scheduler:
                 self._finish(r)
 
     def _verified(self, row: Row, drafted: int, accepted: int) -> None:
-        if row.drafts is not None:
-            self.speculator.verified(row, drafted, accepted)
-        self.stats.drafted += drafted
-        self.stats.accepted += accepted
-        counts = self.stats.by_source.setdefault(row.draft_source, [0, 0])
-        counts[0] += drafted
-        counts[1] += accepted
+        self.speculator.verified(row, drafted, accepted)
+        self.stats.verified(row.draft_source, drafted, accepted)
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup

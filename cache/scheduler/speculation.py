@@ -1,4 +1,5 @@
-"""Speculative decoding's host side: drafts for a decode row, and one verify step's inputs.
+"""Speculative decoding's host side: drafts for a decode row, when to verify them, and one step's run
+(a plain decode step's inputs or a verify step's).
 
 A row drafts the tokens that followed the last time its newest n-gram appeared in its own prompt and
 output (prompt lookup: `NgramDrafts`); a step then runs every row's last token and its drafts in one
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import weakref
 
+import jax
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime import programs
 
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.sampling import SamplingParams
@@ -202,6 +205,17 @@ class Speculator:
         record[1] = record[1] * SOURCE_DECAY + (accepted < drafted)
 
 
+def step_inputs(rows: list, free) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A decode step's host inputs for the batch's rows (Row or None): each live row's last token
+    [W], the active mask [W], and the per-row sampling arrays (jaxsmol/batch.row_settings; `free`
+    the all-allowed mask of the width)."""
+    tokens = np.array([r.stream.output_ids[-1] if r is not None else 0 for r in rows], np.int32)
+    steps = [len(r.stream.output_ids) if r is not None else 0 for r in rows]
+    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows], steps,
+                            [r.constraint if r is not None else None for r in rows], free)
+    return tokens, np.array([r is not None for r in rows]), settings
+
+
 def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray) -> tuple:
     """A verify step's host inputs: tokens [W, T] (the last token, the drafts, padding), lengths [W],
     the active mask [W] and the sampling arrays, "allowed" [W, T, words] (a constrained row's mask at
@@ -220,6 +234,21 @@ def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray)
                             [None] * W, free)
     settings["allowed"] = allowed
     return tokens, lengths, np.array([r is not None for r in rows]), settings
+
+
+def run_step(engine, batch, rows: list, plan, free, logprobs: bool) -> tuple[dict, object]:
+    """One step of the batch's rows (Row or None): a plain decode step (plan None), else the verify step
+    of `plan` (Speculator.plan). Returns (its output on the host, the batch after it)."""
+    # NumPy inputs straight into the jitted step: jnp.asarray ran an eager op each (~0.2 ms a step)
+    if plan is None:
+        tokens, active, settings = step_inputs(rows, free)
+        out, batch = programs.decode_step(engine.params, tokens, batch, active, settings, engine.cfg,
+                                          logprobs=logprobs)
+    else:
+        tokens, lengths, active, settings = verify_inputs(rows, plan[1], plan[0], free)
+        out, batch = programs.verify_step(engine.params, tokens, lengths, batch, active, settings, engine.cfg,
+                                          logprobs=logprobs)
+    return jax.device_get(out), batch
 
 
 def column(out: dict, j: int) -> dict:

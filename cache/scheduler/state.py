@@ -14,9 +14,7 @@ import numpy as np
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
 from jaxsmol.cache.scheduler.speculation import NgramDrafts
-from jaxsmol.runtime.batch import row_settings
 from jaxsmol.model.kv import KVCache
-from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import TokenStream
 from jaxsmol.runtime.structured import Constraint, all_allowed
 
@@ -98,17 +96,6 @@ def free_mask(vocab_size: int, width: int) -> jax.Array:
     return jnp.asarray(all_allowed(width, vocab_size))
 
 
-def step_inputs(rows: list, free: jax.Array) -> tuple[np.ndarray, np.ndarray, dict]:
-    """A decode step's host inputs for the batch's rows (Row or None): each live row's last token
-    [W], the active mask [W], and the per-row sampling arrays (jaxsmol/batch.row_settings; `free`
-    the all-allowed mask of the width)."""
-    tokens = np.array([r.stream.output_ids[-1] if r is not None else 0 for r in rows], np.int32)
-    steps = [len(r.stream.output_ids) if r is not None else 0 for r in rows]
-    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows], steps,
-                            [r.constraint if r is not None else None for r in rows], free)
-    return tokens, np.array([r is not None for r in rows]), settings
-
-
 @dataclasses.dataclass
 class SchedulerStats:
     steps: int = 0  # decode steps
@@ -120,3 +107,10 @@ class SchedulerStats:
     drafted: int = 0  # drafted tokens verified (speculation)
     accepted: int = 0  # of which accepted
     by_source: dict = dataclasses.field(default_factory=dict)  # source -> [drafted, accepted]
+
+    def verified(self, source: str, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        counts = self.by_source.setdefault(source, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
