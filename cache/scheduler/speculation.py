@@ -1,8 +1,9 @@
 """Speculative decoding's host side: drafts for a decode row, when to verify them, and one step's run
 (a plain decode step's inputs or a verify step's).
 
-A row drafts the tokens that followed the last time its newest n-gram appeared in its own prompt and
-output (prompt lookup: `NgramDrafts`); a step then runs every row's last token and its drafts in one
+A row drafts the tokens that followed the last time its newest n-gram appeared in what the prefix
+cache stored after its prompt and in its own prompt and output (prompt lookup: `NgramDrafts`), or
+the tokens its grammar forces (jump-forward: `Row.draft`); a step then runs every row's last token and its drafts in one
 forward (`programs.verify_step`), each position with a decode step's bits and sampled with its own
 step's key, and each row keeps its drafts while they equal what was sampled before them. So the
 tokens, logprobs and KV are the ones plain decoding would have produced, bit for bit; speculation only
@@ -24,7 +25,6 @@ import numpy as np
 
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime import programs
-
 from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.sampling import SamplingParams
 
