@@ -160,6 +160,11 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
         for way in ("none", "fresh", "again"):
             _positive(r[f"{way}_tok_s"], f"speculate {r['prompt']} {way} tok/s")
     assert "speculation, one stream, greedy, 2 tokens" in stdout
+    b = sp["batch"]
+    assert b["clients"] == 8 and b["same"] is True
+    _positive(b["plain_tok_s"], "speculate batch plain tok/s")
+    _positive(b["spec_tok_s"], "speculate batch tok/s")
+    assert "the same prompts and three more open ones as one batch, 2 tokens each" in stdout
 
 
 def test_bench_daemon_sections_against_a_peer(tmp_path, tiny_model_dir, monkeypatch):

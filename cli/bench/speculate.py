@@ -4,7 +4,9 @@ restated with one name changed, a second chat turn that repeats its answer), a J
 keys (jump-forward) and open-ended text; asked fresh (nothing stored: drafts from the request's own
 tokens and its schema) and asked again (the prefix cache holds the earlier answer: drafts from it too,
 the default `--speculate auto`); they alternate, `--rounds` times, medians reported, and the outputs
-must be equal (a row says so). With --peer-url, the same prompt texts (and schema) to a
+must be equal (a row says so). Then the 8 requests of `BATCH` (the five, and three more open ones) as one
+continuous batch of 8 rows, plain against `auto` (nothing stored), alternated: tokens/s over the batch's
+wall time. With --peer-url, the same prompt texts (and schema) to a
 llama.cpp server's /completion, greedy, the same number of tokens: its own decode tokens/s
 (`timings.predicted_per_second`; each prompt is sent every round, so a server that keeps drafts across
 requests, as `--spec-type ngram-mod` does, meets it again as jaxsmol's "again" does). Start it once
@@ -30,6 +32,7 @@ SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["customer_full_name", "shipping_street_address", "preferred_delivery_window", "gift_wrapping"],
           "properties": {"customer_full_name": {"type": "string"}, "shipping_street_address": {"type": "string"},
                          "preferred_delivery_window": {"type": "string"}, "gift_wrapping": {"type": "boolean"}}}
+MORE_OPEN = ("Write a poem about the sea.", "Explain photosynthesis to a child.", "Describe a busy market at dawn.")
 # name -> (chat messages, JSON schema or None)
 PROMPTS = {
     "copy": ([("user", "Copy the text exactly.\nOriginal: The cat sat on the mat.\nCopy: The cat sat on the "
@@ -44,6 +47,12 @@ PROMPTS = {
 }
 
 
+def _structured(schema) -> str | None:
+    from jaxsmol.runtime.structured import canonical_spec
+
+    return None if schema is None else canonical_spec({"type": "json_schema", "json_schema": {"schema": schema}})
+
+
 def _ours(engine, ids, tokens: int, schema, mode: str, cache=None) -> dict:
     """One request, plain (mode "none") or speculating; through `cache` (an answer stored there before
     is drafted from), else with no prefix cache."""
@@ -52,14 +61,34 @@ def _ours(engine, ids, tokens: int, schema, mode: str, cache=None) -> dict:
     from jaxsmol.cache.scheduler.requests import Collector, Request
     from jaxsmol.cache.scheduler.scheduler import Scheduler
     from jaxsmol.runtime.sampling import SamplingParams
-    from jaxsmol.runtime.structured import canonical_spec
 
-    spec = None if schema is None else canonical_spec({"type": "json_schema", "json_schema": {"schema": schema}})
     sched = Scheduler(cache or PrefixCache(engine, mode="off"), max_batch=1, speculate=mode)
-    sp = SamplingParams(max_tokens=tokens, structured=spec)
+    sp = SamplingParams(max_tokens=tokens, structured=_structured(schema))
     r = _run(sched, [Request(list(ids), [sp], Collector())])[0][0]
     return {"tok_s": r.timings.decode_tok_s, "ids": r.output_ids, "drafted": sched.stats.drafted,
             "accepted": sched.stats.accepted, "steps": sched.stats.steps}
+
+
+def _batch(engine, requests: list, tokens: int, mode: str) -> dict:
+    """requests [(ids, schema)] as one continuous batch (a row each, no prefix cache): tokens/s over its
+    wall time, each one's output ids, and the drafts verified."""
+    import time
+
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.many import _run
+    from jaxsmol.cache.scheduler.requests import Collector, Request
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
+    from jaxsmol.runtime.sampling import SamplingParams
+
+    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=len(requests), speculate=mode)
+    reqs = [Request(list(ids), [SamplingParams(max_tokens=tokens, structured=_structured(schema))], Collector())
+            for ids, schema in requests]
+    t0 = time.perf_counter()
+    results = _run(sched, reqs)
+    wall = time.perf_counter() - t0
+    ids = [r[0].output_ids for r in results]
+    return {"tok_s": sum(map(len, ids)) / wall, "ids": ids, "drafted": sched.stats.drafted,
+            "accepted": sched.stats.accepted}
 
 
 def _peer(url: str, text: str, tokens: int, schema) -> float:
@@ -99,7 +128,27 @@ def section_speculate(engine, plan, peer_url: str | None) -> dict:
         log(f"speculate {name}: plain {row['none_tok_s']:.1f} tok/s, fresh {row['fresh_tok_s']:.1f}, "
             f"again {row['again_tok_s']:.1f}, same {row['same']}")
     return {"tokens": tokens, "rounds": rounds, "peer_url": peer_url, "rows": rows,
-            "schema": json.dumps(SCHEMA)}
+            "schema": json.dumps(SCHEMA), "batch": _batch_row(engine, tokens, rounds)}
+
+
+def _batch_row(engine, tokens: int, rounds: int) -> dict:
+    tok = engine.tokenizer
+    chats = [(messages, schema) for messages, schema in PROMPTS.values()] + [([("user", m)], None) for m in MORE_OPEN]
+    requests = [(tok.encode(tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])), schema)
+                for messages, schema in chats]
+    runs = {"none": [], "auto": []}
+    for mode in runs:  # compile and settle
+        _batch(engine, requests, tokens, mode)
+    for _ in range(rounds):
+        for mode in runs:
+            runs[mode].append(_batch(engine, requests, tokens, mode))
+    row = {"clients": len(requests), "plain_tok_s": median([r["tok_s"] for r in runs["none"]]),
+           "spec_tok_s": median([r["tok_s"] for r in runs["auto"]]),
+           "same": all(a["ids"] == b["ids"] for a, b in zip(runs["auto"], runs["none"])),
+           "drafted": runs["auto"][-1]["drafted"], "accepted": runs["auto"][-1]["accepted"]}
+    log(f"speculate batch of {row['clients']}: plain {row['plain_tok_s']:.1f} tok/s, "
+        f"speculating {row['spec_tok_s']:.1f}, same {row['same']}")
+    return row
 
 
 def format_speculate(t: dict) -> list[str]:
@@ -119,4 +168,10 @@ def format_speculate(t: dict) -> list[str]:
     head += ["peer tok/s", "again / peer"] if peer else []
     title = (f"speculation, one stream, greedy, {t['tokens']} tokens, medians of {t['rounds']} alternated rounds"
              + (f"; peer {t['peer_url']}" if peer else ""))
-    return [format_table(head, rows, title=title)]
+    b = t["batch"]
+    batch = format_table(["rows", "plain tok/s", "speculate tok/s", "x plain", "accepted/drafted", "same"],
+                         [[b["clients"], f"{b['plain_tok_s']:.1f}", f"{b['spec_tok_s']:.1f}",
+                           f"{b['spec_tok_s'] / b['plain_tok_s']:.2f}x", f"{b['accepted']}/{b['drafted']}",
+                           "yes" if b["same"] else "NO"]],
+                         title=f"the same prompts and three more open ones as one batch, {t['tokens']} tokens each")
+    return [format_table(head, rows, title=title), batch]
