@@ -22,8 +22,9 @@ from jaxsmol.cache.scheduler.state import free_mask
 from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.params import abstract_params
-from jaxsmol.runtime import programs
+from jaxsmol.runtime import compile_apart, programs
 from jaxsmol.runtime.batch import empty_batch
+from jaxsmol.system.host_memory import release_freed
 from jaxsmol.runtime.chunks import capacity_for, chunk_length, prefill_buckets, tight_plan
 
 
@@ -64,8 +65,11 @@ _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsm
 
 
 class VerifyPrograms:
-    """Which verify steps (programs.verify_step) an engine has ready; a missing one is compiled (or
-    loaded from the program store) in a background thread, one at a time, never holding a step."""
+    """Which verify steps (programs.verify_step) an engine has ready. A missing one is made ready in a
+    background thread, never holding a step, with the other positions' shapes of its batch: compiled
+    in a child process into the program store and loaded from there (a verify program compiled in
+    process left ~8 MB of heap behind after malloc_trim, one loaded ~4 MB), or compiled in process
+    where there is no store."""
 
     def __init__(self, engine):
         self.engine, self.done = engine, set()
@@ -80,12 +84,21 @@ class VerifyPrograms:
             e = self.engine
             call = programs.verify_call(e.params, e.cfg, e.cache_dtype, width, capacity, positions, logprobs)
             if not call[0].ready(*call[1], **call[2]):
-                self.pending[key] = _BACKGROUND.submit(programs.compile_all, [call])
+                shapes = [(width, capacity, t, logprobs) for t in VERIFY_ROWS]
+                calls = [programs.verify_call(e.params, e.cfg, e.cache_dtype, *s) for s in shapes]
+                future = _BACKGROUND.submit(_make_ready, calls)
+                self.pending.update({s: future for s in shapes if s not in self.done})
                 return False
         elif not future.done() or future.exception() is not None:  # compiling, or failed: plain steps
             return False
         self.done.add(key)
         return True
+
+
+def _make_ready(calls: list) -> None:
+    compile_apart.compile_in_child([c for c in calls if c[0].missing(*c[1], **c[2])], least=1)
+    programs.compile_all(calls)  # loaded from the store (compiled here where there is none)
+    release_freed()  # the heap the loads (or the compiles) freed
 
 
 def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_tokens: int,

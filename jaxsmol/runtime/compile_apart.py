@@ -41,8 +41,9 @@ def shapes_of(tree):
     return jax.tree.map(leaf, tree)
 
 
-def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
-    """Compile `calls` ((program, args, kwargs) triples) into the program store in a child process.
+def compile_in_child(calls: list, stop: threading.Event | None = None, least: int = MIN_CALLS) -> int:
+    """Compile `calls` ((program, args, kwargs) triples) into the program store in a child process,
+    where at least `least` of them are missing there.
     Returns how many are stored then; 0 where it could not (no store, the child failed or computed
     another store folder, `stop` was set): the caller then compiles what is still missing itself.
     Processes sharing a store take turns (a lock file in its folder): replicas started together
@@ -67,7 +68,7 @@ def compile_in_child(calls: list, stop: threading.Event | None = None) -> int:
                     return 0
         try:
             still = [c for c in calls if c[0].missing(*c[1], **c[2])]
-            if len(still) >= MIN_CALLS and not _run_child(still, folder, stop):
+            if len(still) >= least and not _run_child(still, folder, stop):
                 return 0
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
