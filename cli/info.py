@@ -30,29 +30,31 @@ def collect() -> dict:
     return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
             "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": backend, "devices": [str(d) for d in jax.devices()],
-            "kernels": kernels, "model": {**_model(), "runs": runs}, "matmul": matmul_choice(kernels["in_use"]),
-            "speculate": speculate_choice(kernels["in_use"]),
+            "kernels": kernels, "model": {**_model(), "runs": runs}, "matmul": auto_choice("matmul", kernels["in_use"]),
+            "speculate": auto_choice("speculate", kernels["in_use"]),
             "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
 
 
-def matmul_choice(kernels_in_use: bool) -> dict:
-    """How quantized weights multiply by default (--matmul auto, load_options.with_matmul) and why."""
-    if kernels_in_use:
-        return {"auto": "int8", "why": "the CPU kernels run: activations rounded to 8 bits per 32 values, "
-                "integer dot products (logprobs within ~0.2-0.4 of the float32 weights'; 1.5-2x the exact "
-                "kernel's speed on AVX2 and AVX-512, docs/performance.md); --matmul exact for the float32 bits"}
-    return {"auto": "exact", "why": "the CPU kernels do not run (see kernels): XLA's path multiplies the "
-            "dequantized float32 values"}
+# option -> (what `auto` is and why where the CPU kernels run, and where they do not)
+AUTO_CHOICES = {
+    "matmul": (("int8", "the CPU kernels run: activations rounded to 8 bits per 32 values, integer dot products "
+                "(logprobs within ~0.2-0.4 of the float32 weights'; 1.5-2x the exact kernel's speed on AVX2 and "
+                "AVX-512, docs/performance.md); --matmul exact for the float32 bits"),
+               ("exact", "the CPU kernels do not run (see kernels): XLA's path multiplies the dequantized float32 "
+                "values")),
+    "speculate": (("cache", "the CPU kernels run, so a verify step's rows have a decode step's bits: drafts from the "
+                   "prompt, the output, the prefix cache and a schema's forced tokens, the output unchanged; "
+                   "--speculate none for one token a step"),
+                  ("none", "the CPU kernels do not run (see kernels): XLA's ops give a chunk's rows other bits than "
+                   "a one-token step's, so drafts could not be verified exactly")),
+}
 
 
-def speculate_choice(kernels_in_use: bool) -> dict:
-    """What --speculate auto does (cache/scheduler/speculation.py speculating) and why."""
-    if kernels_in_use:
-        return {"auto": "cache", "why": "the CPU kernels run, so a verify step's rows have a decode step's bits: "
-                "drafts from the prompt, the output, the prefix cache and a schema's forced tokens, the output "
-                "unchanged; --speculate none for one token a step"}
-    return {"auto": "none", "why": "the CPU kernels do not run (see kernels): XLA's ops give a chunk's rows other "
-            "bits than a one-token step's, so drafts could not be verified exactly"}
+def auto_choice(option: str, kernels_in_use: bool) -> dict:
+    """What `--OPTION auto` runs by default (--matmul: load_options.with_matmul; --speculate:
+    cache/scheduler/speculation.py speculating) and why."""
+    auto, why = AUTO_CHOICES[option][0 if kernels_in_use else 1]
+    return {"auto": auto, "why": why}
 
 
 def kernel_state(backend: str):

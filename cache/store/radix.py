@@ -127,19 +127,11 @@ class RadixStore(PinnedKeys):
         """Up to `most` tokens that follow `tokens` in a stored key where all of `tokens` is stored (the
         most recently used branch at each fork), else []: what an earlier request went on with (its
         answer, stored for the next turn). A walk of the tree: nothing gathered, touched or held."""
-        tokens = tuple(tokens)
-        node, depth, edge = self._roots.get(namespace), 0, 0  # edge: tokens of node's edge matched
-        while node is not None and depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None:
-                return []
-            edge = common_prefix_len(child.tokens, tokens, depth)
-            depth += edge
-            node = child
-            if depth < len(tokens) and edge < len(child.tokens):
-                return []  # diverges inside an edge
-        out = list(node.tokens[edge:]) if node is not None and depth else []
-        while node is not None and len(out) < most and node.children:
+        node, depth, edge = self._descend(namespace, tuple(tokens))
+        if depth < len(tokens) or node is None:
+            return []
+        out = list(node.tokens[edge:]) if depth else []
+        while len(out) < most and node.children:
             node = max(node.children.values(), key=lambda c: c.last_used)
             out += node.tokens
         return out[:most]
@@ -188,17 +180,20 @@ class RadixStore(PinnedKeys):
 
     def peek(self, namespace, tokens) -> int:
         """How many leading tokens of `tokens` are stored: a walk of the tree, nothing gathered or touched."""
-        tokens = tuple(tokens)
-        node, depth = self._roots.get(namespace), 0
+        return self._descend(namespace, tuple(tokens))[1]
+
+    def _descend(self, namespace, tokens: tuple):
+        """(the node the walk down `tokens` ends in, tokens matched, tokens of that node's edge matched)."""
+        node, depth, edge = self._roots.get(namespace), 0, 0
         while node is not None and depth < len(tokens):
-            node = node.children.get(tokens[depth])
-            if node is None:
+            child = node.children.get(tokens[depth])
+            if child is None:
                 break
-            n = common_prefix_len(node.tokens, tokens, depth)
-            depth += n
-            if n < len(node.tokens):
+            node, edge = child, common_prefix_len(child.tokens, tokens, depth)
+            depth += edge
+            if edge < len(child.tokens):
                 break
-        return depth
+        return node, depth, edge
 
     def gather(self, match: Match, length: int | None = None):
         """The value of the first `length` (default: match.length) positions, as one pytree.
