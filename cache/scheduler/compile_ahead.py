@@ -81,11 +81,10 @@ class VerifyPrograms:
             return True
         future = self.pending.get(key)
         if future is None:
-            e = self.engine
-            call = programs.verify_call(e.params, e.cfg, e.cache_dtype, width, capacity, positions, logprobs)
-            if not call[0].ready(*call[1], **call[2]):
-                shapes = [(width, capacity, t, logprobs) for t in VERIFY_ROWS]
-                calls = [programs.verify_call(e.params, e.cfg, e.cache_dtype, *s) for s in shapes]
+            e, shapes = self.engine, [(width, capacity, t, logprobs) for t in VERIFY_ROWS]
+            calls = [programs.verify_call(e.params, e.cfg, e.cache_dtype, *s) for s in shapes]
+            program, args, kwargs = calls[shapes.index(key)]
+            if not program.ready(*args, **kwargs):
                 future = _BACKGROUND.submit(_make_ready, calls)
                 self.pending.update({s: future for s in shapes if s not in self.done})
                 return False

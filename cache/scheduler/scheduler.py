@@ -45,7 +45,7 @@ from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batche
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
-from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, column, run_step, speculating
+from jaxsmol.cache.scheduler.speculation import Speculator, column, run_step, speculating
 from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
@@ -79,7 +79,8 @@ class Scheduler:
         self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
         self._shrink_votes = 0
-        self.speculator = Speculator(self.engine) if speculating(s, self.engine.cfg) else None
+        self.speculator = Speculator(self.engine, most=s.speculate_tokens, from_cache=s.speculate != "ngram") if (
+            speculating(s, self.engine.cfg)) else None
         self.verify_programs = VerifyPrograms(self.engine)
 
     # ---- the public surface ------------------------------------------------------------------------
@@ -263,12 +264,11 @@ class Scheduler:
         ttft = time.perf_counter() - req.submitted
         kept = np.array(np.asarray(logits)[0]) if req.detail else None
         rows = []
-        reference = self.cache.continuation(lk, max(sp.max_tokens for sp in req.samplings)) if (
-            self.speculator and self.settings.speculate != "ngram") else []
+        drafts = self.speculator.drafter(self.cache, lk, max(sp.max_tokens for sp in req.samplings)) if (
+            self.speculator) else lambda: None
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
-            drafts = NgramDrafts(lk.prompt, self.settings.speculate_tokens, reference) if self.speculator else None
             rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
-                            p.constraints[i], prefill_s, kept, drafts))
+                            p.constraints[i], prefill_s, kept, drafts()))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 rows[-1].push(out, i)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
@@ -388,7 +388,8 @@ class Scheduler:
         for i, r in live:
             n = 1 if plan is None else int(out["count"][i])
             if plan is not None:
-                self._verified(r, len(plan[1][i]), n - 1)
+                self.speculator.verified(r, len(plan[1][i]), n - 1)
+                self.stats.verified(r.draft_source, len(plan[1][i]), n - 1)
             for j in range(n):  # the step's new tokens, up to where the row's stream ends
                 self.stats.decoded_tokens += 1
                 r.push(out if plan is None else column(out, j), i)
@@ -397,10 +398,6 @@ class Scheduler:
             if r.stream.done:
                 self.rows[i] = None
                 self._finish(r)
-
-    def _verified(self, row: Row, drafted: int, accepted: int) -> None:
-        self.speculator.verified(row, drafted, accepted)
-        self.stats.verified(row.draft_source, drafted, accepted)
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup

@@ -148,11 +148,18 @@ class Speculator:
     """Which verify step, if any, the batch runs next: the shape whose expected new tokens per second
     is highest, plain decoding included, from each row's record and each shape's measured time."""
 
-    def __init__(self, engine=None, adaptive: bool = True):
+    def __init__(self, engine=None, adaptive: bool = True, most: int = VERIFY_ROWS[-1] - 1, from_cache: bool = True):
         # one table per engine, so that a library call's scheduler starts from what earlier ones measured
         self.times = _TIMES.setdefault(engine, StepTimes()) if engine is not None else StepTimes()
+        self.most, self.from_cache = most, from_cache  # drafts a row verifies at most; drafts from the cache
         self.sources = {s: [1.0, 1.0] for s in SOURCES}  # source -> decayed [accepted, rejections], from even
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
+
+    def drafter(self, cache, lookup, max_tokens: int):
+        """What makes each new decode row's NgramDrafts for a prompt (`lookup`): its tokens, and what the
+        prefix cache stored after it (read once for the request's choices)."""
+        reference = cache.continuation(lookup, max_tokens) if self.from_cache else []
+        return lambda: NgramDrafts(lookup.prompt, self.most, reference)
 
     def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
         """(T, each row's drafts) for a verify step of T positions per row (one of VERIFY_ROWS, every
