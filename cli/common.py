@@ -58,8 +58,11 @@ def add_speculate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                    help="draft tokens and verify them in one step, the output unchanged bit for bit: ngram = "
                         "from the request's own prompt and output (and the tokens a JSON schema forces); cache = "
-                        "those and what the prefix cache stored after the prompt (an earlier answer); auto "
-                        "(default) = cache where the CPU kernels run, none elsewhere; none = one token per step")
+                        "those and what the prefix cache stored after the prompt (an earlier answer); draft = "
+                        "a draft model's (--draft-model); auto (default) = draft with --draft-model, else cache "
+                        "where the CPU kernels run, none elsewhere; none = one token per step")
+    p.add_argument("--draft-model", metavar="PATH", help="a smaller model with the same tokenizer (a checkpoint "
+                   "directory or a GGUF file, loaded as the model is) that drafts tokens for --speculate draft / auto")
     p.add_argument("--speculate-tokens", type=int, default=7, metavar="K",
                    help=f"the most drafted tokens a row verifies in one step, 1-{VERIFY_ROWS[-1] - 1} (default 7)")
 
@@ -113,6 +116,29 @@ def load_engine(args, on_config=None):
                        progress=sys.stderr.isatty(), mesh=mesh, on_config=on_config)
 
 
+def check_speculate(args) -> None:
+    """Refuse --speculate and --draft-model values that do not go together, before any model loads."""
+    from jaxsmol.errors import JaxsmolError
+
+    if args.draft_model and args.speculate not in ("auto", "draft"):
+        raise JaxsmolError(f"--draft-model drafts only with --speculate draft or auto, not {args.speculate}")
+    if args.speculate == "draft" and not args.draft_model:
+        raise JaxsmolError("--speculate draft needs --draft-model PATH")
+
+
+def load_draft(args, engine):
+    """The --draft-model engine (loaded as the model is: --dtype, --kv-dtype, --matmul, on one device), or None."""
+    if not args.draft_model:
+        return None
+    from jaxsmol.cache.scheduler.draft_model import check_pair
+    from jaxsmol.runtime.engine import Engine
+
+    draft = Engine.load(args.draft_model, ctx=engine.ctx, dtype=args.dtype, kv_dtype=getattr(args, "kv_dtype", None),
+                        matmul=getattr(args, "matmul", "auto"), progress=sys.stderr.isatty())
+    check_pair(draft, engine)
+    return draft
+
+
 class Precompile:
     """Compile a one-shot request's programs in a thread while the weights load (`jaxsmol generate`).
 
@@ -152,7 +178,8 @@ class Precompile:
 
         t0 = time.perf_counter()
         try:
-            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens, self.args.speculate)
+            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens, self.args.speculate,
+                                 bool(self.args.draft_model))
         except Exception:  # noqa: BLE001 - compiled on first use instead
             pass
         self.seconds = time.perf_counter() - t0

@@ -7,7 +7,8 @@ import sys
 import time
 
 from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
-                                add_speculate_args, add_structured_args, close_prompt_cache, load_engine,
+                                add_speculate_args, add_structured_args, check_speculate, close_prompt_cache,
+                                load_draft, load_engine,
                                 open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, structured_spec,
                                 user_errors)
 from jaxsmol.cli.tables import format_probe
@@ -18,6 +19,7 @@ def _generate(args) -> int:
     from jaxsmol.runtime.sampling import SamplingParams
 
     structured = structured_spec(args)  # a bad schema fails before the model loads
+    check_speculate(args)
     sp = SamplingParams(max_tokens=args.max_tokens, stop_strings=tuple(args.stop or ()),  # so do bad settings
                         logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     t0 = time.perf_counter()
@@ -25,6 +27,7 @@ def _generate(args) -> int:
         engine = load_engine(args, on_config=precompile.start)
         load_s = time.perf_counter() - t0
         ids = engine.check_prompt(prompt_ids(args, engine), args.max_tokens)
+        draft = load_draft(args, engine)
         compile_s = precompile.wait()
     startup_s = time.perf_counter() - t0
     cache = None
@@ -37,7 +40,7 @@ def _generate(args) -> int:
         sys.stdout.flush()
 
     gen = generate(cache or engine, ids, sp, speculate=args.speculate, speculate_tokens=args.speculate_tokens,
-                   on_token=show if stream else None)
+                   draft=draft, on_token=show if stream else None)
     t = gen.timings
     t.load_s, t.compile_s, t.startup_s = load_s, compile_s, startup_s
     cache_out = None
@@ -119,6 +122,7 @@ def _serve(args) -> int:
     from jaxsmol.errors import JaxsmolError
 
     tenants = Tenants.from_options(args.api_key, args.api_keys)  # a bad keys file fails before the model loads
+    check_speculate(args)
     if args.max_connections is not None and args.max_connections < 1:
         raise JaxsmolError(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.write_timeout <= 0:
@@ -136,7 +140,8 @@ def _serve(args) -> int:
         print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
     engine = load_engine(args)
-    serve(engine, args.host, args.port, cache_bytes=args.cache_bytes, prefix_cache=not args.no_prefix_cache,
+    serve(engine, args.host, args.port, draft=load_draft(args, engine), cache_bytes=args.cache_bytes,
+          prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,
           write_timeout_s=args.write_timeout, warmup=args.warmup, pinned_bytes=args.pinned_bytes,

@@ -81,3 +81,31 @@ def test_speculating_daemon_answers_as_plain_decoding(daemon, engine):
         assert 0 <= m[f'jaxsmol_speculation_accepted_tokens_total{{source="{source}"}}'] <= drafted
     assert m['jaxsmol_speculation_accepted_tokens_total{source="ngram"}'] > 0
     assert_healthy(daemon)
+
+
+@pytest.fixture(scope="module")
+def drafting_daemon(tiny_model_dir):
+    server = Server("--model", str(tiny_model_dir), "--max-batch", "8", "--draft-model", str(tiny_model_dir))
+    server.wait_ready()
+    yield server.url
+    server.stop()
+
+
+def test_draft_model_daemon_answers_as_plain_decoding(drafting_daemon, engine):
+    """--draft-model (its own weights here: greedy drafts nearly all accepted): 8 concurrent requests and
+    one alone equal plain decoding's, and /metrics counts the draft model's drafts."""
+    rounds = 0
+    while rounds < 1 or accepted(drafting_daemon) == 0:
+        assert rounds < 5, "the daemon never accepted a draft"
+        bodies = requests_(8, seed=50 + rounds)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda b: answer(drafting_daemon, b), bodies))
+        for body, got in zip(bodies, answers):
+            assert got == plain(engine, body), body
+        alone = requests_(1, seed=150 + rounds)[0]
+        assert answer(drafting_daemon, alone) == plain(engine, alone)
+        rounds += 1
+    m = metrics(drafting_daemon)
+    assert m['jaxsmol_speculation_accepted_tokens_total{source="draft"}'] > 0
+    assert m['jaxsmol_speculation_accepted_tokens_total{source="ngram"}'] == 0
+    assert_healthy(drafting_daemon)

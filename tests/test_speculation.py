@@ -198,7 +198,7 @@ def test_speculator_verifies_only_where_it_pays():
             self.position, self.drafts, self.draft_source = 10, NgramDrafts([7, 8, 7], 7), "ngram"
             self.drafts.accepted, self.drafts.rejected = 1000 * chance, 1000 * (1 - chance)
 
-        def draft(self, most):
+        def draft(self, most, run_model=True):
             return [8, 7, 8, 7, 8, 7, 8][:most]
 
     s = Speculator()

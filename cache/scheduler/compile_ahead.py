@@ -101,11 +101,11 @@ def _make_ready(calls: list) -> None:
 
 
 def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_tokens: int,
-                       settings: BatchSettings = BatchSettings()) -> list:
+                       settings: BatchSettings = BatchSettings(), draft: bool = False) -> list:
     """What a lone request of n_prompt tokens generating max_tokens runs through a scheduler, as
     (program, args, kwargs) calls: its prompt's chunks (the lengths `Scheduler._prefill_newcomers`
     picks with no row decoding), its first token's sampling, and its decode row if it has one (with
-    its verify steps where the settings speculate)."""
+    its verify steps where the settings speculate, `draft` whether with a draft model)."""
     buckets = prefill_buckets(True, cfg.cpu_kernels)
     capacity = capacity_for(n_prompt + max_tokens)  # Request.capacity
     budget, lengths, left = max(settings.step_rows(False), buckets[0]), set(), n_prompt
@@ -120,18 +120,19 @@ def lone_request_calls(cfg: Config, params, cache_dtype, n_prompt: int, max_toke
     calls.append(programs.first_token_call(cfg))
     if max_tokens > 1:
         calls += programs.decode_calls(params, cfg, cache_dtype, 1, capacity)
-    if max_tokens > 2 and speculating(settings, cfg):
+    if max_tokens > 2 and speculating(settings, cfg, draft):
         calls += [programs.verify_call(params, cfg, cache_dtype, 1, capacity, t, False) for t in VERIFY_ROWS]
     return calls
 
 
-def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, speculate: str = "none") -> int:
+def compile_lone_request(cfg: Config, dtype: str, n_prompt: int, max_tokens: int, speculate: str = "none",
+                         draft: bool = False) -> int:
     """Compile (or load from the program store) a lone request's programs (lone_request_calls) from
     shapes alone, so it can run while the weights load (`jaxsmol generate`). Returns how many."""
     params = abstract_params(cfg, getattr(jnp, dtype))
     cache_dtype = cfg.cache_dtype(params.compute_dtype)  # float32 under the kernels unless --kv-dtype says
     n = programs.compile_all(lone_request_calls(cfg, params, cache_dtype, n_prompt, max_tokens,
-                                                BatchSettings(speculate=speculate)))
+                                                BatchSettings(speculate=speculate), draft))
     # the zeros of its caches are small programs of their own, compiled on first use (15-150 ms each),
     # and its first token's all-allowed mask a copy to the device: made here, beside the weights' load
     capacity = capacity_for(n_prompt + max_tokens)

@@ -42,6 +42,7 @@ from jaxsmol.cache.scheduler.admission import admitted, next_index
 from jaxsmol.cache.scheduler.answers import AnswerQueue
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batched
+from jaxsmol.cache.scheduler.draft_model import DraftModel
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
@@ -51,6 +52,7 @@ from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.batch import empty_batch, row_settings
+from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.stream import TokenStream
 from jaxsmol.runtime.structured import constraint_for
@@ -62,8 +64,9 @@ PREFILLS_AT_ONCE = 8
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, **settings):
-        """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows)."""
+    def __init__(self, cache: PrefixCache, draft: Engine | DraftModel | None = None, **settings):
+        """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows, speculate...);
+        draft: a draft model for speculate "draft" / "auto" (an Engine gets a DraftModel of its own)."""
         self.settings = s = BatchSettings(**settings)
         self.cache, self.engine = cache, cache.engine
         self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
@@ -79,8 +82,12 @@ class Scheduler:
         self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
         self._shrink_votes = 0
-        self.speculator = Speculator(self.engine, most=s.speculate_tokens, from_cache=s.speculate != "ngram") if (
-            speculating(s, self.engine.cfg)) else None
+        if isinstance(draft, Engine):
+            draft = DraftModel(draft, cache)
+        self.speculator = Speculator(self.engine, most=s.speculate_tokens, from_cache=s.speculate != "ngram",
+                                     draft=draft) if speculating(s, self.engine.cfg, draft is not None) else None
+        # a decode row's bytes per position: the target's, and its draft cache's where a draft model drafts
+        self.kv_bytes_per_token = self.engine.kv_bytes_per_token + (draft.engine.kv_bytes_per_token if draft else 0)
         self.verify_programs = VerifyPrograms(self.engine)
 
     # ---- the public surface ------------------------------------------------------------------------
@@ -107,8 +114,10 @@ class Scheduler:
 
     @property
     def kv_bytes_held(self) -> int:
-        """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms)."""
-        return sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
+        """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms),
+        and the live rows' draft caches (a draft model's)."""
+        drafts = sum(getattr(r.drafts, "nbytes", 0) for r in self.rows if r is not None)
+        return drafts + sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
 
     def figures(self) -> dict:
         """What /metrics shows of the batch (see cli/server/metrics.py)."""
@@ -195,7 +204,7 @@ class Scheduler:
         width = self.settings.width_for(rows)
         capacity = max([r.capacity for r in held + [req]]
                        + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
-        return self.live_rows + len(held) == 0 or width * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes
+        return self.live_rows + len(held) == 0 or width * capacity * self.kv_bytes_per_token <= self.kv_bytes
 
     def _begin(self, req: Request) -> None:
         started, cfg = time.perf_counter(), self.engine.cfg
@@ -325,7 +334,7 @@ class Scheduler:
         waiting = sum(r.decode_rows for r in coming)
         least, most = self.settings.width_for(needed), self.settings.width_for(needed + waiting)
         fits = [w for w in self.widths
-                if least <= w <= most and w * capacity * self.engine.kv_bytes_per_token <= self.kv_bytes]
+                if least <= w <= most and w * capacity * self.kv_bytes_per_token <= self.kv_bytes]
         return max(fits, default=least)
 
     def _relayout(self, width: int, capacity: int) -> None:

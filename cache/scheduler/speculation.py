@@ -29,9 +29,11 @@ from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.sampling import SamplingParams
 
 # ngram: drafts from the request's own tokens; cache: from those and from what the prefix cache stored after
-# its prompt; auto: cache where the CPU kernels run (a verify step's exactness needs them), none elsewhere
-SPECULATE_MODES = ("auto", "none", "ngram", "cache")
-SOURCES = ("cache", "ngram", "grammar")  # where drafts come from: the prefix cache, the row's own tokens, forced
+# its prompt; draft: from a draft model (draft_model.py); auto: draft where a draft model is given, else cache
+# where the CPU kernels run (a verify step's exactness needs them), none elsewhere
+SPECULATE_MODES = ("auto", "none", "ngram", "cache", "draft")
+# where drafts come from: the prefix cache, the row's own tokens, a draft model, the grammar (forced)
+SOURCES = ("cache", "ngram", "draft", "grammar")
 NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
 VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes), padded up to one of these
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
@@ -42,15 +44,24 @@ MEASURED = 0.2  # the weight of the newest time of a step shape in its running e
 RETIME_AFTER = 512  # steps after which a verify shape's time is measured afresh (see StepTimes): ~1% of them
 
 
-def speculating(settings, cfg) -> bool:
-    """Whether a scheduler with these BatchSettings drafts, for a model of this Config: "auto" where the
-    CPU kernels run, "ngram" and "cache" only there (a verify step has a decode step's bits only with them)."""
-    if settings.speculate == "none" or (settings.speculate == "auto" and not cfg.cpu_kernels):
-        return False
+def speculating(settings, cfg, draft: bool = False) -> str | None:
+    """What a scheduler with these BatchSettings drafts from ("ngram", "cache" or "draft"; None: it does
+    not), for a model of this Config, `draft` whether a draft model is given. "auto": "draft" with a
+    draft model, else "cache" where the CPU kernels run; any mode only there (a verify step has a decode
+    step's bits only with them)."""
+    mode = settings.speculate
+    if mode == "auto":
+        mode = "draft" if draft else "cache" if cfg.cpu_kernels else "none"
+    if draft and mode != "draft":
+        raise JaxsmolError(f"a draft model drafts only with --speculate draft or auto, not {mode}")
+    if mode == "draft" and not draft:
+        raise JaxsmolError("--speculate draft needs a draft model (--draft-model PATH)")
+    if mode == "none":
+        return None
     if not cfg.cpu_kernels:
-        raise JaxsmolError(f"--speculate {settings.speculate} needs the CPU kernels (its verify step has a decode "
+        raise JaxsmolError(f"--speculate {mode} needs the CPU kernels (its verify step has a decode "
                            "step's bits only with them); use --speculate auto or none here")
-    return True
+    return mode
 
 
 def _index(seen: dict, tokens: list[int], new) -> None:
@@ -66,6 +77,8 @@ def _index(seen: dict, tokens: list[int], new) -> None:
 class NgramDrafts:
     """A row's drafts by n-gram lookup in a reference (what the prefix cache stored after the row's
     prompt: an earlier answer to it) and in its own tokens (prompt, then output so far); and its record."""
+
+    runs_model = False  # a lookup: cheap enough to make for every step shape considered
 
     def __init__(self, prompt, most: int, reference=()):
         self.tokens: list[int] = []
@@ -148,44 +161,60 @@ class Speculator:
     """Which verify step, if any, the batch runs next: the shape whose expected new tokens per second
     is highest, plain decoding included, from each row's record and each shape's measured time."""
 
-    def __init__(self, engine=None, adaptive: bool = True, most: int = VERIFY_ROWS[-1] - 1, from_cache: bool = True):
+    def __init__(self, engine=None, adaptive: bool = True, most: int = VERIFY_ROWS[-1] - 1, from_cache: bool = True,
+                 draft=None):
         # one table per engine, so that a library call's scheduler starts from what earlier ones measured
         self.times = _TIMES.setdefault(engine, StepTimes()) if engine is not None else StepTimes()
         self.most, self.from_cache = most, from_cache  # drafts a row verifies at most; drafts from the cache
+        self.draft = draft  # a DraftModel (draft_model.py), or None: drafts by n-gram lookup
         self.sources = {s: [1.0, 1.0] for s in SOURCES}  # source -> decayed [accepted, rejections], from even
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
     def drafter(self, cache, lookup, max_tokens: int):
-        """What makes each new decode row's NgramDrafts for a prompt (`lookup`): its tokens, and what the
-        prefix cache stored after it (read once for the request's choices)."""
+        """What makes each new decode row's drafter for a prompt (`lookup`): a draft model's ModelDrafts,
+        else NgramDrafts over its tokens and what the prefix cache stored after it (read once for the
+        request's choices)."""
+        if self.draft is not None:
+            return lambda: self.draft.drafts(lookup, max_tokens)
         reference = cache.continuation(lookup, max_tokens) if self.from_cache else []
         return lambda: NgramDrafts(lookup.prompt, self.most, reference)
 
     def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
         """(T, each row's drafts) for a verify step of T positions per row (one of VERIFY_ROWS, every
         row's pos + T within the capacity, `ready(T)`: its program compiled), or None for a plain
-        decode step."""
+        decode step. A draft model's drafts are made only once a verify step is chosen, for its T - 1
+        (their cost counted in the choice)."""
         W, live = len(rows), [r for r in rows if r is not None]
         plain = self.times.seconds.get((W, 1))
         room = min(capacity - r.position for r in live)
         fits = [t for t in VERIFY_ROWS if t <= room]
         if (plain is None and self.adaptive) or not fits:
             return None
-        drafts = [r.draft(fits[-1] - 1) if r is not None and r.drafts is not None else [] for r in rows]
+        # None: a draft model's, for as many as the row has room for (Row.room)
+        drafts = [r.draft(fits[-1] - 1, run_model=False) if r is not None and r.drafts is not None else []
+                  for r in rows]
+        lengths = [r.room(fits[-1] - 1) if d is None else len(d) for r, d in zip(rows, drafts)]
         if not self.adaptive:
-            longest = max(map(len, drafts))
-            return (next(t for t in fits if t > longest), drafts) if longest else None
+            longest = max(lengths)
+            return (self._made(rows, drafts, next(t for t in fits if t > longest)) if longest else None)
         best, best_rate = None, len(live) / plain
         for t in fits:
-            gain = sum(expected(self.chance(r), min(len(d), t - 1)) for r, d in zip(rows, drafts) if d)
+            gain = sum(expected(self.chance(r), min(n, t - 1)) for r, n in zip(rows, lengths) if n)
             if gain == 0:
                 break
             if not ready(t):
                 continue
-            rate = (len(live) + gain) / self.times.estimate((W, t), plain)
+            drafting = sum(d is None and n > 0 for d, n in zip(drafts, lengths))  # rows a draft model drafts for
+            cost = drafting * self.draft.seconds(t - 1, plain) if drafting else 0.0
+            rate = (len(live) + gain) / (self.times.estimate((W, t), plain) + cost)
             if rate > best_rate:
                 best, best_rate = t, rate
-        return None if best is None else (best, [d[:best - 1] for d in drafts])
+        return None if best is None else self._made(rows, drafts, best)
+
+    @staticmethod
+    def _made(rows: list, drafts: list, T: int) -> tuple[int, list[list[int]]]:
+        """(T, every row's drafts for it): a draft model's made now, for T - 1 positions."""
+        return T, [r.draft(T - 1) if d is None else d[:T - 1] for r, d in zip(rows, drafts)]
 
     def timed(self, width: int, positions: int, seconds: float) -> None:
         """A step of this shape took `seconds` (its first run, which compiles, is left out)."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
+from jaxsmol.cache.scheduler.draft_model import ModelDrafts
 from jaxsmol.cache.scheduler.speculation import NgramDrafts
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.stream import TokenStream
@@ -40,7 +41,7 @@ class Row:
     constraint: Constraint | None = None
     prefill_s: float = 0.0  # admission to the prompt's state computed
     prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
-    drafts: NgramDrafts | None = None  # speculation's drafter (None: this row does not speculate)
+    drafts: NgramDrafts | ModelDrafts | None = None  # speculation's drafter (None: this row does not speculate)
     draft_source: str = "ngram"  # of the last drafts: one of speculation.SOURCES
 
     @property
@@ -48,19 +49,26 @@ class Row:
         """The cache position its last token goes to (the tokens before it are in the cache)."""
         return len(self.lookup.prompt) + len(self.stream.output_ids) - 1
 
-    def draft(self, most: int) -> list[int]:
-        """Up to `most` drafted tokens, no more than the choice's max_tokens leaves room for: under a
-        grammar the tokens it forces (jump-forward) where there are any, else n-gram drafts as far as
-        it allows them; `draft_source` says which (speculation.SOURCES)."""
+    def room(self, most: int) -> int:
+        """Drafts the row may verify, at most `most`: one fewer than its max_tokens leaves."""
+        return max(0, min(most, self.stream.sp.max_tokens - len(self.stream.output_ids) - 1))
+
+    def draft(self, most: int, run_model: bool = True) -> list[int] | None:
+        """Up to `most` drafted tokens, no more than `room` allows: under a grammar the tokens it forces
+        (jump-forward) where there are any, else the drafter's (n-gram lookup, or a draft model's; with
+        `run_model` False None stands for those, made later) as far as the grammar allows them;
+        `draft_source` says which (speculation.SOURCES)."""
         s = self.stream
-        most = min(most, s.sp.max_tokens - len(s.output_ids) - 1)
+        most = self.room(most)
         self.drafts.sync(s.output_ids, len(self.lookup.prompt))
         forced = self.constraint.forced()[:most] if self.constraint is not None and most > 0 else []
         if forced:
             self.draft_source = "grammar"
             return forced
-        drafts = self.drafts.draft(most)
         self.draft_source = self.drafts.source
+        if self.drafts.runs_model and not run_model:
+            return None
+        drafts = self.drafts.draft(most)
         return drafts if self.constraint is None else drafts[:self.constraint.valid_prefix(drafts)]
 
     def push(self, out: dict, i: int) -> None:

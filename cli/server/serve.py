@@ -235,7 +235,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
                write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
-               warmup: str = "none", pinned_bytes: int = 512 << 20) -> FastAPI:
+               warmup: str = "none", pinned_bytes: int = 512 << 20, draft=None) -> FastAPI:
     disk = None
     if cache_dir is not None and prefix_cache:
         from jaxsmol.cache.store.disk import DiskStore, identity
@@ -246,7 +246,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk,
                         pinned_bytes=pinned_bytes)
     metrics = Metrics(ROUTES + REPLICA_ROUTES)
-    worker = Worker(cache, max_queue, metrics, batch)
+    worker = Worker(cache, max_queue, metrics, batch, draft)
     model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
     d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, warmup)
 

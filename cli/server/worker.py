@@ -16,6 +16,7 @@ import queue
 import threading
 
 from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.draft_model import DraftModel
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.scheduler import Scheduler
@@ -77,11 +78,14 @@ class JobSink:
 
 
 class Worker(threading.Thread):
-    def __init__(self, cache: PrefixCache, max_queue: int, metrics, batch: BatchSettings = BatchSettings()):
+    def __init__(self, cache: PrefixCache, max_queue: int, metrics, batch: BatchSettings = BatchSettings(),
+                 draft=None):
+        """draft: a draft model's Engine (--draft-model): its DraftModel (and draft cache) outlives the schedulers."""
         super().__init__(name="jaxsmol-worker", daemon=True)
         self.cache, self.metrics = cache, metrics
         self._settings = dataclasses.asdict(batch)
-        self.scheduler = Scheduler(cache, **self._settings)
+        self.draft = DraftModel(draft, cache) if draft is not None else None
+        self.scheduler = Scheduler(cache, self.draft, **self._settings)
         self.max_queue = max_queue
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)
@@ -176,4 +180,4 @@ class Worker(threading.Thread):
         sinks += [p.request.sink for p in s.prefills]
         for sink in {id(k): k for k in sinks}.values():
             sink.error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
-        self.scheduler = Scheduler(self.cache, **self._settings)
+        self.scheduler = Scheduler(self.cache, self.draft, **self._settings)

@@ -10,6 +10,7 @@ JetStream's shape: a newcomer is prefilled alone, as a single sequence (B = 1, e
 so its prompt state has the bits of a cold prefill), then `insert_row` writes that state into a free
 row with `dynamic_update_slice`; `decode_rows` then advances every row by one token per call.
 `relayout` moves rows into a batch of another width or capacity (when the batch grows or shrinks).
+`greedy_drafts` is a draft model's side of speculation: one sequence's next k greedy tokens.
 `prefill_rows` runs a chunk of several newcomers' prompts in one forward (a burst of short prompts
 reads the weights once, not once per prompt), each still in its own staging cache.
 
@@ -77,6 +78,25 @@ def verify_step(params: Params, tokens: jax.Array, lengths: jax.Array, kv: KVCac
     matches = (out["tokens"][:, :-1] == tokens[:, 1:]) & drafted
     out["count"] = 1 + jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
     return out, kv.replace(pos=jnp.where(active, pos + out["count"], 0))
+
+
+def greedy_drafts(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
+                  k: int) -> tuple[jax.Array, KVCache]:
+    """A draft model's k proposed tokens for one sequence: tokens [1, P] (the sequence's tokens not yet
+    in kv, the first `length` real) fed at kv.pos, then k - 1 greedy decode steps, each feeding the
+    token before it. Returns (drafts [k] int32, kv with pos + length + k - 1: the drafts but the last
+    are in it; the caller moves pos back to what the target accepted, and later steps overwrite the rest)."""
+    logits, kv = forward(params, tokens, length, kv, cfg)
+
+    def step(carry, _):
+        token, kv = carry
+        logits, kv = forward(params, token[None, None], jnp.int32(1), kv, cfg)
+        token = jnp.argmax(logits[0]).astype(jnp.int32)
+        return (token, kv), token
+
+    first = jnp.argmax(logits[0]).astype(jnp.int32)
+    (_, kv), rest = lax.scan(step, (first, kv), None, length=k - 1)
+    return jnp.concatenate([first[None], rest]), kv
 
 
 def sample_and_score(logits: jax.Array, sampling: dict, logprobs: bool = False) -> dict:

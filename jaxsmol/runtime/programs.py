@@ -1,8 +1,8 @@
 """Every compiled program, in one place: `jax.jit` is applied here and only here.
 
 One sequence's cache (engine.py): `forward` (chunked prefill, and decode), `load_prefix`. The decode
-rows the scheduler drives (batch.py): `decode_step`, `verify_step` (speculation), `sample_first` (a
-prompt's first tokens), `insert_row`, `relayout`, `prefill_rows`.
+rows the scheduler drives (batch.py): `decode_step`, `verify_step` (speculation) and a draft model's
+`greedy_drafts`, `sample_first` (a prompt's first tokens), `insert_row`, `relayout`, `prefill_rows`.
 
 A cache argument is donated where the caller hands over a buffer that nothing else holds (a fresh
 cache, a recycled one, or one restored from a host snapshot), so XLA updates it in place. Host
@@ -40,13 +40,14 @@ load_prefix = _program("load_prefix", kv.load_prefix, ("kernel",), ("kv",))
 
 decode_step = _program("decode_step", batch.decode_step, ("cfg", "logprobs"), ("kv",))
 verify_step = _program("verify_step", batch.verify_step, ("cfg", "logprobs"), ("kv",))
+greedy_drafts = _program("greedy_drafts", batch.greedy_drafts, ("cfg", "k"), ("kv",))
 sample_first = _program("sample_first", batch.sample_and_score, ("logprobs",))
 insert_row = _program("insert_row", batch.insert_row, donate=("batch",))
 relayout = _program("relayout", batch.relayout, ("width", "capacity"))
 prefill_rows = _program("prefill_rows", batch.prefill_rows, ("cfg", "window"), ("rows",))
 
-ALL = {p.name: p for p in (forward, load_prefix, decode_step, verify_step, sample_first, insert_row, relayout,
-                           prefill_rows)}
+ALL = {p.name: p for p in (forward, load_prefix, decode_step, verify_step, greedy_drafts, sample_first, insert_row,
+                           relayout, prefill_rows)}
 
 
 def decode_calls(params, cfg, cache_dtype, width: int, capacity: int) -> list:

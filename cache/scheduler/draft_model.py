@@ -1,0 +1,150 @@
+"""A draft model's drafts (`--draft-model`, `speculate="draft"`): a smaller model with the target's tokenizer
+proposes each decode row's next tokens, greedily; the target verifies them in one exact step
+(speculation.py), so the output is the target's, bit for bit, whatever the draft proposes.
+
+Each row drafting keeps the draft's own KV cache of its tokens (one sequence of the draft engine),
+made when the row first drafts: its prompt's state is looked up in the draft's prefix cache (a
+PrefixCache over the draft engine, the request's salt, its byte budget the target cache's in
+proportion to the bytes of a position), restored, the rest prefilled and stored, as the target's
+prompt is. At each draft call the row's cache takes in the tokens it has not seen (the last one
+sampled; also the last draft where all were accepted) and runs k - 1 greedy steps after them
+(programs.greedy_drafts, one call). Its position then moves back to what the target accepted: the KV
+of rejected drafts is overwritten later, never read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.records import Lookup
+from jaxsmol.cache.scheduler.speculation import DECAY, MEASURED, VERIFY_ROWS
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.engine import Engine
+
+FED_AT_ONCE = 2  # the tokens a draft call feeds before its greedy steps (more: a prefill first)
+UNTIMED = 0.05  # a draft step's guessed cost, over a plain target step's, until one is measured (so it is tried)
+
+
+def check_pair(draft: Engine, target: Engine) -> None:
+    """Refuse a draft model whose token ids do not mean the target's."""
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise JaxsmolError(f"the draft model's vocabulary ({draft.cfg.vocab_size} ids) is not the target's "
+                           f"({target.cfg.vocab_size}): a draft model needs the same tokenizer")
+    if draft.tokenizer is not None and target.tokenizer is not None and (
+            draft.tokenizer.fingerprint != target.tokenizer.fingerprint):
+        raise JaxsmolError("the draft model's tokenizer is not the target's (tokenizer.json or chat template "
+                           "differ): a draft model needs the same tokenizer")
+
+
+class DraftModel:
+    """A draft engine, its prefix cache and the measured cost of its draft calls, for one target cache."""
+
+    def __init__(self, engine: Engine, target: PrefixCache):
+        check_pair(engine, target.engine)
+        self.engine = engine
+        share = engine.kv_bytes_per_token / target.engine.kv_bytes_per_token  # as many positions as the target's
+        self.cache = PrefixCache(engine, mode="off" if target.mode == "off" else "radix",
+                                 budget_bytes=int(target.budget_bytes * share), salt=target.salt,
+                                 save_generated=False, exact=False)
+        self._seconds: dict[int, float] = {}  # k -> a draft call's running estimate
+        self._seen: set[int] = set()  # k run once (its first call compiles: not timed)
+
+    def drafts(self, lookup: Lookup, max_tokens: int) -> ModelDrafts:
+        """A new decode row's drafter (its cache is made at its first draft)."""
+        return ModelDrafts(self, lookup, max_tokens)
+
+    def seconds(self, k: int, plain: float) -> float:
+        """A draft call of k tokens' time: measured, else a guess from a plain target step's `plain`."""
+        return self._seconds.get(k, UNTIMED * k * plain)
+
+    def start(self, lookup: Lookup, max_tokens: int) -> KVCache:
+        """The draft's cache of lookup's prompt, for max_tokens more (and a draft call's room past them):
+        its stored prefix restored, the rest prefilled and stored. Raises JaxsmolError where the draft
+        cannot take the prompt (its context is shorter)."""
+        salt = None if lookup.ns is None else lookup.ns[1]
+        lk = self.cache.lookup(lookup.prompt, max_tokens + VERIFY_ROWS[-1], salt=salt, bypass=lookup.ns is None)
+        e, n, reused = self.engine, len(lk.prompt), lk.report.reused
+        try:
+            slots = e.slots_needed(reused, n, max_tokens, exact=False) + VERIFY_ROWS[-1]
+            kv = e.restore(lk.prefix, slots, reused) if reused else e.new_cache(slots)
+            if reused < n:
+                logits, kv = e.prefill(lk.prompt, kv, exact=False)
+                self.cache.save_prompt(lk, kv, logits)
+            self.cache.finish(lk, n - reused)
+        finally:
+            self.cache.release(lk)
+        return kv
+
+    def run(self, kv: KVCache, tokens: list[int], fed: int, k: int) -> tuple[list[int], KVCache]:
+        """k greedy drafts after `tokens`, of which kv holds the first `fed`: (drafts, kv)."""
+        started = time.perf_counter()
+        e, kv = self.engine, kv.replace(pos=jnp.int32(fed))
+        if len(tokens) - fed > FED_AT_ONCE:
+            _, kv = e.prefill(tokens[:-1], kv, exact=False)
+            fed = len(tokens) - 1
+        chunk = np.zeros((1, FED_AT_ONCE), np.int32)
+        chunk[0, :len(tokens) - fed] = tokens[fed:]
+        drafts, kv = programs.greedy_drafts(e.params, chunk, np.int32(len(tokens) - fed), kv, e.cfg, k=k)
+        drafts = jax.device_get(drafts).tolist()
+        self._timed(k, time.perf_counter() - started)
+        return drafts, kv
+
+    def _timed(self, k: int, seconds: float) -> None:
+        if k not in self._seen:
+            self._seen.add(k)
+            return
+        old = self._seconds.get(k)
+        self._seconds[k] = seconds if old is None else old + MEASURED * (seconds - old)
+
+
+class ModelDrafts:
+    """A row's drafts from a draft model (the drafter interface of speculation.NgramDrafts), its draft
+    cache, and its record."""
+
+    runs_model = True  # made only for a step that verifies (Speculator.plan)
+    source = "draft"
+
+    def __init__(self, model: DraftModel, lookup: Lookup, max_tokens: int):
+        self.model, self.lookup, self.max_tokens = model, lookup, max_tokens
+        self.output: list[int] = []
+        self.kv: KVCache | None = None
+        self.fed = 0  # the row's tokens whose state kv holds
+        self.unsure = 0  # drafts fed to the draft model at its last call (kept in kv as far as accepted)
+        self.failed = False  # the draft model cannot take this prompt: no drafts
+        self.accepted = self.rejected = 0.0  # decayed counts of accepted drafts and of rejections
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.kv is None else self.kv.nbytes
+
+    def sync(self, output_ids: list[int], prompt_n: int) -> None:
+        self.output = output_ids
+
+    def draft(self, most: int) -> list[int]:
+        if most <= 0 or self.failed:
+            return []
+        if self.kv is None:
+            try:
+                self.kv = self.model.start(self.lookup, self.max_tokens)
+            except JaxsmolError:  # e.g. a prompt longer than the draft's context: decoded plainly
+                self.failed = True
+                return []
+            self.fed = len(self.lookup.prompt)
+        tokens = self.lookup.prompt + self.output
+        drafts, self.kv = self.model.run(self.kv, tokens, self.fed, most)
+        self.fed, self.unsure = len(tokens), most - 1
+        self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
+        return drafts
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.fed += min(accepted, self.unsure)
+        self.unsure = 0
+        self.accepted += accepted
+        self.rejected += accepted < drafted
