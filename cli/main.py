@@ -287,6 +287,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     b.add_argument("--peer-url", metavar="URL", help="serve, ttft-peer and speculate: also measure this "
                    "OpenAI-compatible server (e.g. llama.cpp's llama-server), alternating with jaxsmol")
+    b.add_argument("--draft-model", metavar="PATH", help="speculate: also measure this draft model's drafts "
+                   "(--speculate draft; a checkpoint directory or GGUF file with the model's tokenizer)")
     add_section_flags(b)
     add_model_args(b)
     b.set_defaults(func=_bench)

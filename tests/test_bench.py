@@ -116,7 +116,7 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     stdout, res = _bench(tmp_path, tiny_model_dir, "--only", "forks", "prompt-cache", "ttft-peer", "speculate",
                          "--samples", "2",
                          "--tokens", "2", "--prompt-tokens", "24", "--rounds", "1", "--prefix", "40", "--suffix", "4",
-                         "--report")
+                         "--draft-model", tiny_model_dir, "--report")
     assert res["meta"]["sections"] == ["forks", "prompt-cache", "ttft-peer", "speculate"]
     # the run's command (without its output files), machine and date, and its markdown table (--report)
     meta = res["meta"]
@@ -157,9 +157,9 @@ def test_bench_in_process_sections(tmp_path, tiny_model_dir):
     assert [r["prompt"] for r in sp["rows"]] == ["copy", "rename", "turn 2", "json", "open"]
     for r in sp["rows"]:
         assert r["same"] is True  # speculation's output is plain decoding's
-        for way in ("none", "fresh", "again"):
+        for way in ("none", "fresh", "again", "draft"):  # draft: --draft-model's drafts
             _positive(r[f"{way}_tok_s"], f"speculate {r['prompt']} {way} tok/s")
-    assert "speculation, one stream, greedy, 2 tokens" in stdout
+    assert "speculation, one stream, greedy, 2 tokens" in stdout and "draft tok/s" in stdout
     b = sp["batch"]
     assert b["clients"] == 8 and b["same"] is True
     _positive(b["plain_tok_s"], "speculate batch plain tok/s")

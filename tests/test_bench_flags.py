@@ -1,5 +1,5 @@
 """`jaxsmol bench` is the one entry point for the benchmarks a user runs: its --only sections and their
-flags, --peer-url refused without a section that measures a peer, and tools/ holding only maintainers'
+flags, --peer-url and --draft-model refused without a section that measures them, and tools/ holding only maintainers'
 scripts (generators, kernel timers), each with a one-line summary and its usage in its docstring.
 No model is loaded here; tests/test_bench.py runs the sections."""
 
@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from jaxsmol.cli.bench.plans import EXTRA_SECTIONS, FULL, QUICK, SECTIONS, with_flags
 from jaxsmol.cli.main import build_parser
@@ -48,13 +50,15 @@ def test_flags_override_the_plan_and_nothing_else():
     assert with_flags(FULL, argparse.Namespace()) == FULL  # a caller without the flags
 
 
-def test_peer_url_without_a_peer_section_is_one_line_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--only", "prefill", "--peer-url", "http://127.0.0.1:9",
+@pytest.mark.parametrize("flag, value, named", [("--peer-url", "http://127.0.0.1:9", "serve"),
+                                                ("--draft-model", "x", "speculate")])
+def test_a_flag_without_its_section_is_one_line_exit_2(tmp_path, flag, value, named):
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "bench", "--only", "prefill", flag, value,
                         "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--peer-url" in lines[0] and "serve" in lines[0]
+    assert len(lines) == 1 and flag in lines[0] and named in lines[0]
     assert not (tmp_path / "x.json").exists()
 
 

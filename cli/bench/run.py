@@ -74,6 +74,7 @@ def _calls(args, engine, plan, rng) -> dict:
     from jaxsmol.cli.bench.serve import section_serve
     from jaxsmol.cli.bench.speculate import section_speculate
     from jaxsmol.cli.bench.ttft_peer import section_ttft_peer
+    from jaxsmol.cli.common import load_draft
 
     warm = Warmup(engine)
     return {"compilations": (s.section_compilations, engine, plan, rng),  # first: counts from a process
@@ -90,7 +91,8 @@ def _calls(args, engine, plan, rng) -> dict:
             "ready": (section_ready, args, plan),
             "cluster": (section_cluster, args, engine, plan),
             "admission": (section_admission, args, engine, plan),
-            "speculate": (section_speculate, engine, plan, args.peer_url),
+            "speculate": (section_speculate, engine, plan, args.peer_url,
+                          load_draft(args, engine) if "speculate" in (args.only or ()) else None),
             "hf": (section_hf, engine, plan, rng, warm)}
 
 
@@ -124,6 +126,8 @@ def run_bench(args) -> int:
     if args.peer_url and not {"serve", "ttft-peer", "speculate"} & set(sections):
         raise JaxsmolError("--peer-url is measured by the serve, ttft-peer and speculate sections: "
                            "add --only serve, ttft-peer or speculate")
+    if args.draft_model and "speculate" not in sections:
+        raise JaxsmolError("--draft-model is measured by the speculate section: add --only speculate")
 
     import numpy as np
 

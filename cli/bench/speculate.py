@@ -4,7 +4,8 @@ restated with one name changed, a second chat turn that repeats its answer), a J
 keys (jump-forward) and open-ended text; asked fresh (nothing stored: drafts from the request's own
 tokens and its schema) and asked again (the prefix cache holds the earlier answer: drafts from it too,
 the default `--speculate auto`); they alternate, `--rounds` times, medians reported, and the outputs
-must be equal (a row says so). Then the 8 requests of `BATCH` (the five, and three more open ones) as one
+must be equal (a row says so). With --draft-model, a fourth way: that model's drafts (`--speculate draft`),
+fresh. Then the 8 requests of `BATCH` (the five, and three more open ones) as one
 continuous batch of 8 rows, plain against `auto` (nothing stored), alternated: tokens/s over the batch's
 wall time. With --peer-url, the same prompt texts (and schema) to a
 llama.cpp server's /completion, greedy, the same number of tokens: its own decode tokens/s
@@ -53,16 +54,17 @@ def _structured(schema) -> str | None:
     return None if schema is None else canonical_spec({"type": "json_schema", "json_schema": {"schema": schema}})
 
 
-def _ours(engine, ids, tokens: int, schema, mode: str, cache=None) -> dict:
+def _ours(engine, ids, tokens: int, schema, mode: str, cache=None, draft=None) -> dict:
     """One request, plain (mode "none") or speculating; through `cache` (an answer stored there before
-    is drafted from), else with no prefix cache."""
+    is drafted from), else with no prefix cache; `draft` a DraftModel for mode "draft"."""
     from jaxsmol.cache.prefix_cache import PrefixCache
     from jaxsmol.cache.scheduler.many import _run
     from jaxsmol.cache.scheduler.requests import Collector, Request
     from jaxsmol.cache.scheduler.scheduler import Scheduler
     from jaxsmol.runtime.sampling import SamplingParams
 
-    sched = Scheduler(cache or PrefixCache(engine, mode="off"), max_batch=1, speculate=mode)
+    sched = Scheduler(cache or PrefixCache(engine, mode="off"), draft if mode == "draft" else None, max_batch=1,
+                      speculate=mode)
     sp = SamplingParams(max_tokens=tokens, structured=_structured(schema))
     r = _run(sched, [Request(list(ids), [sp], Collector())])[0][0]
     return {"tok_s": r.timings.decode_tok_s, "ids": r.output_ids, "drafted": sched.stats.drafted,
@@ -100,25 +102,29 @@ def _peer(url: str, text: str, tokens: int, schema) -> float:
     return float(r.json()["timings"]["predicted_per_second"])
 
 
-def section_speculate(engine, plan, peer_url: str | None) -> dict:
+def section_speculate(engine, plan, peer_url: str | None, draft_engine=None) -> dict:
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.draft_model import DraftModel
 
     tokens, rounds, tok = plan["spec_tokens"], plan["spec_rounds"], engine.tokenizer
+    draft = DraftModel(draft_engine, PrefixCache(engine, mode="off")) if draft_engine is not None else None
     rows = []
     for name, (messages, schema) in PROMPTS.items():
         text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])
         ids, cache = tok.encode(text), PrefixCache(engine)
         ways = {"none": ("none", None), "fresh": ("auto", None), "again": ("auto", cache)}
+        if draft is not None:
+            ways["draft"] = ("draft", None)
         runs = {way: [] for way in ways} | {"peer": []}
         for mode, through in ways.values():  # compile and settle (and store the answer "again" drafts from)
-            _ours(engine, ids, tokens, schema, mode, through)
+            _ours(engine, ids, tokens, schema, mode, through, draft)
         for _ in range(rounds):
             for way, (mode, through) in ways.items():
-                runs[way].append(_ours(engine, ids, tokens, schema, mode, through))
+                runs[way].append(_ours(engine, ids, tokens, schema, mode, through, draft))
             if peer_url:
                 runs["peer"].append(_peer(peer_url, text, tokens, schema))
         row = {"prompt": name, "tokens": len(runs["none"][-1]["ids"]),
-               "same": all(r["ids"] == p["ids"] for way in ("fresh", "again") for r, p in zip(runs[way], runs["none"])),
+               "same": all(r["ids"] == p["ids"] for way in ways for r, p in zip(runs[way], runs["none"])),
                "peer_tok_s": median(runs["peer"]) if runs["peer"] else None}
         for way, results in runs.items():
             if way != "peer":
@@ -126,8 +132,9 @@ def section_speculate(engine, plan, peer_url: str | None) -> dict:
                 row[way] = {k: results[-1][k] for k in ("drafted", "accepted", "steps")}
         rows.append(row)
         log(f"speculate {name}: plain {row['none_tok_s']:.1f} tok/s, fresh {row['fresh_tok_s']:.1f}, "
-            f"again {row['again_tok_s']:.1f}, same {row['same']}")
-    return {"tokens": tokens, "rounds": rounds, "peer_url": peer_url, "rows": rows,
+            f"again {row['again_tok_s']:.1f}" + (f", draft {row['draft_tok_s']:.1f}" if draft else "")
+            + f", same {row['same']}")
+    return {"tokens": tokens, "rounds": rounds, "peer_url": peer_url, "rows": rows, "draft_model": draft is not None,
             "schema": json.dumps(SCHEMA), "batch": _batch_row(engine, tokens, rounds)}
 
 
@@ -152,13 +159,13 @@ def _batch_row(engine, tokens: int, rounds: int) -> dict:
 
 
 def format_speculate(t: dict) -> list[str]:
-    peer = t["peer_url"] is not None
-    head = ["prompt", "plain tok/s", "fresh tok/s", "x plain", "accepted/drafted", "again tok/s", "x plain",
-            "accepted/drafted", "same"]
+    peer, ways = t["peer_url"] is not None, ("fresh", "again") + (("draft",) if t.get("draft_model") else ())
+    head = ["prompt", "plain tok/s"] + [h for way in ways for h in (f"{way} tok/s", "x plain", "accepted/drafted")]
+    head.append("same")
     rows = []
     for r in t["rows"]:
         row = [r["prompt"], f"{r['none_tok_s']:.1f}"]
-        for way in ("fresh", "again"):
+        for way in ways:
             row += [f"{r[f'{way}_tok_s']:.1f}", f"{r[f'{way}_tok_s'] / r['none_tok_s']:.2f}x",
                     f"{r[way]['accepted']}/{r[way]['drafted']}"]
         row.append("yes" if r["same"] else "NO")
