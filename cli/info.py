@@ -43,8 +43,8 @@ AUTO_CHOICES = {
                ("exact", "the CPU kernels do not run (see kernels): XLA's path multiplies the dequantized float32 "
                 "values")),
     "speculate": (("cache", "the CPU kernels run, so a verify step's rows have a decode step's bits: drafts from the "
-                   "prompt, the output, the prefix cache and a schema's forced tokens, the output unchanged; "
-                   "--speculate none for one token a step"),
+                   "prompt, the output, the prefix cache and a schema's forced tokens, the output unchanged "
+                   "(with --draft-model: that model's drafts); --speculate none for one token a step"),
                   ("none", "the CPU kernels do not run (see kernels): XLA's ops give a chunk's rows other bits than "
                    "a one-token step's, so drafts could not be verified exactly")),
 }

@@ -121,3 +121,21 @@ def test_mismatches_are_refused_by_name(tiny_engine):
         check_speculate(argparse.Namespace(speculate="draft", draft_model=None))
     with pytest.raises(JaxsmolError, match="--draft-model drafts only with"):
         check_speculate(argparse.Namespace(speculate="none", draft_model="x"))
+
+
+def test_the_daemons_warm_up_compiles_the_drafts_programs(tiny_engine):
+    """program_calls (what the daemon compiles before it is ready) holds the draft model's prompt chunks and
+    draft calls: a drafting request afterwards compiles no draft program."""
+    from jaxsmol.cache.scheduler.compile_ahead import program_calls
+    from jaxsmol.runtime import programs
+
+    cache = PrefixCache(tiny_engine, mode="off")
+    sched = drafting(cache, tiny_engine)
+    single, _ = program_calls(sched, 512)
+    assert sum(program is programs.greedy_drafts for program, _, _ in single) == 6  # k 1, 3, 7 at two capacities
+    programs.compile_all(single)
+    held = programs.compiled_count("greedy_drafts")
+    prompt, sp = np.random.default_rng(9).integers(3, 256, 30).tolist(), SamplingParams(max_tokens=40)
+    _run(sched, [Request(prompt, [sp], Collector())])
+    assert sched.stats.by_source["draft"][0] > 0
+    assert programs.compiled_count("greedy_drafts") == held

@@ -41,12 +41,13 @@ def compile_batched(engine, widths: tuple[int, ...], slots: int, stop=None, side
 
 def program_calls(scheduler, slots: int) -> tuple[list, list]:
     """What a scheduler's requests of up to `slots` positions run, as (program, args, kwargs) calls:
-    (one prompt's chunks at the lengths it prefills with, the batched programs of compile_batched)."""
-    engine = scheduler.engine
+    (one prompt's chunks at the lengths it prefills with, and a draft model's programs; the batched
+    programs of compile_batched)."""
+    engine, draft = scheduler.engine, scheduler.speculator and scheduler.speculator.draft
     lengths = set(engine.buckets(True)) | (set() if scheduler.cache.exact else set(engine.buckets(False)))
     batched = [] if engine.mesh is not None else batched_calls(  # with a mesh: none (see compile_batched)
         engine, scheduler.widths, slots, side_by_side=scheduler.side_by_side_most)
-    return engine.forward_calls(slots, lengths), batched
+    return engine.forward_calls(slots, lengths) + (draft.calls(slots) if draft else []), batched
 
 
 def batched_calls(engine, widths: tuple[int, ...], slots: int, side_by_side: int = 1) -> list:

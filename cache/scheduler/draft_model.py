@@ -26,9 +26,11 @@ from jaxsmol.cache.scheduler.speculation import DECAY, MEASURED, VERIFY_ROWS
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime import programs
+from jaxsmol.runtime.chunks import FAST_BUCKETS, capacity_for
 from jaxsmol.runtime.engine import Engine
 
 FED_AT_ONCE = 2  # the tokens a draft call feeds before its greedy steps (more: a prefill first)
+DRAFT_STEPS = tuple(t - 1 for t in VERIFY_ROWS)  # a draft call's k (its programs), the drafts cut to those asked
 UNTIMED = 0.05  # a draft step's guessed cost, over a plain target step's, until one is measured (so it is tried)
 
 
@@ -64,15 +66,26 @@ class DraftModel:
         """A draft call of k tokens' time: measured, else a guess from a plain target step's `plain`."""
         return self._seconds.get(k, UNTIMED * k * plain)
 
+    def calls(self, slots: int) -> list:
+        """What its rows of requests up to `slots` positions run, as (program, args, kwargs) calls
+        (programs.compile_all; the daemon's warm-up): prompt chunks and draft calls at their capacities."""
+        e, calls = self.engine, self.engine.forward_calls(slots, FAST_BUCKETS)
+        for capacity in sorted({capacity_for(s) for s in (slots, slots + FAST_BUCKETS[-1])}):
+            kv = jax.eval_shape(lambda capacity=capacity: KVCache.zeros(e.cfg, capacity, dtype=e.cache_dtype))
+            calls += [(programs.greedy_drafts, (e.params, jax.ShapeDtypeStruct((1, FED_AT_ONCE), jnp.int32),
+                                                jax.ShapeDtypeStruct((), jnp.int32), kv, e.cfg), {"k": k})
+                      for k in DRAFT_STEPS]
+        return calls
+
     def start(self, lookup: Lookup, max_tokens: int) -> KVCache:
-        """The draft's cache of lookup's prompt, for max_tokens more (and a draft call's room past them):
-        its stored prefix restored, the rest prefilled and stored. Raises JaxsmolError where the draft
-        cannot take the prompt (its context is shorter)."""
+        """The draft's cache of lookup's prompt, for max_tokens more: its stored prefix restored, the rest
+        prefilled and stored. Raises JaxsmolError where the draft cannot take the prompt (its context is
+        shorter)."""
         salt = None if lookup.ns is None else lookup.ns[1]
-        lk = self.cache.lookup(lookup.prompt, max_tokens + VERIFY_ROWS[-1], salt=salt, bypass=lookup.ns is None)
+        lk = self.cache.lookup(lookup.prompt, max_tokens, salt=salt, bypass=lookup.ns is None)
         e, n, reused = self.engine, len(lk.prompt), lk.report.reused
         try:
-            slots = e.slots_needed(reused, n, max_tokens, exact=False) + VERIFY_ROWS[-1]
+            slots = e.slots_needed(reused, n, max_tokens, exact=False)
             kv = e.restore(lk.prefix, slots, reused) if reused else e.new_cache(slots)
             if reused < n:
                 logits, kv = e.prefill(lk.prompt, kv, exact=False)
@@ -83,7 +96,8 @@ class DraftModel:
         return kv
 
     def run(self, kv: KVCache, tokens: list[int], fed: int, k: int) -> tuple[list[int], KVCache]:
-        """k greedy drafts after `tokens`, of which kv holds the first `fed`: (drafts, kv)."""
+        """k (one of DRAFT_STEPS) greedy drafts after `tokens`, of which kv holds the first `fed`: (drafts,
+        kv). Needs len(tokens) + k <= kv.capacity."""
         started = time.perf_counter()
         e, kv = self.engine, kv.replace(pos=jnp.int32(fed))
         if len(tokens) - fed > FED_AT_ONCE:
@@ -138,10 +152,14 @@ class ModelDrafts:
                 return []
             self.fed = len(self.lookup.prompt)
         tokens = self.lookup.prompt + self.output
-        drafts, self.kv = self.model.run(self.kv, tokens, self.fed, most)
-        self.fed, self.unsure = len(tokens), most - 1
+        fits = [k for k in DRAFT_STEPS if len(tokens) + k <= self.kv.capacity]
+        if not fits:
+            return []
+        k = min((k for k in fits if k >= most), default=fits[-1])
+        drafts, self.kv = self.model.run(self.kv, tokens, self.fed, k)
+        self.fed, self.unsure = len(tokens), k - 1
         self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
-        return drafts
+        return drafts[:most]
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.fed += min(accepted, self.unsure)
