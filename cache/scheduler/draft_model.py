@@ -98,11 +98,11 @@ class DraftModel:
     def run(self, kv: KVCache, tokens: list[int], fed: int, k: int) -> tuple[list[int], KVCache]:
         """k (one of DRAFT_STEPS) greedy drafts after `tokens`, of which kv holds the first `fed`: (drafts,
         kv). Needs len(tokens) + k <= kv.capacity."""
-        started = time.perf_counter()
         e, kv = self.engine, kv.replace(pos=jnp.int32(fed))
-        if len(tokens) - fed > FED_AT_ONCE:
+        if len(tokens) - fed > FED_AT_ONCE:  # after plain steps: their tokens (not the call's time: their steps')
             _, kv = e.prefill(tokens[:-1], kv, exact=False)
             fed = len(tokens) - 1
+        started = time.perf_counter()
         chunk = np.zeros((1, FED_AT_ONCE), np.int32)
         chunk[0, :len(tokens) - fed] = tokens[fed:]
         drafts, kv = programs.greedy_drafts(e.params, chunk, np.int32(len(tokens) - fed), kv, e.cfg, k=k)

@@ -154,7 +154,34 @@ class StepTimes:
         self.when[key] = self.steps
 
 
-_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its StepTimes
+class SourceRecords:
+    """Each draft source's decayed [accepted, rejections]: the prior of a row's chance. One not verified
+    for RETIME_AFTER steps starts again from its first record, so that a source written off (on text
+    that did not repeat, or beside a compile) is tried again rather than never."""
+
+    # a draft model of the target's family agrees with it on most tokens (the bundled Q4_1 drafting for its
+    # float32 weights: 90% of drafts accepted on open text); n-gram sources start even
+    FIRST = {"draft": (3.0, 1.0)}
+
+    def __init__(self):
+        self.records = {s: list(self.FIRST.get(s, (1.0, 1.0))) for s in SOURCES}
+        self.when = dict.fromkeys(SOURCES, 0)  # source -> the step count when it was last verified
+
+    def prior(self, source: str, steps: int) -> float:
+        if steps - self.when[source] > RETIME_AFTER:
+            self.records[source] = list(self.FIRST.get(source, (1.0, 1.0)))
+        accepted, rejected = self.records[source]
+        return accepted / (accepted + rejected)
+
+    def verified(self, source: str, drafted: int, accepted: int, steps: int) -> None:
+        record = self.records[source]
+        record[0] = record[0] * SOURCE_DECAY + accepted
+        record[1] = record[1] * SOURCE_DECAY + (accepted < drafted)
+        self.when[source] = steps
+
+
+# engine -> what its speculation measured (StepTimes, SourceRecords)
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Speculator:
@@ -164,10 +191,10 @@ class Speculator:
     def __init__(self, engine=None, adaptive: bool = True, most: int = VERIFY_ROWS[-1] - 1, from_cache: bool = True,
                  draft=None):
         # one table per engine, so that a library call's scheduler starts from what earlier ones measured
-        self.times = _TIMES.setdefault(engine, StepTimes()) if engine is not None else StepTimes()
+        learned = (StepTimes(), SourceRecords())
+        self.times, self.sources = _LEARNED.setdefault(engine, learned) if engine is not None else learned
         self.most, self.from_cache = most, from_cache  # drafts a row verifies at most; drafts from the cache
         self.draft = draft  # a DraftModel (draft_model.py), or None: drafts by n-gram lookup
-        self.sources = {s: [1.0, 1.0] for s in SOURCES}  # source -> decayed [accepted, rejections], from even
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
     def drafter(self, cache, lookup, max_tokens: int):
@@ -226,8 +253,7 @@ class Speculator:
         source's record as the prior (tokens a grammar forces: FORCED_CHANCE)."""
         if row.draft_source == "grammar":
             return FORCED_CHANCE
-        accepted, rejected = self.sources[row.draft_source]
-        prior = accepted / (accepted + rejected)
+        prior = self.sources.prior(row.draft_source, self.times.steps)
         d = row.drafts
         return (d.accepted + PRIOR * prior) / (d.accepted + d.rejected + PRIOR)
 
@@ -236,9 +262,7 @@ class Speculator:
         if not drafted:
             return
         row.drafts.verified(drafted, accepted)
-        record = self.sources[row.draft_source]
-        record[0] = record[0] * SOURCE_DECAY + accepted
-        record[1] = record[1] * SOURCE_DECAY + (accepted < drafted)
+        self.sources.verified(row.draft_source, drafted, accepted, self.times.steps)
 
 
 def step_inputs(rows: list, free) -> tuple[np.ndarray, np.ndarray, dict]:
