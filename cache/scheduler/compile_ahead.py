@@ -76,6 +76,11 @@ class VerifyPrograms:
         self.engine, self.done = engine, set()
         self.pending: dict[tuple, concurrent.futures.Future] = {}
 
+    @property
+    def compiling(self) -> bool:
+        """Whether a background compile is running (a step timed meanwhile shares the cores with it)."""
+        return any(not f.done() for f in self.pending.values())
+
     def ready(self, width: int, capacity: int, positions: int, logprobs: bool) -> bool:
         key = (width, capacity, positions, logprobs)
         if key in self.done:

@@ -161,6 +161,11 @@ class ModelDrafts:
         self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
         return drafts[:most]
 
+    def release(self) -> None:
+        """Hand the draft cache back to the draft engine's pool (the next row's may take it)."""
+        self.model.engine.recycle(self.kv)
+        self.kv, self.failed = None, True
+
     def verified(self, drafted: int, accepted: int) -> None:
         self.fed += min(accepted, self.unsure)
         self.unsure = 0

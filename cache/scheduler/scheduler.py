@@ -391,7 +391,7 @@ class Scheduler:
                 r.request.sink.error(e)
             self.batch, self.rows = None, []
             return
-        if self.speculator:
+        if self.speculator and not self.verify_programs.compiling:  # (a compile beside it shares the cores)
             self.speculator.timed(len(self.rows), 1 if plan is None else plan[0], time.perf_counter() - started)
         self.stats.steps += 1
         for i, r in live:
@@ -410,6 +410,7 @@ class Scheduler:
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup
+        row.release()
         row.request.sink.done(row.finished())
         if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
             save = self.cache.begin_answer(lk, s.output_ids)
@@ -422,6 +423,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for i, r in enumerate(self.rows):
             if r is not None and r.request.sink.cancelled():
+                r.release()
                 self.rows[i] = None
         for p in [p for p in self.prefills if p.request.sink.cancelled()]:
             self._abort_prefill(p, None)

@@ -116,6 +116,9 @@ class NgramDrafts:
         self.accepted += accepted
         self.rejected += accepted < drafted
 
+    def release(self) -> None:
+        """(Nothing held beyond the row's tokens.)"""
+
 
 def expected(chance: float, k: int) -> float:
     """Tokens expected accepted of k drafts, each accepted with `chance` after the one before it."""
@@ -135,9 +138,13 @@ class StepTimes:
         self.when: dict[tuple[int, int], int] = {}  # shape -> the step count when it was last timed
         self.steps = 0
 
+    def stale(self, key: tuple[int, int]) -> bool:
+        """Whether the shape was not timed for RETIME_AFTER steps (or never)."""
+        return key not in self.seconds or self.steps - self.when[key] > RETIME_AFTER
+
     def estimate(self, key: tuple[int, int], plain: float) -> float:
         """The shape's time; untimed or stale: a guess a little above a plain step's, so that it is tried."""
-        if key not in self.seconds or self.steps - self.when[key] > RETIME_AFTER:
+        if self.stale(key):
             return plain * (1 + 0.05 * (key[1] - 1))
         return plain * self.seconds[key]
 
@@ -215,7 +222,9 @@ class Speculator:
         plain = self.times.seconds.get((W, 1))
         room = min(capacity - r.position for r in live)
         fits = [t for t in VERIFY_ROWS if t <= room]
-        if (plain is None and self.adaptive) or not fits:
+        # a plain step timed long ago is timed afresh (verify times are ratios to it: one timed beside a
+        # background compile made every verify shape look cheap)
+        if (self.adaptive and self.times.stale((W, 1))) or not fits:
             return None
         # None: a draft model's, for as many as the row has room for (Row.room)
         drafts = [r.draft(fits[-1] - 1, run_model=False) if r is not None and r.drafts is not None else []

@@ -71,6 +71,11 @@ class Row:
         drafts = self.drafts.draft(most)
         return drafts if self.constraint is None else drafts[:self.constraint.valid_prefix(drafts)]
 
+    def release(self) -> None:
+        """Hand back what its drafter holds (a draft model's cache), once the row is done."""
+        if self.drafts is not None:
+            self.drafts.release()
+
     def push(self, out: dict, i: int) -> None:
         """Feed this row's sampled token (entry i of a step's output, with its logprobs if asked) to
         its stream, its structured-output constraint and its request's sink."""
