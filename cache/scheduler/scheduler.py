@@ -17,7 +17,7 @@ Rows leave as they finish or as their client goes; their rows are reused by the 
 
 The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
 doubling ladder; it grows when a newcomer needs more (at once to the width the waiting requests need
-too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used, so that a
+too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used (layout.py), so that a
 lone stream decodes at width 1. With `batch_invariant`, the width is always `max_batch`: a row's
 logits then do not depend on how many other rows are live, so a request's tokens are the same
 alone or among others (a step's row count changes the last bits).
@@ -43,6 +43,7 @@ from jaxsmol.cache.scheduler.answers import AnswerQueue
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batched
 from jaxsmol.cache.scheduler.draft_model import DraftModel
+from jaxsmol.cache.scheduler.layout import DecodeRows
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
@@ -51,13 +52,12 @@ from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mas
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.batch import empty_batch, row_settings
+from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.stream import TokenStream
 from jaxsmol.runtime.structured import constraint_for
 
-SHRINK_AFTER = 8  # decode steps at a smaller width's occupancy before the batch is compacted
 # Prompts prefilled at once (side by side where their chunks have one length), each holding a
 # one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
 PREFILLS_AT_ONCE = 8
@@ -77,20 +77,37 @@ class Scheduler:
         self.pending: collections.deque[Request] = collections.deque()
         self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
         self.saves = AnswerQueue(cache)  # answers being stored for the next turn
-        self.rows: list[Row | None] = []
-        self.batch: KVCache | None = None  # k, v [L, W, K, S, H], pos [W]
-        self.spare: KVCache | None = None  # an idle bigger batch (see kv_bytes_held)
         self.stats = SchedulerStats()
-        self._shrink_votes = 0
         if isinstance(draft, Engine):
             draft = DraftModel(draft, cache)
         self.speculator = Speculator(self.engine, most=s.speculate_tokens, from_cache=s.speculate != "ngram",
                                      draft=draft) if speculating(s, self.engine.cfg, draft is not None) else None
         # a decode row's bytes per position: the target's, and its draft cache's where a draft model drafts
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token + (draft.engine.kv_bytes_per_token if draft else 0)
+        self.layout = DecodeRows(self.engine, s, self.kv_bytes_per_token, self.stats)
         self.verify_programs = VerifyPrograms(self.engine)
 
     # ---- the public surface ------------------------------------------------------------------------
+    @property
+    def rows(self) -> list[Row | None]:  # the decode rows (None: free), one per batch row
+        return self.layout.rows
+
+    @rows.setter
+    def rows(self, rows: list[Row | None]) -> None:
+        self.layout.rows = rows
+
+    @property
+    def batch(self) -> KVCache | None:  # k, v [L, W, K, S, H], pos [W]
+        return self.layout.batch
+
+    @batch.setter
+    def batch(self, batch: KVCache | None) -> None:
+        self.layout.batch = batch
+
+    @property
+    def spare(self) -> KVCache | None:  # an idle bigger batch (see kv_bytes_held)
+        return self.layout.spare
+
     def submit(self, request: Request) -> None:
         """Queue a request; its events reach its sink from `step()` (a bad one: one error event)."""
         if len(request.samplings) > self.max_batch:
@@ -101,7 +118,7 @@ class Scheduler:
 
     @property
     def live_rows(self) -> int:
-        return sum(r is not None for r in self.rows)
+        return self.layout.live
 
     @property
     def free_rows(self) -> int:
@@ -314,64 +331,14 @@ class Scheduler:
 
     # ---- decode rows ---------------------------------------------------------------------------------
     def _insert(self, rows: list[Row], kv: KVCache) -> None:
-        """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice."""
-        needed, held = self.live_rows + len(rows), len(self.rows) if self.live_rows else 0  # idle: any shape
-        width = self.settings.width_for(needed)
-        capacity = max(kv.capacity, self.batch.capacity if held else 0)
-        if not held or width > held or capacity > self.batch.capacity:
-            self._relayout(max(self._grown_width(needed, capacity, rows[0].request), held), capacity)
-        free = [i for i, r in enumerate(self.rows) if r is None]  # admission left room for all
-        for row, i in zip(rows, free):
-            self.rows[i] = row
-            self.batch = programs.insert_row(self.batch, kv, np.int32(i))
-
-    def _grown_width(self, needed: int, capacity: int, inserting: Request) -> int:
-        """The width a batch grows to for `needed` rows: room for the choices already waiting or being
-        prefilled too, as far as kv_bytes allows, so that a burst of requests moves the batch once
-        rather than at every rung of the ladder (each move copies every live row; growing 8 -> 16
-        rows at 512 slots: ~0.15 s)."""
-        coming = list(self.pending) + [p.request for p in self.prefills if p.request is not inserting]
-        waiting = sum(r.decode_rows for r in coming)
-        least, most = self.settings.width_for(needed), self.settings.width_for(needed + waiting)
-        fits = [w for w in self.widths
-                if least <= w <= most and w * capacity * self.kv_bytes_per_token <= self.kv_bytes]
-        return max(fits, default=least)
-
-    def _relayout(self, width: int, capacity: int) -> None:
-        """Move the live rows (compacted to the front) into a batch of `width` rows x `capacity` slots
-        (with none live: the idle batch or the spare where one has that shape)."""
-        live = [i for i, r in enumerate(self.rows) if r is not None]
-        rows = [self.rows[i] for i in live] + [None] * (width - len(live))
-        old, self.batch = self.batch, None
-        fits = [b for b in (old, self.spare) if b is not None and (b.rows, b.capacity) == (width, capacity)]
-        reuse = fits[0] if fits and not live else None
-        if reuse is None or reuse is self.spare:
-            self.spare = None  # one not reused is freed before the new batch is made: its memory, not fresh pages
-        new_bytes = width * capacity * self.engine.kv_bytes_per_token
-        if old is not None and old is not reuse and new_bytes < old.nbytes <= self.kv_bytes - new_bytes:
-            self.spare = old  # a bigger batch kept for the next burst (see kv_bytes_held)
-        if reuse is not None:
-            self.batch = reuse.replace(pos=jnp.zeros_like(reuse.pos))  # no row reads past its pos
-        elif not live:
-            old = None  # freed before the new one is made (unless kept as the spare)
-            self.batch = empty_batch(self.engine.cfg, width, capacity, self.engine.cache_dtype, self.engine.mesh)
-        else:
-            source = jnp.asarray(live + [-1] * (width - len(live)), jnp.int32)
-            self.batch = programs.relayout(old, source, width, capacity)
-        self.rows = rows
-        self.stats.relayouts += 1
-        self._shrink_votes = 0
+        """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice, the batch
+        grown first where needed (with room for the choices waiting or being prefilled too)."""
+        coming = list(self.pending) + [p.request for p in self.prefills if p.request is not rows[0].request]
+        self.layout.insert(rows, kv, waiting=sum(r.decode_rows for r in coming))
 
     def _maybe_shrink(self) -> None:
-        if self.batch is None or self.batch_invariant or self.prefills:
-            return
-        live = self.live_rows
-        if live == 0:  # idle: the batch is kept for the next burst (see _relayout)
-            return
-        target = self.settings.width_for(max(live, 1))
-        self._shrink_votes = self._shrink_votes + 1 if target <= len(self.rows) // 2 else 0
-        if self._shrink_votes >= SHRINK_AFTER:
-            self._relayout(target, self.batch.capacity)
+        if not (self.batch_invariant or self.prefills):
+            self.layout.maybe_shrink()
 
     def _decode(self) -> None:
         """One decode step of every live row (a verify step where rows drafted tokens: speculation.py),
