@@ -1,7 +1,8 @@
 """Where the daemon's memory is: the parts /metrics exports, and the growth they leave unexplained.
 
 Every large holding has a gauge: the weights, the prefix cache (--cache-bytes), the engine's
-recycled buffers, the decode batch (--kv-cache-bytes), the compiled programs
+recycled buffers, the decode batch (--kv-cache-bytes; a draft model's weights, prefix cache and
+buffers counted with the model's), the compiled programs
 (jaxsmol/system/program_memory.py) and the free memory malloc keeps for reuse (jaxsmol/system/host_memory.py).
 At start the resident set minus those parts is the baseline (the interpreter, libraries, the
 tokenizer); afterwards `unaccounted` = resident - baseline - parts is the growth no gauge explains,
@@ -35,9 +36,11 @@ class MemoryParts:
 class MemoryAccount:
     """The daemon's memory parts; `start` takes the baseline (call it before the first request)."""
 
-    def __init__(self, params):
+    def __init__(self, params, draft_params=None):
+        """draft_params: a draft model's weights (--draft-model), counted with the model's."""
         # a quantized tied model's token table is one array in two fields: counted once (Params.nbytes)
-        self.weights = sum(leaf.nbytes for leaf in {id(leaf): leaf for leaf in jax.tree.leaves(params)}.values())
+        leaves = jax.tree.leaves((params, draft_params))
+        self.weights = sum(leaf.nbytes for leaf in {id(leaf): leaf for leaf in leaves}.values())
         self.baseline: int | None = None
         self.resident_at_start = 0
         program_memory.watch()  # before the daemon compiles anything ahead

@@ -34,7 +34,9 @@ CACHE_COUNTERS = (
 # (key of Scheduler.figures(), help): the continuous batch
 BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
                 ("pending", "Requests waiting for admission."),
-                ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare (bounded by --kv-cache-bytes)."))
+                ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare, and the decode rows' draft "
+                             "caches (bounded by --kv-cache-bytes)."),
+                ("draft_cache_bytes", "Bytes held by the draft model's prefix cache (--draft-model)."))
 # (key of cli/server/memory.py MemoryAccount.figures(), help): the gauges jaxsmol_<key>
 MEMORY_GAUGES = (
     ("weights_bytes", "Bytes of the model's weights."),

@@ -99,7 +99,7 @@ class Daemon:
         self.tenants, self.model_name = tenants, model_name
         self.warmup = Warmup(warmup, self.worker.scheduler)
         self.runner = Completions(engine, worker, metrics, model_name, write_timeout_s)
-        self.memory = MemoryAccount(engine.params)
+        self.memory = MemoryAccount(engine.params, worker.draft.engine.params if worker.draft else None)
 
     def _auth(self, request: Request, admin: bool = False):
         return self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
@@ -152,7 +152,8 @@ class Daemon:
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
         stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
-        memory = self.memory.figures(stats["bytes_held"], pool, batch.get("kv_bytes", 0))
+        memory = self.memory.figures(stats["bytes_held"] + batch.get("draft_cache_bytes", 0),
+                                     pool + batch.get("draft_pool_bytes", 0), batch.get("kv_bytes", 0))
         load = read_load(self.worker, self.engine.kv_bytes_per_token)
         text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory, load=load)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -160,6 +161,8 @@ class Daemon:
     async def flush(self, request: Request):
         self._auth(request, admin=True)
         await asyncio.to_thread(self._locked, self.cache.flush)
+        if self.worker.draft is not None:  # the draft model's prompt states too
+            await asyncio.to_thread(self._locked, self.worker.draft.cache.flush)
         return {"flushed": True}
 
     async def load(self):
