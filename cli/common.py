@@ -131,11 +131,16 @@ def load_draft(args, engine):
     if not args.draft_model:
         return None
     from jaxsmol.cache.scheduler.draft_model import check_pair
+    from jaxsmol.errors import JaxsmolError
     from jaxsmol.runtime.engine import Engine
 
-    draft = Engine.load(args.draft_model, ctx=engine.ctx, dtype=args.dtype, kv_dtype=getattr(args, "kv_dtype", None),
-                        matmul=getattr(args, "matmul", "auto"), progress=sys.stderr.isatty())
-    check_pair(draft, engine)
+    try:
+        draft = Engine.load(args.draft_model, ctx=engine.ctx, dtype=args.dtype,
+                            kv_dtype=getattr(args, "kv_dtype", None), matmul=getattr(args, "matmul", "auto"),
+                            progress=sys.stderr.isatty())
+        check_pair(draft, engine)
+    except JaxsmolError as e:
+        raise JaxsmolError(f"--draft-model {args.draft_model}: {e}") from None
     return draft
 
 

@@ -17,7 +17,7 @@ from jaxsmol.cache.scheduler.draft_model import DraftModel
 from jaxsmol.cache.scheduler.many import _run, generate, generate_many
 from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
-from jaxsmol.cli.common import check_speculate
+from jaxsmol.cli.common import check_speculate, load_draft
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.config import Config
 from jaxsmol.model.params import init_random
@@ -139,3 +139,9 @@ def test_the_daemons_warm_up_compiles_the_drafts_programs(tiny_engine):
     _run(sched, [Request(prompt, [sp], Collector())])
     assert sched.stats.by_source["draft"][0] > 0
     assert programs.compiled_count("greedy_drafts") == held
+
+
+def test_a_draft_model_that_cannot_load_is_named(tiny_engine, tmp_path):
+    args = argparse.Namespace(draft_model=str(tmp_path / "missing"), dtype="float32")
+    with pytest.raises(JaxsmolError, match=r"--draft-model .*missing: model directory .* does not exist"):
+        load_draft(args, tiny_engine)
