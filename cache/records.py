@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxsmol.cache.store.radix import Match
+from jaxsmol.cache.store.nodes import Match
 from jaxsmol.model.kv import KVCache
 
 

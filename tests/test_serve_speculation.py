@@ -61,20 +61,26 @@ def accepted(url: str) -> float:
     return sum(v for k, v in metrics(url).items() if k.startswith("jaxsmol_speculation_accepted_tokens_total"))
 
 
+def answers_as_plain(url: str, engine, seed: int, least: int, most: int = 6) -> None:
+    """Rounds of 8 concurrent requests and one alone (at least `least`, until the daemon has accepted drafts):
+    every answer equals plain decoding's."""
+    rounds = 0
+    while rounds < least or accepted(url) == 0:
+        assert rounds < most, "the daemon never accepted a draft"
+        bodies = requests_(8, seed=seed + rounds)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda b: answer(url, b), bodies))
+        for body, got in zip(bodies, answers):
+            assert got == plain(engine, body), body
+        alone = requests_(1, seed=seed + 100 + rounds)[0]
+        assert answer(url, alone) == plain(engine, alone)
+        rounds += 1
+
+
 def test_speculating_daemon_answers_as_plain_decoding(daemon, engine):
     """Rounds of 8 concurrent requests and one alone, until the daemon has accepted drafts (its verify
     steps compile in the background at first): every answer equals plain decoding's."""
-    rounds = 0
-    while rounds < 2 or accepted(daemon) == 0:
-        assert rounds < 6, "the daemon never accepted a draft"
-        bodies = requests_(8, seed=rounds)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda b: answer(daemon, b), bodies))
-        for body, got in zip(bodies, answers):
-            assert got == plain(engine, body), body
-        alone = requests_(1, seed=100 + rounds)[0]
-        assert answer(daemon, alone) == plain(engine, alone)
-        rounds += 1
+    answers_as_plain(daemon, engine, seed=0, least=2)
     m = metrics(daemon)
     for source in ("cache", "ngram", "grammar"):
         drafted = m[f'jaxsmol_speculation_drafted_tokens_total{{source="{source}"}}']
@@ -94,17 +100,7 @@ def drafting_daemon(tiny_model_dir):
 def test_draft_model_daemon_answers_as_plain_decoding(drafting_daemon, engine):
     """--draft-model (its own weights here: greedy drafts nearly all accepted): 8 concurrent requests and
     one alone equal plain decoding's, and /metrics counts the draft model's drafts."""
-    rounds = 0
-    while rounds < 1 or accepted(drafting_daemon) == 0:
-        assert rounds < 5, "the daemon never accepted a draft"
-        bodies = requests_(8, seed=50 + rounds)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda b: answer(drafting_daemon, b), bodies))
-        for body, got in zip(bodies, answers):
-            assert got == plain(engine, body), body
-        alone = requests_(1, seed=150 + rounds)[0]
-        assert answer(drafting_daemon, alone) == plain(engine, alone)
-        rounds += 1
+    answers_as_plain(drafting_daemon, engine, seed=50, least=1)
     m = metrics(drafting_daemon)
     assert m['jaxsmol_speculation_accepted_tokens_total{source="draft"}'] > 0
     assert m['jaxsmol_speculation_accepted_tokens_total{source="ngram"}'] == 0

@@ -62,6 +62,10 @@ class DraftModel:
         """A new decode row's drafter (its cache is made at its first draft)."""
         return ModelDrafts(self, lookup, max_tokens)
 
+    def figures(self) -> dict:
+        """Its prefix cache's bytes and its recycled buffers' (counted in the daemon's memory)."""
+        return {"draft_cache_bytes": self.cache.bytes_held, "draft_pool_bytes": self.engine.pool_bytes}
+
     def seconds(self, k: int, plain: float) -> float:
         """A draft call of k tokens' time: measured, else a guess from a plain target step's `plain`."""
         return self._seconds.get(k, UNTIMED * k * plain)

@@ -142,14 +142,7 @@ class Scheduler:
                 "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
                 "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens,
                 "speculation": {k: tuple(v) for k, v in self.stats.by_source.items()},
-                **self._draft_figures()}
-
-    def _draft_figures(self) -> dict:
-        """A draft model's prefix cache and recycled buffers (counted in the daemon's memory)."""
-        draft = self.speculator and self.speculator.draft
-        if not draft:
-            return {}
-        return {"draft_cache_bytes": draft.cache.bytes_held, "draft_pool_bytes": draft.engine.pool_bytes}
+                **(self.speculator.draft.figures() if self.speculator and self.speculator.draft else {})}
 
     def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
         """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);

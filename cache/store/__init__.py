@@ -1,7 +1,7 @@
 """Where prefixes are kept, knowing nothing of models (a value is a pytree of host arrays sharing a
-sequence axis): the radix tree (radix.py, its pinned keys in pinned_keys.py), one snapshot as one
-safetensors file (snapshot.py), the disk tier of such files (disk.py), and helpers on keys and values
-(values.py). Imports: jaxsmol (errors, durable writes, kv) only.
+sequence axis): the radix tree (radix.py; its nodes and matches in nodes.py, its pinned keys in
+pinned_keys.py), one snapshot as one safetensors file (snapshot.py), the disk tier of such files
+(disk.py), and helpers on keys and values (values.py). Imports: jaxsmol (errors, durable writes, kv) only.
 
 PrefixCache holds one `RadixStore` (many keys; `max_keys=1`: the single snapshot) and uses:
 

@@ -30,51 +30,17 @@ copies both halves), so the bytes counted are the bytes held, and evicting a nod
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
-from typing import Any
 from collections.abc import Hashable
 
 import jax
 import numpy as np
 
+from jaxsmol.cache.store.nodes import Match, Node
 from jaxsmol.cache.store.pinned_keys import PinnedKeys
 from jaxsmol.cache.store.values import common_prefix_len, owned, tree_bytes
-
-
-class _Node:
-    __slots__ = ("tokens", "segment", "payload", "children", "parent", "last_used", "leases", "pins", "hits",
-                 "used_at")
-
-    def __init__(self, tokens: tuple, segment, parent: _Node | None):
-        self.tokens = tokens  # the edge label: tokens from the parent's end to this node's end
-        self.segment = segment  # value for exactly those positions (None at a root)
-        self.payload = None
-        self.children: dict[int, _Node] = {}
-        self.parent = parent
-        self.last_used = 0
-        self.leases = 0
-        self.pins = 0  # pinned keys whose path runs through this node (never evicted while > 0)
-        self.hits = 0  # lookups that restored every position of this node
-        self.used_at = 0.0  # wall time of the last use (time.time()), for inspection
-
-    @property
-    def nbytes(self) -> int:
-        return tree_bytes(self.segment) + tree_bytes(self.payload)
-
-
-@dataclasses.dataclass
-class Match:
-    """What a lookup found for a query of n tokens: `length` of them are stored."""
-    length: int
-    path: list  # nodes from the root's child to the node holding position length-1 (inclusive)
-    payload: Any = None  # the payload of a stored key equal to the query, if any
-    nearest_len: int = 0  # length of the nearest stored key (for miss diagnostics)
-    reused: int = 0  # positions to restore: length, capped at n - 1 unless `payload` (an exact full hit)
-    value: Any = None  # the state of the first `reused` positions (lookup with gather=True)
-    held: bool = False  # acquired: its nodes stay until release(match)
 
 
 class RadixStore(PinnedKeys):
@@ -85,7 +51,7 @@ class RadixStore(PinnedKeys):
             raise ValueError(f"max_keys must be None or 1, got {max_keys!r}")
         self.budget_bytes = int(budget_bytes)
         self.seq_axis, self.max_keys = seq_axis, max_keys
-        self._roots: dict[Hashable, _Node] = {}
+        self._roots: dict[Hashable, Node] = {}
         self._clock = itertools.count(1)
         self.bytes_held = 0
         self.pinned_bytes = 0  # bytes of nodes with pins > 0 (part of bytes_held, not under budget_bytes)
@@ -104,8 +70,8 @@ class RadixStore(PinnedKeys):
     def _concat(self, values):
         return jax.tree.map(lambda *xs: np.concatenate(xs, axis=self.seq_axis), *values)
 
-    def _root(self, namespace) -> _Node:
-        return self._roots.setdefault(namespace, _Node((), None, None))
+    def _root(self, namespace) -> Node:
+        return self._roots.setdefault(namespace, Node((), None, None))
 
     def _touch(self, path):
         now, wall = next(self._clock), time.time()
@@ -114,7 +80,7 @@ class RadixStore(PinnedKeys):
         if path and not path[-1].children:
             self._push(path[-1])
 
-    def _push(self, node: _Node) -> None:
+    def _push(self, node: Node) -> None:
         """An eviction candidate at its last use (a leaf now); rebuilt from the leaves when stale
         entries pile up (every use of a key pushes one)."""
         heapq.heappush(self._heap, (node.last_used, next(self._order), node))
@@ -231,7 +197,7 @@ class RadixStore(PinnedKeys):
                 out[depth] = node.payload
         return out
 
-    def _key_of(self, node: _Node):
+    def _key_of(self, node: Node):
         """(namespace, Match) of the whole key that ends at `node`."""
         path = []
         while node.parent is not None:
@@ -280,7 +246,7 @@ class RadixStore(PinnedKeys):
             node, depth = child, depth + n
         added = len(tokens) - depth
         if added:
-            leaf = _Node(tokens[depth:], owned(value_of(depth, len(tokens))), node)
+            leaf = Node(tokens[depth:], owned(value_of(depth, len(tokens))), node)
             node.children[tokens[depth]] = leaf
             self._nodes += 1
             self.bytes_held += leaf.nbytes
@@ -299,10 +265,10 @@ class RadixStore(PinnedKeys):
             self.insert(namespace, tokens[:n], value_of, payload=payloads[n])
         self.insert(namespace, tokens, value_of)
 
-    def _split(self, node: _Node, at: int) -> _Node:
+    def _split(self, node: Node, at: int) -> Node:
         """Split `node`'s edge after `at` tokens; return the new upper node."""
         # Both halves are copies: views would keep the whole old segment alive after either half goes.
-        upper = _Node(node.tokens[:at], owned(self._slice(node.segment, 0, at)), node.parent)
+        upper = Node(node.tokens[:at], owned(self._slice(node.segment, 0, at)), node.parent)
         self._nodes += 1
         # Leases stay on `node`: lease holders release the object they acquired. `upper` cannot be
         # evicted meanwhile, since it is not a leaf while that child exists.
@@ -367,7 +333,7 @@ class RadixStore(PinnedKeys):
         for entry in waiting:
             heapq.heappush(self._heap, entry)
 
-    def _drop_root(self, root: _Node) -> None:
+    def _drop_root(self, root: Node) -> None:
         """Forget an empty namespace (one root per salt ever seen would otherwise pile up)."""
         del self._roots[next(ns for ns, r in self._roots.items() if r is root)]
 
