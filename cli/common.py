@@ -59,8 +59,9 @@ def add_speculate_args(p: argparse.ArgumentParser) -> None:
                    help="draft tokens and verify them in one step, the output unchanged bit for bit: ngram = "
                         "from the request's own prompt and output (and the tokens a JSON schema forces); cache = "
                         "those and what the prefix cache stored after the prompt (an earlier answer); draft = "
-                        "a draft model's (--draft-model); auto (default) = draft with --draft-model, else cache "
-                        "where the CPU kernels run, none elsewhere; none = one token per step")
+                        "a draft model's (--draft-model), cache's first where an n-gram recurs; auto (default) = "
+                        "draft with --draft-model, else cache where the CPU kernels run, none elsewhere; none = "
+                        "one token per step")
     p.add_argument("--draft-model", metavar="PATH", help="a smaller model with the same tokenizer (a checkpoint "
                    "directory or a GGUF file, loaded as the model is) that drafts tokens for --speculate draft / auto")
     p.add_argument("--speculate-tokens", type=int, default=7, metavar="K",

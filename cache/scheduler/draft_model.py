@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.records import Lookup
-from jaxsmol.cache.scheduler.speculation import DECAY, MEASURED, VERIFY_ROWS
+from jaxsmol.cache.scheduler.speculation import DECAY, MEASURED, VERIFY_ROWS, NgramDrafts
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime import programs
@@ -58,9 +58,9 @@ class DraftModel:
         self._seconds: dict[int, float] = {}  # k -> a draft call's running estimate
         self._seen: set[int] = set()  # k run once (its first call compiles: not timed)
 
-    def drafts(self, lookup: Lookup, max_tokens: int) -> ModelDrafts:
-        """A new decode row's drafter (its cache is made at its first draft)."""
-        return ModelDrafts(self, lookup, max_tokens)
+    def drafts(self, lookup: Lookup, max_tokens: int, lookups: NgramDrafts | None = None) -> ModelDrafts:
+        """A new decode row's drafter (its cache is made at its first draft), n-gram `lookups` first."""
+        return ModelDrafts(self, lookup, max_tokens, lookups)
 
     def figures(self) -> dict:
         """Its prefix cache's bytes and its recycled buffers' (counted in the daemon's memory)."""
@@ -124,19 +124,27 @@ class DraftModel:
 
 class ModelDrafts:
     """A row's drafts from a draft model (the drafter interface of speculation.NgramDrafts), its draft
-    cache, and its record."""
+    cache, and its record; where an n-gram recurs (`lookups`: the row's own tokens and what the prefix
+    cache stored after its prompt) those drafts come first: free to make, and copied text is where they
+    are accepted most."""
 
-    runs_model = True  # made only for a step that verifies (Speculator.plan)
-    source = "draft"
-
-    def __init__(self, model: DraftModel, lookup: Lookup, max_tokens: int):
-        self.model, self.lookup, self.max_tokens = model, lookup, max_tokens
+    def __init__(self, model: DraftModel, lookup: Lookup, max_tokens: int, lookups: NgramDrafts | None = None):
+        self.model, self.lookup, self.max_tokens, self.lookups = model, lookup, max_tokens, lookups
         self.output: list[int] = []
         self.kv: KVCache | None = None
         self.fed = 0  # the row's tokens whose state kv holds
         self.unsure = 0  # drafts fed to the draft model at its last call (kept in kv as far as accepted)
         self.failed = False  # the draft model cannot take this prompt: no drafts
-        self.accepted = self.rejected = 0.0  # decayed counts of accepted drafts and of rejections
+        self.source = "draft"  # of the last drafts: "draft", or the lookups' source
+        self.record = [0.0, 0.0]  # the draft model's decayed counts of accepted drafts and of rejections
+
+    @property
+    def accepted(self) -> float:  # of the last drafts' source (Speculator.chance)
+        return self.record[0] if self.source == "draft" else self.lookups.accepted
+
+    @property
+    def rejected(self) -> float:
+        return self.record[1] if self.source == "draft" else self.lookups.rejected
 
     @property
     def nbytes(self) -> int:
@@ -144,8 +152,20 @@ class ModelDrafts:
 
     def sync(self, output_ids: list[int], prompt_n: int) -> None:
         self.output = output_ids
+        if self.lookups is not None:
+            self.lookups.sync(output_ids, prompt_n)
 
-    def draft(self, most: int) -> list[int]:
+    def draft(self, most: int, run_model: bool = True) -> list[int] | None:
+        """Up to `most` drafts: an n-gram lookup's where one recurs, else the draft model's (None with
+        `run_model` False: made once a verify step is chosen)."""
+        found = self.lookups.draft(most) if self.lookups is not None and most > 0 else []
+        self.unsure = 0
+        if found:
+            self.source = self.lookups.source
+            return found
+        self.source = "draft"
+        if not run_model:
+            return None
         if most <= 0 or self.failed:
             return []
         if self.kv is None:
@@ -162,7 +182,7 @@ class ModelDrafts:
         k = min((k for k in fits if k >= most), default=fits[-1])
         drafts, self.kv = self.model.run(self.kv, tokens, self.fed, k)
         self.fed, self.unsure = len(tokens), k - 1
-        self.accepted, self.rejected = self.accepted * DECAY, self.rejected * DECAY
+        self.record = [self.record[0] * DECAY, self.record[1] * DECAY]
         return drafts[:most]
 
     def release(self) -> None:
@@ -171,7 +191,10 @@ class ModelDrafts:
         self.kv, self.failed = None, True
 
     def verified(self, drafted: int, accepted: int) -> None:
+        if self.source != "draft":
+            self.lookups.verified(drafted, accepted)  # (the draft cache catches up at its next call)
+            return
         self.fed += min(accepted, self.unsure)
         self.unsure = 0
-        self.accepted += accepted
-        self.rejected += accepted < drafted
+        self.record[0] += accepted
+        self.record[1] += accepted < drafted

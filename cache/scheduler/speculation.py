@@ -78,8 +78,6 @@ class NgramDrafts:
     """A row's drafts by n-gram lookup in a reference (what the prefix cache stored after the row's
     prompt: an earlier answer to it) and in its own tokens (prompt, then output so far); and its record."""
 
-    runs_model = False  # a lookup: cheap enough to make for every step shape considered
-
     def __init__(self, prompt, most: int, reference=()):
         self.tokens: list[int] = []
         self.seen: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
@@ -98,10 +96,11 @@ class NgramDrafts:
         """Take in the row's output tokens not yet seen."""
         self.extend(output_ids[len(self.tokens) - prompt_n:])
 
-    def draft(self, most: int) -> list[int]:
+    def draft(self, most: int, run_model: bool = True) -> list[int]:
         """Up to `most` tokens that followed the newest n-gram's latest earlier occurrence, in the
-        reference first (none when no n-gram recurs). Each draft ages the row's record, so a row that
-        stopped being verified comes back to its source's chance and is tried again."""
+        reference first (none when no n-gram recurs; a lookup: made whatever `run_model` says). Each
+        draft ages the row's record, so a row that stopped being verified comes back to its source's
+        chance and is tried again."""
         for n in NGRAM_SIZES:
             key = tuple(self.tokens[-n:]) if len(self.tokens) >= n else None
             for source, seen, tokens in (("cache", self.ref_seen, self.ref), ("ngram", self.seen, self.tokens)):
@@ -205,12 +204,12 @@ class Speculator:
         self.adaptive = adaptive  # False: verify whenever a row drafts (the tests' way to exercise it)
 
     def drafter(self, cache, lookup, max_tokens: int):
-        """What makes each new decode row's drafter for a prompt (`lookup`): a draft model's ModelDrafts,
-        else NgramDrafts over its tokens and what the prefix cache stored after it (read once for the
-        request's choices)."""
-        if self.draft is not None:
-            return lambda: self.draft.drafts(lookup, max_tokens)
+        """What makes each new decode row's drafter for a prompt (`lookup`): NgramDrafts over its tokens and
+        what the prefix cache stored after it (read once for the request's choices), within a draft
+        model's ModelDrafts where there is one."""
         reference = cache.continuation(lookup, max_tokens) if self.from_cache else []
+        if self.draft is not None:
+            return lambda: self.draft.drafts(lookup, max_tokens, NgramDrafts(lookup.prompt, self.most, reference))
         return lambda: NgramDrafts(lookup.prompt, self.most, reference)
 
     def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:

@@ -65,10 +65,10 @@ class Row:
         if forced:
             self.draft_source = "grammar"
             return forced
+        drafts = self.drafts.draft(most, run_model)
         self.draft_source = self.drafts.source
-        if self.drafts.runs_model and not run_model:
+        if drafts is None:
             return None
-        drafts = self.drafts.draft(most)
         return drafts if self.constraint is None else drafts[:self.constraint.valid_prefix(drafts)]
 
     def release(self) -> None:
