@@ -133,7 +133,7 @@ class Scheduler:
     def kv_bytes_held(self) -> int:
         """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms),
         and the live rows' draft caches (a draft model's)."""
-        drafts = sum(getattr(r.drafts, "nbytes", 0) for r in self.rows if r is not None)
+        drafts = sum(r.drafts.nbytes for r in self.rows if r is not None and r.drafts is not None)
         return drafts + sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
 
     def figures(self) -> dict:

@@ -78,6 +78,8 @@ class NgramDrafts:
     """A row's drafts by n-gram lookup in a reference (what the prefix cache stored after the row's
     prompt: an earlier answer to it) and in its own tokens (prompt, then output so far); and its record."""
 
+    nbytes = 0  # device memory held (a draft model's drafter holds its cache)
+
     def __init__(self, prompt, most: int, reference=()):
         self.tokens: list[int] = []
         self.seen: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
