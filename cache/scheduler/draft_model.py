@@ -35,7 +35,9 @@ DRAFT_STEPS = tuple(t - 1 for t in VERIFY_ROWS)  # a draft call's k (its program
 # nothing to make, where a draft call of 7 took as long as a plain step of the float32 135M target
 # (measured: turn 2 and json 2.9x with them first, 1.9-2.5x when the model's higher acceptance won)
 LOOKUP_SHARE = 0.5
-UNTIMED = 0.05  # a draft step's guessed cost, over a plain target step's, until one is measured (so it is tried)
+# a prompt token prefilled into a row's draft cache, guessed against a drafted token until measured (a
+# prefill chunk runs its tokens side by side: the bundled model's 40-token prompts ~1/15 a step a token)
+PREFILL_SHARE = 1 / 16
 
 
 def check_pair(draft: Engine, target: Engine) -> None:
@@ -59,8 +61,10 @@ class DraftModel:
         self.cache = PrefixCache(engine, mode="off" if target.mode == "off" else "radix",
                                  budget_bytes=int(target.budget_bytes * share), salt=target.salt,
                                  save_generated=False, exact=False)
-        self._seconds: dict[int, float] = {}  # k -> a draft call's running estimate
-        self._seen: set[int] = set()  # k run once (its first call compiles: not timed)
+        # until measured, a drafted token costs a plain target step's time in the share of the weights' bytes
+        self.share = engine.params.nbytes / target.engine.params.nbytes
+        self._seconds: dict[int | str, float] = {}  # k -> a draft call's running estimate; "token": a prefill's
+        self._seen: set[int | str] = set()  # run once (its first call compiles: not timed)
 
     def drafts(self, lookup: Lookup, max_tokens: int, lookups: NgramDrafts | None = None) -> ModelDrafts:
         """A new decode row's drafter (its cache is made at its first draft), n-gram `lookups` first."""
@@ -70,9 +74,12 @@ class DraftModel:
         """Its prefix cache's bytes and its recycled buffers' (counted in the daemon's memory)."""
         return {"draft_cache_bytes": self.cache.bytes_held, "draft_pool_bytes": self.engine.pool_bytes}
 
-    def seconds(self, k: int, plain: float) -> float:
-        """A draft call of k tokens' time: measured, else a guess from a plain target step's `plain`."""
-        return self._seconds.get(k, UNTIMED * k * plain)
+    def seconds(self, k: int, plain: float, behind: int = 0) -> float:
+        """A draft call of k tokens' time, with `behind` prompt tokens to prefill first (a row's first draft):
+        measured, else a guess from a plain target step's `plain`. Counted whole in the step that needs it, so
+        that a batch of rows that never drafted starts drafting only where that pays at once."""
+        call = self._seconds.get(k, self.share * k * plain)
+        return call + behind * self._seconds.get("token", self.share * PREFILL_SHARE * plain)
 
     def calls(self, slots: int) -> list:
         """What its rows of requests up to `slots` positions run, as (program, args, kwargs) calls
@@ -96,7 +103,9 @@ class DraftModel:
             slots = e.slots_needed(reused, n, max_tokens, exact=False)
             kv = e.restore(lk.prefix, slots, reused) if reused else e.new_cache(slots)
             if reused < n:
-                logits, kv = e.prefill(lk.prompt, kv, exact=False)
+                started = time.perf_counter()
+                logits, kv = jax.block_until_ready(e.prefill(lk.prompt, kv, exact=False))
+                self._timed("token", (time.perf_counter() - started) / (n - reused))
                 self.cache.save_prompt(lk, kv, logits)
             self.cache.finish(lk, n - reused)
         finally:
@@ -118,7 +127,7 @@ class DraftModel:
         self._timed(k, time.perf_counter() - started)
         return drafts, kv
 
-    def _timed(self, k: int, seconds: float) -> None:
+    def _timed(self, k: int | str, seconds: float) -> None:
         if k not in self._seen:
             self._seen.add(k)
             return
@@ -158,6 +167,13 @@ class ModelDrafts:
     @property
     def nbytes(self) -> int:
         return 0 if self.kv is None else self.kv.nbytes
+
+    @property
+    def behind(self) -> int:
+        """The prompt tokens its first draft call would prefill (its stored prefix is reused, but how much is
+        known only at the lookup); 0 once started. (A catch-up after plain steps is not counted: it grows
+        with every plain step, and a row charged for it would never draft again.)"""
+        return len(self.lookup.prompt) if self.kv is None and not self.failed else 0
 
     def sync(self, output_ids: list[int], prompt_n: int) -> None:
         self.output = output_ids

@@ -351,6 +351,8 @@ class Scheduler:
         plan = self.speculator.plan(self.rows, self.batch.capacity, lambda t: self.verify_programs.ready(
             len(self.rows), self.batch.capacity, t, want)) if self.speculator else None
         free = self._free(len(self.rows))
+        if self.speculator:  # a newcomer's insert or a relayout, dispatched before: not this step's time
+            jax.block_until_ready(self.batch)
         started = time.perf_counter()
         try:
             out, self.batch = run_step(self.engine, self.batch, self.rows, plan, free, want)

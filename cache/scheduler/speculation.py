@@ -241,8 +241,8 @@ class Speculator:
                 break
             if not ready(t):
                 continue
-            drafting = sum(d is None and n > 0 for d, n in zip(drafts, lengths))  # rows a draft model drafts for
-            cost = drafting * self.draft.seconds(t - 1, plain) if drafting else 0.0
+            cost = sum(self.draft.seconds(t - 1, plain, r.drafts.behind)  # the rows a draft model drafts for
+                       for r, d, n in zip(rows, drafts, lengths) if d is None and n > 0)
             rate = (len(live) + gain) / (self.times.estimate((W, t), plain) + cost)
             if rate > best_rate:
                 best, best_rate = t, rate
