@@ -91,8 +91,8 @@ def test_speculating_daemon_answers_as_plain_decoding(daemon, engine):
     assert_healthy(daemon)
 
 
-def deepened(src, out, layers: int = 16, intermediate: int = 4096):
-    """The checkpoint at `src` as a target that its own weights predict, at ~5x their cost: its MLPs
+def deepened(src, out, layers: int = 16, intermediate: int = 8192):
+    """The checkpoint at `src` as a target that its own weights predict, at ~8x their bytes: its MLPs
     widened with zeros, and layers added whose attention and MLP outputs are zero (their residual
     adds nothing), so the draft's greedy tokens are nearly always the target's."""
     import json
@@ -155,7 +155,7 @@ def drafting_daemon(deep_model_dir, tiny_model_dir):
 
 
 def test_draft_model_daemon_answers_as_plain_decoding(drafting_daemon, deep_engine):
-    """--draft-model (a target its draft predicts, at ~5x the draft's cost: drafting pays): 8 concurrent
+    """--draft-model (a target its draft predicts, at ~8x the draft's bytes: drafting pays): 8 concurrent
     requests and one alone equal plain decoding's, and /metrics counts the draft model's drafts."""
     answers_as_plain(drafting_daemon, deep_engine, seed=50, least=3, source="draft", recurring=False)
     m = metrics(drafting_daemon)
