@@ -226,6 +226,32 @@ def test_real_constraint_steps(real_engine):
 
 
 @pytest.mark.real
+def test_masks_along_drafts_past_the_end_leave_the_constraint_where_it_was(real_engine):
+    """Drafts through the output's end (its last tokens, then end-of-sequence: an earlier answer drafted
+    from the cache) give each position's mask and leave the constraint where it was. (The matcher keeps
+    no history of an end-of-sequence id: a rollback that counted it undid one token too many, and the
+    next sampled token, allowed by the right mask, was rejected.)"""
+    tok, eos = real_engine.tokenizer, real_engine.cfg.eos_ids
+    spec = _schema_spec({"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                         "properties": {"city": {"type": "string", "maxLength": 20},
+                                        "country": {"type": "string", "enum": ["France", "Italy", "Spain"]}}})
+    c = constraint_for(tok, eos, real_engine.cfg.vocab_size, spec)
+    ids = tok.encode('{"city": "Santovia", "country": "Spain"}')
+    k = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith('"country": "'))
+    for t in ids[:k]:
+        c.advance(t)
+    before = c.bitmask()
+    drafts = ids[k:] + [eos[0]]
+    masks = unpack_bits(c.masks_along(drafts), real_engine.cfg.vocab_size)
+    assert masks.shape[0] == len(drafts) + 1 and all(masks[j, t] for j, t in enumerate(drafts))
+    np.testing.assert_array_equal(c.bitmask(), before)
+    assert c.allowed()[tok.encode("Italy")[0]]
+    for t in drafts:
+        c.advance(t)
+    assert c.done
+
+
+@pytest.mark.real
 def test_real_regex_and_choice(real_engine):
     ids = _chat(real_engine, "What is a phone number?")
     gen = generate(real_engine, ids, SamplingParams(max_tokens=16, structured=canonical_spec(

@@ -173,15 +173,18 @@ class Constraint:
     `advance(token)`. `done` is True once the output is complete and only end-of-sequence ids remain.
     """
 
-    def __init__(self, matcher, vocab_size: int, tokenizer_vocab: int):
+    def __init__(self, matcher, vocab_size: int, tokenizer_vocab: int, eos_ids: tuple[int, ...] = ()):
         self._matcher = matcher
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_ids = vocab_size, frozenset(eos_ids)
         self._ll_words = np.zeros(((tokenizer_vocab + 31) // 32,), np.int32)  # llguidance writes here
         self._words = np.zeros(((vocab_size + 31) // 32,), np.int32)
 
     def bitmask(self) -> np.ndarray:
         """[ceil(vocab_size / 32)] int32: the ids allowed next."""
+        self._ll_words[:] = 0  # (a matcher in its error state writes nothing: no id, never the last mask)
         self._matcher.unsafe_compute_mask_ptr(self._ll_words.ctypes.data, self._ll_words.nbytes)
+        if self._matcher.is_error():
+            raise RuntimeError(f"structured output: no mask: {self._matcher.get_error()}")
         n = min(len(self._words), len(self._ll_words))
         self._words[:] = 0
         self._words[:n] = self._ll_words[:n]
@@ -209,12 +212,17 @@ class Constraint:
 
     def masks_along(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens) + 1, words] int32: the bitmask now, and after each of `tokens` (which the grammar
-        must allow: see valid_prefix); the constraint is left where it was."""
-        masks = [self.bitmask()]
+        must allow: see valid_prefix); the constraint is left where it was. An end-of-sequence id is not
+        consumed (the matcher keeps no history of it, so a rollback counting it went one token too far):
+        the masks after it are the one before, never sampled from (the row ends there)."""
+        masks, consumed, ended = [self.bitmask()], 0, False
         for token in tokens:
-            self.advance(token)
-            masks.append(self.bitmask())
-        self._matcher.rollback(len(tokens))
+            ended = ended or token in self.eos_ids
+            if not ended:
+                self.advance(token)
+                consumed += 1
+            masks.append(self.bitmask() if not ended else masks[-1])
+        self._matcher.rollback(consumed)
         return np.stack(masks)
 
     @property
@@ -236,7 +244,7 @@ def constraint_for(tokenizer, eos_ids, vocab_size: int, spec_json: str | None) -
         raise JaxsmolError("structured output needs the model's tokenizer (this engine has none)")
     eos_ids = tuple(int(i) for i in eos_ids)
     matcher = _start_matcher(tokenizer, eos_ids, spec_json).deep_copy()
-    return Constraint(matcher, vocab_size, _ll_tokenizer(tokenizer, eos_ids).vocab_size)
+    return Constraint(matcher, vocab_size, _ll_tokenizer(tokenizer, eos_ids).vocab_size, eos_ids)
 
 
 # ---- bit packing (NumPy; the jitted sampler unpacks with sampling.unpack_bitmask) ---------------
