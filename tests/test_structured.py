@@ -251,6 +251,34 @@ def test_masks_along_drafts_past_the_end_leave_the_constraint_where_it_was(real_
     assert c.done
 
 
+def test_a_row_whose_grammar_fails_fails_alone(tiny_model_dir):
+    """A structured row whose grammar matcher enters its error state (as llguidance's resource limits put
+    it) fails its own request, naming the matcher's error; the free-text request beside it in the same
+    batch completes as plain decoding does."""
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.requests import Collector, Request
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
+    from jaxsmol.runtime.engine import Engine
+
+    engine = Engine.load(tiny_model_dir, ctx=512, progress=False)
+    sched = Scheduler(PrefixCache(engine, mode="off"), max_batch=2, speculate="none")
+    ids = engine.tokenizer.encode("Answer in JSON:")
+    broken, free = Collector(), Collector()
+
+    def break_its_matcher(index, step):  # after its second token, a token its grammar refuses
+        if len(broken.steps[index]) == 2:
+            row = next(r for r in sched.rows if r is not None and r.request.sink is broken)
+            row.constraint._matcher.consume_token(int(np.flatnonzero(~row.constraint.allowed())[0]))
+    broken.on_token = break_its_matcher
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    sched.submit(Request(ids, [SamplingParams(max_tokens=12, structured=canonical_spec({"type": "json_object"}))],
+                         broken))
+    sched.submit(Request(ids, [sp], free))
+    sched.run()
+    assert len(broken.errors) == 1 and "grammar matcher stopped" in str(broken.errors[0])
+    assert not free.errors and free.results[0].output_ids == generate(engine, ids, sp, speculate="none").output_ids
+
+
 @pytest.mark.real
 def test_real_regex_and_choice(real_engine):
     ids = _chat(real_engine, "What is a phone number?")

@@ -373,11 +373,17 @@ class Scheduler:
             if plan is not None:
                 self.speculator.verified(r, len(plan[1][i]), n - 1)
                 self.stats.verified(r.draft_source, len(plan[1][i]), n - 1)
-            for j in range(n):  # the step's new tokens, up to where the row's stream ends
-                self.stats.decoded_tokens += 1
-                r.push(out if plan is None else column(out, j), i)
-                if r.stream.done:
-                    break
+            try:
+                for j in range(n):  # the step's new tokens, up to where the row's stream ends
+                    self.stats.decoded_tokens += 1
+                    r.push(out if plan is None else column(out, j), i)
+                    if r.stream.done:
+                        break
+            except Exception as e:  # (its grammar refused a token) this row's request fails, no other
+                self.rows[i] = None
+                r.release()
+                r.request.sink.error(e)
+                continue
             if r.stream.done:
                 self.rows[i] = None
                 self._finish(r)

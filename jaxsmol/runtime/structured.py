@@ -181,13 +181,14 @@ class Constraint:
 
     def bitmask(self) -> np.ndarray:
         """[ceil(vocab_size / 32)] int32: the ids allowed next."""
-        self._ll_words[:] = 0  # (a matcher in its error state writes nothing: no id, never the last mask)
+        self._ll_words[:] = 0  # (a matcher in its error state writes nothing: never the last mask)
         self._matcher.unsafe_compute_mask_ptr(self._ll_words.ctypes.data, self._ll_words.nbytes)
-        if self._matcher.is_error():
-            raise RuntimeError(f"structured output: no mask: {self._matcher.get_error()}")
         n = min(len(self._words), len(self._ll_words))
         self._words[:] = 0
         self._words[:n] = self._ll_words[:n]
+        if self._matcher.is_error():  # end-of-sequence only, whose `advance` then fails this row alone
+            for i in self.eos_ids:
+                self._words[i // 32] |= np.int32(np.uint32(1 << (i % 32)).view(np.int32))
         if self.vocab_size % 32:  # ids past the model's vocabulary (a smaller model head)
             self._words[-1] &= np.int32((1 << (self.vocab_size % 32)) - 1)
         return self._words.copy()
@@ -197,7 +198,10 @@ class Constraint:
         return unpack_bits(self.bitmask()[None], self.vocab_size)[0]
 
     def advance(self, token: int) -> None:
-        """Consume the sampled token; a token the mask did not allow is a bug, not a user error."""
+        """Consume the sampled token; a token the mask did not allow is a bug, not a user error, and a
+        matcher that gave up (its resource limits) fails the request."""
+        if self._matcher.is_error():
+            raise RuntimeError(f"structured output: the grammar matcher stopped: {self._matcher.get_error()}")
         if not self._matcher.consume_token(int(token)):
             raise RuntimeError(f"structured output: token {token} rejected: {self._matcher.get_error()}")
 
