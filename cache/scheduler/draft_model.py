@@ -76,8 +76,7 @@ class DraftModel:
 
     def seconds(self, k: int, plain: float, behind: int = 0) -> float:
         """A draft call of k tokens' time, with `behind` prompt tokens to prefill first (a row's first draft):
-        measured, else a guess from a plain target step's `plain`. Counted whole in the step that needs it, so
-        that a batch of rows that never drafted starts drafting only where that pays at once."""
+        measured, else a guess from a plain target step's `plain`."""
         call = self._seconds.get(k, self.share * k * plain)
         return call + behind * self._seconds.get("token", self.share * PREFILL_SHARE * plain)
 

@@ -241,7 +241,9 @@ class Speculator:
                 break
             if not ready(t):
                 continue
-            cost = sum(self.draft.seconds(t - 1, plain, r.drafts.behind)  # the rows a draft model drafts for
+            # the rows a draft model drafts for; a row's first draft prefills its prompt into its draft cache,
+            # which holds up the rows beside it (counted) and alone serves its later drafts (not counted)
+            cost = sum(self.draft.seconds(t - 1, plain, r.drafts.behind if len(live) > 1 else 0)
                        for r, d, n in zip(rows, drafts, lengths) if d is None and n > 0)
             rate = (len(live) + gain) / (self.times.estimate((W, t), plain) + cost)
             if rate > best_rate:
