@@ -159,10 +159,10 @@ class Scheduler:
             self.saves.step(self.settings.step_rows(self.live_rows > 0))
             busy = True
         if self.live_rows:
-            # timed where nothing ran before it that it may wait for: a prompt's or an answer's chunk, or
-            # the batch's insert, growth or relayout (the daemon at 8 clients read 57 ms for a 28 ms step)
+            # timed where nothing ran before it that it may wait for (a chunk, an insert, a relayout)
             self._decode(timed=not busy and self.stats.relayouts == self._relayouts)
-        self._maybe_shrink()
+        if not (self.batch_invariant or self.prefills):
+            self.layout.maybe_shrink()
 
     def _prefill_newcomers(self) -> bool:
         """Admit what fits (at most PREFILLS_AT_ONCE prompts being prefilled), then give each prompt,
@@ -292,7 +292,8 @@ class Scheduler:
         want, m = max(sp.logprobs for sp in req.samplings), len(req.samplings)
         out = jax.device_get(programs.sample_first(  # (a broadcast is an eager op: ~10 ms the first time)
             logits if m == 1 else jnp.broadcast_to(logits, (m, logits.shape[-1])),
-            row_settings(req.samplings, [0] * m, p.constraints, self._free(m)), logprobs=want > 0))
+            row_settings(req.samplings, [0] * m, p.constraints, free_mask(self.engine.cfg.vocab_size, m)),
+            logprobs=want > 0))
         ttft = time.perf_counter() - req.submitted
         kept = np.array(np.asarray(logits)[0]) if req.detail else None
         rows = []
@@ -327,10 +328,9 @@ class Scheduler:
 
     def _pin(self, req: Request, lk) -> JaxsmolError | None:
         """Pin a pin request's prompt, stored just now (cache/pins.py); the error if it cannot be."""
-        if not req.pin:
-            return None
         try:
-            self.cache.pins.pin(lk.ns, lk.prompt)
+            if req.pin:
+                self.cache.pins.pin(lk.ns, lk.prompt)
         except JaxsmolError as e:
             return e
         return None
@@ -342,10 +342,6 @@ class Scheduler:
         coming = list(self.pending) + [p.request for p in self.prefills if p.request is not rows[0].request]
         self.layout.insert(rows, kv, waiting=sum(r.decode_rows for r in coming))
 
-    def _maybe_shrink(self) -> None:
-        if not (self.batch_invariant or self.prefills):
-            self.layout.maybe_shrink()
-
     def _decode(self, timed: bool = True) -> None:
         """One decode step of every live row (a verify step where rows drafted tokens: speculation.py),
         then each row's host side (its tokens' stream, stop strings, events). (Dispatching the next
@@ -355,7 +351,7 @@ class Scheduler:
         want = any(r.stream.sp.logprobs for _, r in live)
         plan = self.speculator.plan(self.rows, self.batch.capacity, lambda t: self.verify_programs.ready(
             len(self.rows), self.batch.capacity, t, want)) if self.speculator else None
-        free = self._free(len(self.rows))
+        free = free_mask(self.engine.cfg.vocab_size, len(self.rows))
         started = time.perf_counter()
         try:
             out, self.batch = run_step(self.engine, self.batch, self.rows, plan, free, want)
@@ -373,12 +369,8 @@ class Scheduler:
             if plan is not None:
                 self.speculator.verified(r, len(plan[1][i]), n - 1)
                 self.stats.verified(r.draft_source, len(plan[1][i]), n - 1)
-            try:
-                for j in range(n):  # the step's new tokens, up to where the row's stream ends
-                    self.stats.decoded_tokens += 1
-                    r.push(out if plan is None else column(out, j), i)
-                    if r.stream.done:
-                        break
+            try:  # the step's new tokens, up to where the row's stream ends
+                self.stats.decoded_tokens += r.take([out] if plan is None else [column(out, j) for j in range(n)], i)
             except Exception as e:  # (its grammar refused a token) this row's request fails, no other
                 self.rows[i] = None
                 r.release()
@@ -396,9 +388,6 @@ class Scheduler:
             save = self.cache.begin_answer(lk, s.output_ids)
             if save is not None:
                 self.saves.add(save)
-
-    def _free(self, width: int) -> jax.Array:
-        return free_mask(self.engine.cfg.vocab_size, width)
 
     def _drop_cancelled(self) -> None:
         for i, r in enumerate(self.rows):

@@ -89,6 +89,15 @@ class Row:
             self.constraint.advance(token)
         self.request.sink.token(self.index, self.stream.push(token, logprob, top))
 
+    def take(self, outs: list[dict], i: int) -> int:
+        """Push the step's tokens for this row (entry i of each position's output) until its stream ends;
+        returns how many it took."""
+        for n, out in enumerate(outs, 1):
+            self.push(out, i)
+            if self.stream.done:
+                return n
+        return len(outs)
+
     def finished(self) -> ChoiceResult:
         """This row's result so far (its stream's tokens, text, finish reason and timings)."""
         s, lk, n = self.stream, self.lookup, len(self.lookup.prompt)
