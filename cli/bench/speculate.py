@@ -25,8 +25,10 @@ from jaxsmol.cli.tables import format_table
 
 PASSAGE = ("The river runs north through the valley, past the old mill and the stone bridge, until it reaches "
            "the lake where the fishermen keep their boats in summer and the children skate in winter.")
-CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
-        "    return result\n")
+# A function with nothing to simplify: SmolLM2-135M restates it whole, where it rewrote a summing loop
+# as `return sum(values)` (nothing left to copy).
+CODE = ("def tidy(name):\n    name = name.strip()\n    name = name.replace('_', ' ')\n    if not name:\n"
+        "        raise ValueError('empty name')\n    return name.title()\n")
 MOON = ("1. The Moon orbits the Earth about every 27 days.\n2. The Moon has no atmosphere to speak of.\n"
         "3. The Moon's gravity causes the tides on Earth.")
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -38,7 +40,7 @@ MORE_OPEN = ("Write a poem about the sea.", "Explain photosynthesis to a child."
 PROMPTS = {
     "copy": ([("user", "Copy the text exactly.\nOriginal: The cat sat on the mat.\nCopy: The cat sat on the "
                        f"mat.\nOriginal: {PASSAGE}\nCopy:")], None),
-    "rename": ([("user", "Rewrite this function with the name total instead of add_all, nothing else changed:\n"
+    "rename": ([("user", "Rewrite this function with the name clean_name instead of tidy, nothing else changed:\n"
                          + CODE)], None),
     "turn 2": ([("user", "List three facts about the Moon."), ("assistant", MOON),
                 ("user", "Repeat your list exactly, then add a fourth fact.")], None),
