@@ -79,19 +79,29 @@ def _nucleus_reference(logits, top_k, top_p):
 
 
 def test_top_k_top_p_without_a_sort_match_a_sorted_reference():
-    """The bisection (no sort) keeps exactly the ids a sort keeps, away from float ties at the edge."""
-    from jaxsmol.runtime.sampling import _top_k_top_p
+    """Each row keeps exactly the ids a sort keeps, away from float ties at the edge, whether its
+    thresholds lie among its CANDIDATES largest logits or take the bisection over the whole vocabulary;
+    the rows are filtered together, each way taken by some of them."""
+    from jaxsmol.runtime.sampling import CANDIDATES, _top_k_top_p
 
     rng = np.random.default_rng(7)
-    for trial in range(30):
-        logits = (rng.standard_normal(512) * rng.choice([0.5, 2, 6])).astype(np.float32)
-        top_k, top_p = int(rng.choice([0, 1, 3, 40, 512])), float(rng.choice([1.0, 0.5, 0.9, 0.99]))
-        weights = np.exp(logits - logits.max())
-        got = np.asarray(_top_k_top_p((jnp.asarray(weights)[None], jnp.asarray(logits)[None],
-                                       jnp.asarray([top_k], jnp.int32), jnp.asarray([top_p], jnp.float32))))[0]
-        want = _nucleus_reference(logits.astype(np.float64), top_k, top_p)
-        np.testing.assert_array_equal(got > 0, want, err_msg=f"trial {trial}: top_k={top_k} top_p={top_p}")
-        np.testing.assert_array_equal(got[want], weights[want])
+    V = 4 * CANDIDATES
+    logits = np.stack([rng.standard_normal(V) * rng.choice([0.5, 2, 6]) for _ in range(40)]).astype(np.float32)
+    top_k = rng.choice([0, 1, 3, 40, CANDIDATES, CANDIDATES + 1, V], len(logits)).astype(np.int32)
+    top_p = rng.choice([1.0, 0.5, 0.9, 0.99], len(logits)).astype(np.float32)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    got = np.asarray(_top_k_top_p((jnp.asarray(weights), jnp.asarray(logits), jnp.asarray(top_k),
+                                   jnp.asarray(top_p))))
+    kept = []
+    for i in range(len(logits)):
+        want = _nucleus_reference(logits[i].astype(np.float64), int(top_k[i]), float(top_p[i]))
+        np.testing.assert_array_equal(got[i] > 0, want, err_msg=f"row {i}: top_k={top_k[i]} top_p={top_p[i]}")
+        np.testing.assert_array_equal(got[i][want], weights[i][want])
+        kept.append(int(want.sum()))
+    kept = np.array(kept)
+    assert ((top_p < 1) & (top_k == 0) & (kept > CANDIDATES)).any()  # a nucleus past the candidates
+    assert ((top_p < 1) & (top_k == 0) & (kept < CANDIDATES)).any()  # one inside them
+    assert (top_k > CANDIDATES).any() and ((top_k > 0) & (top_k <= CANDIDATES)).any()
 
 
 def test_a_rows_draw_does_not_depend_on_its_neighbours():

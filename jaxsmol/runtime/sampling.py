@@ -86,20 +86,40 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
+CANDIDATES = 128  # the largest logits a row's top-k / top-p look at before searching the whole vocabulary
+
+
 def _top_k_top_p(args) -> jax.Array:
     """Zero the weights [B, V] outside the top-k and outside the top-p nucleus.
 
-    Without sorting (a sort of 8 x 49,152 logits took 130 ms a step): both thresholds are found by
-    bisection over the logits' order keys, 32 fixed steps of a count or a masked sum per row. The
-    nucleus keeps id j when the mass of ids with larger logits is below top_p: the smallest set of
+    The nucleus keeps id j when the mass of ids with larger logits is below top_p: the smallest set of
     largest logits whose mass reaches top_p, ties at its edge included. Both use the full
     distribution's mass, so top-k and top-p combine as an intersection.
+
+    Both thresholds come from a row's CANDIDATES largest logits (`lax.top_k`, ~1 ms for 8 x 49,152)
+    where they lie among them: top_k <= CANDIDATES, or a nucleus that ends inside them (or a top-k
+    inside them cuts it first). A row whose threshold lies beyond them is searched over the whole
+    vocabulary by bisection over the logits' order keys, 32 fixed steps of a count or a masked sum
+    (~7 ms for 8 rows; a sort of 8 x 49,152 logits took 130 ms). Which way a row takes depends on its
+    own logits and settings only, so its draw does not depend on its neighbours.
     """
     weights, scaled, top_k, top_p = args
     V = scaled.shape[-1]
     keys = _order_keys(scaled)  # [B, V]
     lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [B]
+    mass = top_p * jnp.sum(weights, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+
+    C = min(CANDIDATES, V)
+    values, ids = lax.top_k(scaled, C)  # [B, C], largest first
+    ckeys, cweights = _order_keys(values), jnp.take_along_axis(weights, ids, axis=1)
+    above = jnp.sum(jnp.where(ckeys[:, None, :] > ckeys[:, :, None], cweights[:, None, :], 0), axis=-1)  # [B, C]
+    inside = above < mass[:, None]  # candidate i is in the nucleus; true for a prefix of the candidates
+    k_inside = k <= C
+    kth_c = jnp.take_along_axis(ckeys, jnp.clip(k - 1, 0, C - 1)[:, None], axis=1)[:, 0]
+    nucleus_c = jnp.min(jnp.where(inside, ckeys, jnp.uint32(0xFFFFFFFF)), axis=-1)
+    # the nucleus may go on past the candidates only where every candidate is in it and no top-k cuts it
+    nucleus_beyond = (top_p < 1) & inside[:, -1] & ~((top_k > 0) & k_inside) & (C < V)
 
     def kth_step(_, bounds):  # invariant: at least k keys >= lo
         lo, hi = bounds
@@ -107,21 +127,28 @@ def _top_k_top_p(args) -> jax.Array:
         ok = jnp.sum(keys >= mid[:, None], axis=-1) >= k
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    mass = top_p * jnp.sum(weights, axis=-1)
-
     def nucleus_step(_, bounds):  # invariant: the weight above hi is below top_p's mass
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
         ok = jnp.sum(jnp.where(keys > mid[:, None], weights, 0), axis=-1) < mass
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    def search(step, wanted):  # only when some row asks for this filter; rows that do not keep all
+    def search(step, wanted):  # only when some row needs it; rows that do not keep lo
         found = lax.cond(jnp.any(wanted), lambda: lax.fori_loop(0, 32, step, (lo, hi))[0], lambda: lo)
         return jnp.where(wanted, found, lo)
 
-    kth, nucleus = search(kth_step, top_k > 0), search(nucleus_step, top_p < 1)
+    kth = jnp.where(top_k == 0, lo, jnp.where(k_inside, kth_c, search(kth_step, (top_k > 0) & ~k_inside)))
+    nucleus = jnp.where(top_p >= 1, lo, jnp.where(nucleus_beyond, search(nucleus_step, nucleus_beyond), nucleus_c))
     keep = (keys >= kth[:, None]) & (keys >= nucleus[:, None])
     return jnp.where(keep, weights, 0)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """[B, V] -> [B] int32, as jnp.argmax (the first largest, a NaN counting as largest) in two plain
+    reductions: XLA:CPU's arg-reduction over 8 x 49,152 logits took 1.3 ms, this 0.5 ms."""
+    first = jnp.where((x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x),
+                      lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), x.shape[-1])
+    return jnp.min(first, axis=-1)
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -143,9 +170,14 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     the same tokens alone or in a batch (given the same logits).
     The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
-    logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
+    V = logits.shape[-1]
+    masked = lambda lg: jnp.where(unpack_bitmask(allowed, V), lg, MASKED_LOGIT)  # noqa: E731
+    if allowed.shape[-1] * 32 >= V:  # unpacking 8 x 49,152 bits took ~1.5 ms a step: skip an all-ones mask
+        logits = lax.cond(jnp.all(allowed == -1), lambda lg: lg, masked, logits)
+    else:
+        logits = masked(logits)
     greedy_rows = temperature < MIN_TEMPERATURE
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _argmax(logits)
 
     def draw(_):
         scaled = logits / jnp.where(greedy_rows, 1.0, temperature)[:, None]
