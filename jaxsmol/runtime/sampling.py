@@ -170,12 +170,7 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     the same tokens alone or in a batch (given the same logits).
     The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
-    V = logits.shape[-1]
-    masked = lambda lg: jnp.where(unpack_bitmask(allowed, V), lg, MASKED_LOGIT)  # noqa: E731
-    if allowed.shape[-1] * 32 >= V:  # unpacking 8 x 49,152 bits took ~1.5 ms a step: skip an all-ones mask
-        logits = lax.cond(jnp.all(allowed == -1), lambda lg: lg, masked, logits)
-    else:
-        logits = masked(logits)
+    logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
     greedy_rows = temperature < MIN_TEMPERATURE
     greedy = _argmax(logits)
 
