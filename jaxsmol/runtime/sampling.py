@@ -170,6 +170,8 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     the same tokens alone or in a batch (given the same logits).
     The top-k / top-p search runs only when some row asks for it; greedy rows cost an argmax.
     """
+    # unpacked even when every bit is set: a lax.cond skipping an all-ones mask made the daemon's 8-client
+    # decode ~6% slower (the unpack fuses into its consumers; the cond's branch does not)
     logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, MASKED_LOGIT)
     greedy_rows = temperature < MIN_TEMPERATURE
     greedy = _argmax(logits)
