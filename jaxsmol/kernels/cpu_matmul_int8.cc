@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include <array>
+
 namespace {
 
 constexpr int64_t kQuads = kBlock / 4;            // quads per block
@@ -143,6 +145,7 @@ struct Q8_0 {
     const float* d;   // [K / 32, 32]
   };
   static const char* Bytes(const Panel& w) { return reinterpret_cast<const char*>(w.q); }
+  static std::array<const float*, 2> Scales(const Panel& w) { return {w.d, nullptr}; }
   static IVec Codes(const Panel& w, int64_t g, int v) { return LoadI(w.q + g * 4 * kPanel + 4 * kLanes * v); }
   static IVec Step(IVec sum, IVec w, IVec x4) { return DotQuads(sum, Abs8(w), SignBy(x4, w)); }
   static IVec Total(IVec sum) { return sum; }
@@ -159,6 +162,7 @@ struct Q4_1 {
     const float* m;    // [K / 32, 32]
   };
   static const char* Bytes(const Panel& w) { return reinterpret_cast<const char*>(w.q); }
+  static std::array<const float*, 2> Scales(const Panel& w) { return {w.d, w.m}; }
   static IVec Codes(const Panel& w, int64_t g, int v) {
     const int64_t col = kLanes * v;
     const IVec bytes = LoadI(w.q + g * 2 * kPanel + 4 * (col % (kPanel / 2)));
@@ -178,11 +182,14 @@ struct Q4_1 {
 };
 
 // Rows r0..r0+R-1 of x (rounded) by vectors v0..v0+V-1 of a panel, all of K, into y (row stride N).
+// `ahead`: where this pass fetches lines into L2, `lines` of them a block (see Matmul).
 template <typename F, int R, int V>
-void DotTile(const Rounded& x, int64_t r0, const typename F::Panel& w, float* y, int64_t N, int v0) {
+void DotTile(const Rounded& x, int64_t r0, const typename F::Panel& w, float* y, int64_t N, int v0,
+             const char* ahead = nullptr, int lines = 0) {
   const int64_t K = x.K, KB = K / kBlock;
   Vec acc[R][V] = {};
   for (int64_t b = 0; b < KB; ++b) {
+    for (int i = 0; i < lines; ++i) __builtin_prefetch(ahead + (b * lines + i) * 64, 0, 2);
     IVec sum[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) sum[r][v] = Zero();
@@ -216,7 +223,7 @@ constexpr int kPassVecs = kVecRegs == 32 ? kVecs : 2;
 constexpr int kDotGroup = (kVecRegs - 2 - kPassVecs) / (2 * kPassVecs);
 
 template <typename F>
-using DotTileFn = void (*)(const Rounded&, int64_t, const typename F::Panel&, float*, int64_t, int);
+using DotTileFn = void (*)(const Rounded&, int64_t, const typename F::Panel&, float*, int64_t, int, const char*, int);
 template <typename F, int... Rs>
 constexpr DotTileFn<F> kDotTiles[] = {nullptr, &DotTile<F, Rs, kPassVecs>...};
 template <typename F>
@@ -244,16 +251,29 @@ void Matmul(ffi::ThreadPool& pool, const float* x, At at, float* y, int64_t M, i
   const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t part = (panels + threads - 1) / threads;
   ParallelFor(pool, (panels + part - 1) / part, [=](int64_t t) {
-    for (int64_t p = t * part; p < std::min(panels, (t + 1) * part); ++p) {
+    const int64_t end = std::min(panels, (t + 1) * part);
+    for (int64_t p = t * part; p < end; ++p) {
       const typename F::Panel panel = at(p);
       float* const yp = y + p * kPanel;
       if (M == 1) {  // the whole panel in one pass: its codes read once, one stream (2 or 4 side by side: no faster)
         DotTile<F, 1, kVecs>(r, 0, panel, yp, N, 0);
         continue;
       }
+      // Many rows make several passes over the panel, and only the first read it from memory while
+      // the others ran from cache: reading and arithmetic took turns. Each pass now also fetches its
+      // share of the next panel's codes into L2, a few lines a block (that panel's scales at once),
+      // so the reading overlaps every pass (AVX2, Q8_0 at 8 rows: 0.84-0.91x the time).
+      const int passes = static_cast<int>((M + kDotGroup - 1) / kDotGroup * (kVecs / kPassVecs));
+      const int64_t share = (K / 4 * F::kQuadBytes + passes - 1) / passes;
+      const int lines = p + 1 < end ? static_cast<int>((share / (K / kBlock) + 63) / 64) : 0;
+      const typename F::Panel next = at(std::min(p + 1, end - 1));
+      const char* ahead = F::Bytes(next);
+      for (const float* scales : F::Scales(next))
+        for (int64_t i = 0; lines > 0 && scales != nullptr && i < K / kBlock * kPanel; i += 16)
+          __builtin_prefetch(scales + i, 0, 2);
       for (int64_t m0 = 0; m0 < M; m0 += kDotGroup)
-        for (int v0 = 0; v0 < kVecs; v0 += kPassVecs)
-          kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0);
+        for (int v0 = 0; v0 < kVecs; v0 += kPassVecs, ahead += share)
+          kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0, ahead, lines);
     }
   });
 }
