@@ -157,6 +157,26 @@ void AttendKeys(const float* q, const KV* keys, const KV* values, int64_t G, int
 // position, so a row's bits do not depend on the batch or on the rows beside it.
 constexpr int64_t kDecodeParts = 2, kSplitFrom = 256;
 
+// Row-head rk's output from its parts' states (m, l, acc as AttendDecode lays them out), in order.
+template <int64_t H>
+void MergeParts(int64_t rk, int64_t parts, int64_t G, const float* m, const float* l, const float* acc, float* os) {
+  constexpr int64_t P = kDecodeParts;
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = -INFINITY;
+    for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(rk * P + part) * G + g]);
+    float scale[kDecodeParts], sum = 0.0f;
+    for (int64_t part = 0; part < parts; ++part) {
+      scale[part] = std::exp(m[(rk * P + part) * G + g] - mx);
+      sum += l[(rk * P + part) * G + g] * scale[part];
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float v = 0.0f;
+      for (int64_t part = 0; part < parts; ++part) v += acc[((rk * P + part) * G + g) * H + h] * scale[part];
+      os[(rk * G + g) * H + h] = v / sum;
+    }
+  }
+}
+
 template <typename KV, int HV>
 void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
                   float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
@@ -176,24 +196,10 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV
     std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
     AttendKeys<KV, HV>(qs + rk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
                        &acc[task * G * H]);
+    if (parts == 1) MergeParts<H>(rk, 1, G, m.data(), l.data(), acc.data(), os);  // here, on this task's thread
   });
-  for (int64_t rk = 0; rk < R * K; ++rk) {  // merge the parts, in order
-    const int64_t parts = parts_of(keys_of(rk / K));
-    for (int64_t g = 0; g < G; ++g) {
-      float mx = -INFINITY;
-      for (int64_t part = 0; part < parts; ++part) mx = std::max(mx, m[(rk * P + part) * G + g]);
-      float scale[kDecodeParts], sum = 0.0f;
-      for (int64_t part = 0; part < parts; ++part) {
-        scale[part] = std::exp(m[(rk * P + part) * G + g] - mx);
-        sum += l[(rk * P + part) * G + g] * scale[part];
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float v = 0.0f;
-        for (int64_t part = 0; part < parts; ++part) v += acc[((rk * P + part) * G + g) * H + h] * scale[part];
-        os[(rk * G + g) * H + h] = v / sum;
-      }
-    }
-  }
+  for (int64_t rk = 0; rk < R * K; ++rk)  // the split rows' parts, once both are done
+    if (const int64_t parts = parts_of(keys_of(rk / K)); parts > 1) MergeParts<H>(rk, parts, G, m.data(), l.data(), acc.data(), os);
 }
 
 // A prompt chunk's tile: RV vectors of query rows (one row per lane; up to kRowVecs), scored against
