@@ -19,7 +19,8 @@ values (so the two outputs must be bitwise equal). The stack then ends with the 
 [576, 49152], as the model's step does: of every row up to 16 (a batched decode step), of the last
 row beyond (a prompt chunk). Printed: each kernel's time and weight bytes per second, and the ratio
 quantized / float32. With `--against REV` too, the quantized kernel alternates instead with REV's
-cpu_matmul_quant.cc on the same quantized matrices (the outputs again bitwise equal). `--dot int8`
+cpu_matmul_quant.cc (with `--dot int8`: its cpu_matmul_int8.cc) on the same quantized matrices (the
+outputs again bitwise equal). `--dot int8`
 puts the integer-dot kernel (cpu_matmul_int8.cc, `--matmul int8`) in the quantized kernel's place, its
 codes in k-quads (its outputs differ: x is rounded to 8 bits).
 """
