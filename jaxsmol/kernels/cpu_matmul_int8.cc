@@ -262,7 +262,7 @@ void Matmul(ffi::ThreadPool& pool, const float* x, At at, float* y, int64_t M, i
       // Many rows make several passes over the panel; only the first would read it from memory, the
       // others running from cache, so reading and arithmetic would take turns. Each pass also fetches
       // its share of the next panel's codes into L2, a few lines a block (that panel's scales at
-      // once), so the reading overlaps every pass (AVX2, Q8_0 at 8 rows: 0.84-0.91x the time without).
+      // once), so the reading overlaps every pass (AVX2, Q8_0 at 8 rows: 0.84-0.91x the time of passes that do not).
       const int passes = static_cast<int>((M + kDotGroup - 1) / kDotGroup * (kVecs / kPassVecs));
       const int64_t share = (K / 4 * F::kQuadBytes + passes - 1) / passes;
       const int lines = p + 1 < end ? static_cast<int>((share / (K / kBlock) + 63) / 64) : 0;
