@@ -83,7 +83,7 @@ constexpr int ChunkOf(int hv, int fit) { return hv <= fit ? hv : ChunkOf(hv / 2,
 constexpr int kHeadsAtOnce = 3;  // GQ at most (SmolLM2: 3 query heads per kv head)
 
 template <typename KV, int HV, int GQ>
-void AttendKeysOf(const float* q, const KV* keys, const KV* values, int64_t p0, int64_t p1,
+void AttendKeysOf(const float* q, const KV* keys, const KV* values, int64_t p0, int64_t p1, bool stream_values,
                   float* scores, float* m_out, float* l_out, float* acc_out) {
   constexpr int64_t H = HV * kLanes, kAheadKeys = 8, kLine = kLineOf<KV>;
   const int64_t n = p1 - p0, padded = (n + kLanes - 1) / kLanes * kLanes;  // a head's scores are `padded` apart
@@ -93,6 +93,7 @@ void AttendKeysOf(const float* q, const KV* keys, const KV* values, int64_t p0, 
   for (int g = 0; g < GQ; ++g) m[g] = -INFINITY;
   for (int64_t p = 0; p < n; ++p) {
     for (int64_t c = 0; c < H; c += kLine) __builtin_prefetch(keys + (p + kAheadKeys) * H + c);
+    for (int64_t c = 0; stream_values && c < H; c += kLine) __builtin_prefetch(values + (p + kAheadKeys) * H + c, 0, 2);
     Vec d[GQ];
     const Vec k0 = LoadWeight(keys + p * H);
     for (int g = 0; g < GQ; ++g) d[g] = Load(q + g * H) * k0;
@@ -138,13 +139,13 @@ void AttendKeysOf(const float* q, const KV* keys, const KV* values, int64_t p0, 
 // All G query heads of one (row, kv head), kHeadsAtOnce at a time (scores: kHeadsAtOnce x its scratch).
 template <typename KV, int HV>
 void AttendKeys(const float* q, const KV* keys, const KV* values, int64_t G, int64_t p0, int64_t p1,
-                float* scores, float* m_out, float* l_out, float* acc_out) {
+                bool stream_values, float* scores, float* m_out, float* l_out, float* acc_out) {
   static_assert(kHeadsAtOnce == 3, "the dispatch below names GQ = 1, 2, 3");
   constexpr int64_t H = HV * kLanes;
   for (int64_t g = 0; g < G;) {
     const int64_t gq = std::min<int64_t>(kHeadsAtOnce, G - g);
     (gq == 3 ? &AttendKeysOf<KV, HV, 3> : gq == 2 ? &AttendKeysOf<KV, HV, 2> : &AttendKeysOf<KV, HV, 1>)(
-        q + g * H, keys, values, p0, p1, scores, m_out + g, l_out + g, acc_out + g * H);
+        q + g * H, keys, values, p0, p1, stream_values, scores, m_out + g, l_out + g, acc_out + g * H);
     g += gq;
   }
 }
@@ -156,6 +157,10 @@ void AttendKeys(const float* q, const KV* keys, const KV* values, int64_t G, int
 // merged in order, so that 3 kv heads keep 2 threads busy; the split depends only on the row's own
 // position, so a row's bits do not depend on the batch or on the rows beside it.
 constexpr int64_t kDecodeParts = 2, kSplitFrom = 256;
+// With this many query rows and keys in a range, the range's values stream into L2 beside its keys
+// for P V: the two streams overlap (tools/time_decode_attention.py --against, 4-8 rows at 300-1000
+// keys: 0.85-0.91x the time); one row took 1.05-1.13x with it, short ranges ~1.05x.
+constexpr int64_t kStreamValuesRows = 4, kStreamValuesKeys = 128;
 
 // Row-head rk's output from its parts' states (m, l, acc as AttendDecode lays them out), in order.
 template <int64_t H>
@@ -194,8 +199,9 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
     const int64_t slots = ((layer * B + r / T) * K + rk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
     std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
-    AttendKeys<KV, HV>(qs + rk * G * H, ks + slots, vs + slots, G, p0, p1, scores.data(), &m[task * G], &l[task * G],
-                       &acc[task * G * H]);
+    const bool stream_values = R >= kStreamValuesRows && p1 - p0 >= kStreamValuesKeys;
+    AttendKeys<KV, HV>(qs + rk * G * H, ks + slots, vs + slots, G, p0, p1, stream_values, scores.data(), &m[task * G],
+                       &l[task * G], &acc[task * G * H]);
     if (parts == 1) MergeParts<H>(rk, 1, G, m.data(), l.data(), acc.data(), os);  // here, on this task's thread
   });
   for (int64_t rk = 0; rk < R * K; ++rk)  // the split rows' parts, once both are done
