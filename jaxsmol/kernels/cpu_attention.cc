@@ -204,8 +204,10 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV
                        &l[task * G], &acc[task * G * H]);
     if (parts == 1) MergeParts<H>(rk, 1, G, m.data(), l.data(), acc.data(), os);  // here, on this task's thread
   });
-  for (int64_t rk = 0; rk < R * K; ++rk)  // the split rows' parts, once both are done
-    if (const int64_t parts = parts_of(keys_of(rk / K)); parts > 1) MergeParts<H>(rk, parts, G, m.data(), l.data(), acc.data(), os);
+  for (int64_t rk = 0; rk < R * K; ++rk) {  // the split rows' parts, once both are done
+    const int64_t parts = parts_of(keys_of(rk / K));
+    if (parts > 1) MergeParts<H>(rk, parts, G, m.data(), l.data(), acc.data(), os);
+  }
 }
 
 // A prompt chunk's tile: RV vectors of query rows (one row per lane; up to kRowVecs), scored against
