@@ -104,6 +104,38 @@ def test_top_k_top_p_without_a_sort_match_a_sorted_reference():
     assert (top_k > CANDIDATES).any() and ((top_k > 0) & (top_k <= CANDIDATES)).any()
 
 
+def test_the_two_level_draw_matches_an_inverse_cdf_and_never_picks_a_zero_weight():
+    """_draw picks the first id whose running weight reaches (1 - u) x the total, as a float64 inverse
+    CDF does away from rounding at a boundary, over vocabularies shorter than a block, not a multiple
+    of it and many blocks long; ids of zero weight (masked, filtered) are never drawn, u near 0 (the
+    point at the very end of the CDF, where the blocks' rounding may leave it past the last id)
+    included."""
+    from jaxsmol.runtime.sampling import DRAW_BLOCK, _draw
+
+    rng = np.random.default_rng(11)
+    for V in (7, DRAW_BLOCK + 3, 24 * DRAW_BLOCK):
+        logits = (rng.standard_normal((16, V)) * rng.choice([0.5, 3.0], (16, 1))).astype(np.float32)
+        logits[rng.random((16, V)) < 0.3] = -1e30  # ids of zero weight, as a grammar's mask leaves them
+        logits[:, 0] = 0.0  # every row keeps one id at least
+        u = np.concatenate([rng.random(12), [0.0, 1e-9, 1 - 1e-7, 0.5]]).astype(np.float32)
+        got = np.asarray(_draw(jnp.asarray(logits), jnp.zeros(16, jnp.int32), jnp.ones(16), jnp.asarray(u)))
+        weights = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+        assert (weights[np.arange(16), got] > 0).all(), V
+        cdf = np.cumsum(weights, axis=-1)
+        point = (1 - u.astype(np.float64)) * cdf[:, -1]
+        want = (cdf < point[:, None]).sum(-1)
+        below = np.where(want > 0, cdf[np.arange(16), np.maximum(want - 1, 0)], 0.0)
+        tol = 1e-5 * cdf[:, -1]  # the point this far from its interval's ends: float32 rounding (~1e-6) cannot move it
+        clear = (point - below > tol) & (cdf[np.arange(16), np.minimum(want, V - 1)] - point > tol)
+        np.testing.assert_array_equal(got[clear], want[clear], err_msg=f"V={V}")
+        assert clear.sum() >= 12
+    # the point at the total, where the block's running sum (1 + 4e-8 three times: 1 in float32) falls
+    # short of its pairwise sum (1 + 8e-8 rounds up): the last id of positive weight, not one past it
+    weights = np.array([1, 4e-8, 4e-8, 4e-8, 0, 0, 0])
+    logits = np.where(weights > 0, np.log(np.maximum(weights, 1e-300)), -1e30).astype(np.float32)[None]
+    assert int(_draw(jnp.asarray(logits), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1))[0]) == 3
+
+
 def test_a_rows_draw_does_not_depend_on_its_neighbours():
     """sample_rows: row i's token depends on its own logits, settings and seed only, at any width."""
     from jaxsmol.runtime.sampling import sample_rows
