@@ -72,23 +72,28 @@ def _draw(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, uniform: jax.Ar
     """Inverse-CDF sampling: scaled logits [B, V], top_k [B] int32, top_p [B], uniform [B] in [0, 1) -> ids [B].
 
     One uniform per row, where Gumbel-max (`jax.random.categorical`) draws V: threefry over 8 x 49,152
-    logits took 12 ms a step, this ~0.5 ms. The CDF in two levels: each DRAW_BLOCK ids' weight (a fixed
-    tree of pairwise adds), the blocks' running sum, then the running sum inside the one block the
-    point falls in (a running sum over the whole vocabulary took 1.3 ms for 8 rows). Every float op is
-    elementwise, a max, or `lax.cumsum` (an associative scan of elementwise adds off TPU), so a row's draw
-    does not depend on the other rows. The id drawn always has a positive weight.
+    logits took 12 ms a step, this ~0.5 ms. Every float op is elementwise, a max, or `lax.cumsum` (an
+    associative scan of elementwise adds off TPU), so a row's draw does not depend on the other rows.
     """
     weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [B, V], the largest is 1
     filtered = lax.cond(jnp.any((top_k > 0) | (top_p < 1)), _top_k_top_p, lambda a: a[0],
                         (weights, scaled, top_k, top_p))
-    B, V = filtered.shape
+    return _first_reaching(filtered, 1 - uniform)
+
+
+def _first_reaching(weights: jax.Array, share: jax.Array) -> jax.Array:
+    """weights [B, V] >= 0, share [B] in (0, 1] -> the first id [B] whose running weight reaches share x
+    the row's total: always one of positive weight. The running weight in two levels: each DRAW_BLOCK
+    ids' sum (a fixed tree of pairwise adds), the blocks' running sum, then the running sum inside the
+    one block the point falls in (a running sum over the whole vocabulary took 1.3 ms for 8 rows)."""
+    B, V = weights.shape
     NB = -(-V // DRAW_BLOCK)
-    blocks = jnp.pad(filtered, ((0, 0), (0, NB * DRAW_BLOCK - V))).reshape(B, NB, DRAW_BLOCK)
+    blocks = jnp.pad(weights, ((0, 0), (0, NB * DRAW_BLOCK - V))).reshape(B, NB, DRAW_BLOCK)
     sums = blocks
     while sums.shape[-1] > 1:  # pairwise, in a fixed order
         sums = sums[..., 0::2] + sums[..., 1::2]
     block_cdf = lax.cumsum(sums[..., 0], axis=1)  # [B, NB]
-    point = (1 - uniform) * block_cdf[:, -1]  # in (0, total]
+    point = share * block_cdf[:, -1]  # in (0, total]
     j = jnp.minimum(jnp.sum(block_cdf < point[:, None], axis=-1), NB - 1)  # the first block reaching it
     base = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0)
     inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [B, DRAW_BLOCK], a positive sum
