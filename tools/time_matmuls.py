@@ -134,8 +134,8 @@ def main() -> None:
     target = None
     if args.format and args.against:
         symbol = {"q8_0": "JaxsmolMatmulQ8_0", "q4_1": "JaxsmolMatmulQ4_1"}[args.format]
-        source = "cpu_matmul_quant.cc" if args.dot == "exact" else "cpu_matmul_int8.cc"
-        target = kernel_revision.register(args.against, source, symbol + ("Int8" if args.dot == "int8" else ""))
+        source, suffix = ("cpu_matmul_int8.cc", "Int8") if args.dot == "int8" else ("cpu_matmul_quant.cc", "")
+        target = kernel_revision.register(args.against, source, symbol + suffix)
     elif args.against:
         handler = "JaxsmolMatmulBf16" if dtype == jnp.bfloat16 else "JaxsmolMatmul"
         target = kernel_revision.register(args.against, "cpu_matmul.cc", handler)

@@ -25,8 +25,8 @@ from jaxsmol.cli.tables import format_table
 
 PASSAGE = ("The river runs north through the valley, past the old mill and the stone bridge, until it reaches "
            "the lake where the fishermen keep their boats in summer and the children skate in winter.")
-# A function with nothing to simplify: SmolLM2-135M restates it whole, where it rewrote a summing loop
-# as `return sum(values)` (nothing left to copy).
+# A function with nothing to simplify, so SmolLM2-135M restates it whole (a summing loop it rewrites as
+# `return sum(values)`, leaving nothing to copy).
 CODE = ("def tidy(name):\n    name = name.strip()\n    name = name.replace('_', ' ')\n    if not name:\n"
         "        raise ValueError('empty name')\n    return name.title()\n")
 MOON = ("1. The Moon orbits the Earth about every 27 days.\n2. The Moon has no atmosphere to speak of.\n"

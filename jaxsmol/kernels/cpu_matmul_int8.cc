@@ -269,8 +269,8 @@ void Matmul(ffi::ThreadPool& pool, const float* x, At at, float* y, int64_t M, i
       const typename F::Panel next = at(std::min(p + 1, end - 1));
       const char* ahead = F::Bytes(next);
       for (const float* scales : F::Scales(next))
-        for (int64_t i = 0; lines > 0 && scales != nullptr && i < K / kBlock * kPanel; i += 16)
-          __builtin_prefetch(scales + i, 0, 2);
+        if (lines > 0 && scales != nullptr)
+          for (int64_t i = 0; i < K / kBlock * kPanel; i += 16) __builtin_prefetch(scales + i, 0, 2);
       for (int64_t m0 = 0; m0 < M; m0 += kDotGroup)
         for (int v0 = 0; v0 < kVecs; v0 += kPassVecs, ahead += share)
           kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0, ahead, lines);
