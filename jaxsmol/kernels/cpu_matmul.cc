@@ -122,7 +122,7 @@ constexpr int kStreams = kVecRegs == 32 ? 8 : 2;  // panels side by side (AVX2: 
 template <typename W>
 void FewRows(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   FewRowsWith(pool, x, M, K, N, [w, y, M, K, N](const float* xt, int64_t p, int64_t end) {
-    if (M == 1) {  // the thread's panels in kStreams parts, read side by side
+    if (M == 1) {  // the run's panels in kStreams parts, read side by side
       const int64_t part_len = (end - p) / kStreams;
       for (int64_t i = p; i < p + part_len; ++i) OneRowPanels<W, kStreams>(xt, w, y, K, i, part_len);
       p += kStreams * part_len;

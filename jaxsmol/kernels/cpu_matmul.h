@@ -32,6 +32,9 @@ constexpr int64_t kRowsPerPass = 16; // few rows: rows transposed together (more
 // one few-row pass (with kFar) 0.94x the tiled time (bfloat16 0.66x).
 constexpr int64_t kManyFrom = kRowsPerPass + 1;
 constexpr int kPanelVecs = kPanel / kLanes;  // vectors per panel row
+// Panels a thread claims at a time (ParallelForShares): few enough that a thread whose core is taken
+// away holds up little, enough for the one-row path's side-by-side streams.
+constexpr int64_t kRunPanels = 8;
 
 alignas(64) constexpr float kZeros[kPanel] = {};  // the chains' start: one panel row of zeros
 
@@ -70,7 +73,7 @@ inline void Tile(const float* xt, const W* panel, const float* y_in, int64_t in_
 // ---- Few rows ----
 
 // x [M, K] in passes of up to kRowsPerPass rows, each transposed to [K, rows] (a k step's rows
-// adjacent: pass m0 at xt + m0 K), then fn(xt, p0, p1) on each thread's run of panels p0..p1-1.
+// adjacent: pass m0 at xt + m0 K), then fn(xt, p0, p1) on runs of panels p0..p1-1 (ParallelForShares).
 template <typename Fn>
 void FewRowsWith(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, Fn fn) {
   float* const xt = ThreadScratch<1>(M * K);
@@ -79,10 +82,7 @@ void FewRowsWith(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, in
     for (int64_t k = 0; k < K; ++k)
       for (int64_t r = 0; r < rows; ++r) xt[m0 * K + k * rows + r] = x[(m0 + r) * K + k];
   }
-  const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t part = (panels + threads - 1) / threads;
-  ParallelFor(pool, (panels + part - 1) / part,
-              [xt, panels, part, fn](int64_t t) { fn(xt, t * part, std::min(panels, (t + 1) * part)); });
+  ParallelForShares(pool, N / kPanel, kRunPanels, [xt, fn](int64_t p0, int64_t p1, bool) { fn(xt, p0, p1); });
 }
 
 // ---- Many rows ----
@@ -174,17 +174,14 @@ void ManyPanelsWith(const float* xp, float* y, int64_t M, int64_t K, int64_t N, 
     }
 }
 
-// x packed once (its row groups split between the threads), then panels(xp, p0, p1) on each
-// thread's run of panels.
+// x packed once (its row groups split between the threads), then panels(xp, p0, p1) on runs of
+// panels (ParallelForShares).
 template <typename Panels>
 void ManyRowsWith(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, Panels panels) {
   float* const xp = ThreadScratch<2>(M * K);
   ParallelFor(pool, (M + kGroup - 1) / kGroup,
               [=](int64_t g) { PackRows(x, xp, M, K, g * kGroup, std::min<int64_t>(kGroup, M - g * kGroup)); });
-  const int64_t panels_n = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t part = (panels_n + threads - 1) / threads;
-  ParallelFor(pool, (panels_n + part - 1) / part,
-              [=](int64_t t) { panels(xp, t * part, std::min(panels_n, (t + 1) * part)); });
+  ParallelForShares(pool, N / kPanel, kRunPanels, [xp, panels](int64_t p0, int64_t p1, bool) { panels(xp, p0, p1); });
 }
 
 // ---- Quantized operands ----

@@ -248,33 +248,29 @@ Rounded Round(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K) {
 template <typename F, typename At>
 void Matmul(ffi::ThreadPool& pool, const float* x, At at, float* y, int64_t M, int64_t K, int64_t N) {
   const Rounded r = Round(pool, x, M, K);
-  const int64_t panels = N / kPanel, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t part = (panels + threads - 1) / threads;
-  ParallelFor(pool, (panels + part - 1) / part, [=](int64_t t) {
-    const int64_t end = std::min(panels, (t + 1) * part);
-    for (int64_t p = t * part; p < end; ++p) {
-      const typename F::Panel panel = at(p);
-      float* const yp = y + p * kPanel;
-      if (M == 1) {  // the whole panel in one pass: its codes read once, one stream (2 or 4 side by side: no faster)
-        DotTile<F, 1, kVecs>(r, 0, panel, yp, N, 0);
-        continue;
-      }
-      // Many rows make several passes over the panel; only the first would read it from memory, the
-      // others running from cache, so reading and arithmetic would take turns. Each pass also fetches
-      // its share of the next panel's codes into L2, a few lines a block (that panel's scales at
-      // once), so the reading overlaps every pass (AVX2, Q8_0 at 8 rows: 0.84-0.91x the time of passes that do not).
-      const int passes = static_cast<int>((M + kDotGroup - 1) / kDotGroup * (kVecs / kPassVecs));
-      const int64_t share = (K / 4 * F::kQuadBytes + passes - 1) / passes;
-      const int lines = p + 1 < end ? static_cast<int>((share / (K / kBlock) + 63) / 64) : 0;
-      const typename F::Panel next = at(std::min(p + 1, end - 1));
-      const char* ahead = F::Bytes(next);
-      for (const float* scales : F::Scales(next))
-        if (lines > 0 && scales != nullptr)
-          for (int64_t i = 0; i < K / kBlock * kPanel; i += 16) __builtin_prefetch(scales + i, 0, 2);
-      for (int64_t m0 = 0; m0 < M; m0 += kDotGroup)
-        for (int v0 = 0; v0 < kVecs; v0 += kPassVecs, ahead += share)
-          kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0, ahead, lines);
+  const int64_t panels = N / kPanel;
+  ParallelForShares(pool, panels, 1, [=](int64_t p, int64_t, bool fetch_next) {  // and the next panel's reading begun
+    const typename F::Panel panel = at(p);
+    float* const yp = y + p * kPanel;
+    if (M == 1) {  // the whole panel in one pass: its codes read once, one stream (2 or 4 side by side: no faster)
+      DotTile<F, 1, kVecs>(r, 0, panel, yp, N, 0);
+      return;
     }
+    // Many rows make several passes over the panel; only the first would read it from memory, the
+    // others running from cache, so reading and arithmetic would take turns. Each pass also fetches
+    // its share of the next panel's codes into L2, a few lines a block (that panel's scales at
+    // once), so the reading overlaps every pass (AVX2, Q8_0 at 8 rows: 0.84-0.91x the time of passes that do not).
+    const int passes = static_cast<int>((M + kDotGroup - 1) / kDotGroup * (kVecs / kPassVecs));
+    const int64_t share = (K / 4 * F::kQuadBytes + passes - 1) / passes;
+    const int lines = fetch_next ? static_cast<int>((share / (K / kBlock) + 63) / 64) : 0;
+    const typename F::Panel next = at(fetch_next ? p + 1 : p);
+    const char* ahead = F::Bytes(next);
+    for (const float* scales : F::Scales(next))
+      if (lines > 0 && scales != nullptr)
+        for (int64_t i = 0; i < K / kBlock * kPanel; i += 16) __builtin_prefetch(scales + i, 0, 2);
+    for (int64_t m0 = 0; m0 < M; m0 += kDotGroup)
+      for (int v0 = 0; v0 < kVecs; v0 += kPassVecs, ahead += share)
+        kDotTileFor<F>[std::min<int64_t>(kDotGroup, M - m0)](r, m0, panel, yp + m0 * N, N, v0, ahead, lines);
   });
 }
 #endif

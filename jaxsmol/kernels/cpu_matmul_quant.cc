@@ -192,7 +192,7 @@ constexpr auto& kPassFor = kPasses<F, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 template <typename F>
 void FewRows(ffi::ThreadPool& pool, const float* x, const F& w, float* y, int64_t M, int64_t K, int64_t N) {
   FewRowsWith(pool, x, M, K, N, [w, y, M, K, N](const float* xt, int64_t p, int64_t end) {
-    if (M == 1) {  // the thread's panels in kStreams parts, read side by side
+    if (M == 1) {  // the run's panels in kStreams parts, read side by side
       const int64_t part_len = (end - p) / kStreams;
       for (int64_t i = p; i < p + part_len; ++i) OneRow<F, kStreams>(xt, w, y, K, i, part_len);
       p += kStreams * part_len;
