@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_kernels, formats
 from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.model import forward as model
 from jaxsmol.runtime import programs
@@ -62,6 +62,36 @@ def test_matmul_rows_do_not_depend_on_the_others(M, K):
     for r in (0, M // 2, M - 1):  # a lone row: two panels a pass (FewRows), an odd one alone
         np.testing.assert_array_equal(together[r], np.asarray(cpu_kernels.matmul(x[r:r + 1], w))[0])
         np.testing.assert_array_equal(together[r, :160], np.asarray(cpu_kernels.matmul(x[r:r + 1], w[:5]))[0])
+
+
+@pytest.mark.parametrize("layout", ["float32", "q8_0 exact", "q4_1 int8"])
+@pytest.mark.parametrize("M", [1, 8, 40])
+def test_a_products_bits_do_not_depend_on_which_thread_takes_which_panels(layout, M):
+    """The threads claim a product's panels in runs, one taking over another's share when it finishes
+    first (cpu_kernels.h, ParallelForShares), so which thread computes a panel changes from call to
+    call, most under load: a busy process beside the calls moves the panels between threads. 37 panels:
+    shares of 18 and 19, runs of 8 with a short one. Every call gives the bits of the first, and every
+    column is computed (the float64 reference)."""
+    rng = np.random.default_rng(M)
+    K, N = 576, 37 * 32
+    x = jnp.asarray(rng.standard_normal((M, K), np.float32))
+    w = rng.standard_normal((K, N), np.float32)
+    if layout == "float32":
+        panels, want = cpu_kernels.pack(w), np.asarray(x, np.float64) @ w
+    else:
+        fmt, dot = layout.split()
+        exact = formats.quantize(w, fmt)
+        dense = np.asarray(formats.dequantize(exact)).transpose(1, 0, 2).reshape(K, N)  # from [N / 32, K, 32]
+        panels, want = formats.to_dot(exact, dot), np.asarray(x, np.float64) @ dense
+    first = np.asarray(cpu_kernels.matmul(x, panels))
+    assert np.abs(first - want).max() <= 0.02 * np.abs(want).max()  # int8 rounds x; the others agree closer
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(40):
+            np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x, panels)), first)
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _cache(rng, L=2, B=4, K=2, S=512, H=64):
