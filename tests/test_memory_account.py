@@ -19,12 +19,15 @@ pytestmark = pytest.mark.skipif(host_memory.heap() is None, reason="malloc's fig
 
 
 def test_malloc_figures_see_an_allocation_and_its_release():
+    """The figures are the whole process's, and other threads of a test worker (an earlier test's
+    background work) allocate and free a few MB meanwhile: a block large against that, and a margin."""
+    margin = 32 << 20
     before = host_memory.heap()
-    block = np.ones(64 << 20, np.uint8)  # 64 MB from malloc
+    block = np.ones(256 << 20, np.uint8)  # 256 MB from malloc
     during = host_memory.heap()
-    assert during.in_use - before.in_use >= 60 << 20
+    assert during.in_use - before.in_use >= (256 << 20) - margin
     del block
-    assert host_memory.heap().in_use - before.in_use < 8 << 20
+    assert host_memory.heap().in_use - before.in_use < margin
 
 
 def test_each_program_made_is_counted_with_its_memory(tiny_cfg, params):
