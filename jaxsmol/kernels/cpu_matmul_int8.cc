@@ -234,7 +234,7 @@ static_assert(kDotGroup <= 7);
 Rounded Round(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K) {
   // Up to 16 rows in one task, on the calling thread: rounding 8 rows takes a few microseconds, about
   // what handing half of them to a pool thread costs (an 8-row decode step, AVX2 build, alternated
-  // step by step: 0.975x the time with them rounded here than split in two tasks).
+  // step by step: 0.975x the time of rounding them in two tasks).
   const int64_t KB = K / kBlock, rows_per_task = 16;
   float* const scales = ThreadScratch<6>(2 * M * KB + (M * K + 3) / 4);
   const Rounded r{reinterpret_cast<const int8_t*>(scales + 2 * M * KB), scales, scales + M * KB, K};
