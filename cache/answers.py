@@ -2,7 +2,9 @@
 prompt, so that the next turn restores the bits a cold prefill of it computes (cache/prefix_cache.py's
 docstring says why an answer's decode-step state is not stored as it is).
 
-The scheduler queues it and runs a chunk in a step with room (cache/scheduler/answers.py).
+The scheduler queues it and runs a chunk in a step with room (cache/scheduler/answers.py); its chunks
+run in a row of the KV arena (jaxsmol/runtime/kv_arena.py), taken at its first chunk and given back
+once it is stored (holding the exact state of prompt + answer: the next turn may take that row as it is).
 """
 
 from __future__ import annotations
@@ -10,37 +12,43 @@ from __future__ import annotations
 import dataclasses
 
 from jaxsmol.cache.records import AnswerSave
-from jaxsmol.model.kv import KVCache
-from jaxsmol.runtime.chunks import capacity_for
 
 
 @dataclasses.dataclass
 class AnswerPrefill:
-    """An answer being stored: its save (the stored prompt held) and the cache its chunks fill."""
+    """An answer being stored: its save (the stored prompt held) and the arena row its chunks fill."""
     save: AnswerSave
-    kv: KVCache | None = None
+    row: int | None = None
     wanted: bool = False  # a waiting prompt continues this answer (the scheduler's queue)
 
-    def step(self, cache, max_rows: int) -> bool:
+    def step(self, cache, arena, lease, max_rows: int) -> bool:
         """One prefill chunk of at most max_rows rows; True once the answer is stored or given up
         (a failed save costs the next turn its reuse, nothing else)."""
         engine, tokens = cache.engine, self.save.tokens
         try:
-            if self.kv is None:
-                self.kv = engine.restore(self.save.prefix, capacity_for(len(tokens)), len(self.save.lookup.prompt),
-                                         cache.exact_state(tokens))
-            logits, self.kv = engine.prefill_chunk(tokens, self.kv, max_rows)
-            if int(self.kv.pos) < len(tokens):
+            if self.row is None:
+                if arena.free_rows < 2:
+                    return False  # a row left for a scoring: later
+                n = len(self.save.lookup.prompt)
+                self.row, held = lease.take(cache.exact_state(tokens[:n]))
+                if held < n:
+                    arena.restore(self.row, self.save.parts, held, n, cache.exact_state(tokens))
+            T = engine.chunk_rows(len(tokens) - arena.pos[self.row], max_rows)
+            logits = arena.prefill([(self.row, tokens)], T, exact_rows=T in engine.buckets(True))
+            if arena.pos[self.row] < len(tokens):
                 return False
-            cache.finish_answer(self.save, self.kv, logits)
-            engine.recycle(self.kv)
-            self.kv = None
+            cache.finish_answer(self.save, arena.view(self.row), logits)
+            self._give_back(lease)
         except Exception:
-            self.drop(cache)
+            self.drop(cache, lease)
         return True
 
-    def drop(self, cache) -> None:
-        """Give up: unhold the stored prompt, hand the cache back."""
+    def drop(self, cache, lease) -> None:
+        """Give up: unhold the stored prompt, hand the row back (to the scheduler's lease)."""
         cache.finish_answer(self.save, None, None)
-        cache.engine.recycle(self.kv)
-        self.kv = None
+        self._give_back(lease)
+
+    def _give_back(self, lease) -> None:
+        if self.row is not None:
+            lease.give(self.row)
+            self.row = None

@@ -40,7 +40,7 @@ from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
 from jaxsmol.cache.store.radix import RadixStore
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.model.kv import SEQ_AXIS, KVCache
+from jaxsmol.model.kv import SEQ_AXIS
 
 MODES = ("radix", "single", "off")
 
@@ -136,14 +136,14 @@ class PrefixCache:
             self.stats.bypasses[report.bypass] += 1
             return lk
         self.stats.lookups += 1
-        match = self.store.lookup(lk.ns, prompt)
+        match = self.store.lookup(lk.ns, prompt, gather=False)
         if self.disk is not None and match.payload is None:
             match = self._from_disk(lk.ns, prompt, match, report)
         report.matched, report.reused, report.nearest_len = match.length, match.reused, match.nearest_len
         report.exact_hit = match.payload is not None
         if report.reused:
             lk.match, lk.logits = match, match.payload
-            lk.prefix = KVCache.from_segment(match.value)
+            lk.parts = self.store.parts(match, match.reused)
         if report.matched < n:
             report.divergence_pos = report.matched
         if report.reused:
@@ -156,10 +156,11 @@ class PrefixCache:
         return lk
 
     def release(self, lk: Lookup) -> None:
-        """Unpin what `lookup` pinned (once; later calls do nothing)."""
+        """Unpin what `lookup` pinned (once; later calls do nothing): call it once the prefix is restored,
+        so that the store's budget bounds what it holds, leased entries included."""
         if lk.match is not None:
             self.store.release(lk.match)
-            lk.match = None
+            lk.match, lk.parts = None, None
 
     def finish(self, lk: Lookup, prefilled: int) -> None:
         """Account a request whose prompt is done: `prefilled` positions were computed."""
@@ -216,7 +217,7 @@ class PrefixCache:
         self.add_snapshot(snap, salt=ns[1])
         self.stats.disk_loads += 1
         report.disk_loaded = usable
-        return self.store.lookup(ns, prompt)
+        return self.store.lookup(ns, prompt, gather=False)
 
     def persist_to_disk(self) -> int:
         """Write every stored key to the disk tier (least recently used first, so that the newest stay
@@ -263,8 +264,9 @@ class PrefixCache:
         return loaded + self.pins.restored
 
     # ---- saving -----------------------------------------------------------------------------------
-    def save_prompt(self, lk: Lookup, kv: KVCache, logits) -> None:
-        """Store the prompt's state; call right after the prompt is in `kv` (before decode donates it)."""
+    def save_prompt(self, lk: Lookup, kv, logits) -> None:
+        """Store the prompt's state; call right after the prompt is in `kv` (anything with `segment(start,
+        stop)`: a row of the KV arena, a KVCache) and before decoding overwrites it."""
         if lk.report.bypass is not None or lk.report.exact_hit:
             return
         ns, prompt, report = lk.ns, lk.prompt, lk.report
@@ -294,10 +296,9 @@ class PrefixCache:
         if match.length < len(lk.prompt) or match.length == len(tokens):
             self.store.release(match)  # evicted meanwhile, or already stored: nothing to do
             return None
-        store = self.store
-        return AnswerSave(lk, tokens, match, lambda: KVCache.from_segment(store.gather(match, match.reused)))
+        return AnswerSave(lk, tokens, match, self.store.parts(match, match.reused))
 
-    def finish_answer(self, save: AnswerSave, kv: KVCache | None, logits) -> None:
+    def finish_answer(self, save: AnswerSave, kv, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
         try:
             if kv is not None:

@@ -42,7 +42,7 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "s
     second = engine.check_prompt(then_ids, max_tokens) if then_ids else prompt
     if warmup:
         longest = max(len(prompt), len(second))
-        engine.warmup(longest + max_tokens, prompt_len=longest)
+        engine.warmup(longest)
     cache = PrefixCache(engine, mode=mode, budget_bytes=budget_bytes)
     pc = load_prompt_cache(cache, prompt_cache, prompt) if prompt_cache else None
     cold = _run(cache, prompt, sp)

@@ -7,14 +7,11 @@ Plain data shared by cache/prefix_cache.py (which fills them) and cache/schedule
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
-from collections.abc import Callable
 
 import numpy as np
 
 from jaxsmol.cache.store.nodes import Match
-from jaxsmol.model.kv import KVCache
 
 
 @dataclasses.dataclass
@@ -69,22 +66,15 @@ class Lookup:
     prompt: list[int]
     report: CacheReport
     match: Match | None = None  # what the store found, held for this request (None once released)
-    prefix: KVCache | None = None  # host snapshot whose first report.reused positions are reused
+    parts: list | None = None  # the stored prefix's host segments {"k", "v"}, in order (views of the store's)
     logits: np.ndarray | None = None  # [V] after the whole prompt, on an exact full hit
 
 
 @dataclasses.dataclass
 class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `prefix` (the stored prompt's state, held by `match`).
-
-    The prefix is read from the store when first needed: at the save's first chunk, not when the
-    request finishes (a 700-token prompt's state is a 32 MB copy, which delayed the decode step of
-    every other row)."""
+    """A prompt + answer to store: `tokens`, from `parts` (the stored prompt's host segments, in order,
+    held by `match`: views, read when its first chunk restores them)."""
     lookup: Lookup
     tokens: list[int]
     match: Match
-    read_prefix: Callable[[], KVCache]
-
-    @functools.cached_property
-    def prefix(self) -> KVCache:
-        return self.read_prefix()
+    parts: list

@@ -174,17 +174,18 @@ class Precompile:
             ids = check_prompt(cfg, context_length(cfg, a.ctx), ids, a.max_tokens)
         except JaxsmolError:
             return  # the engine will refuse this request, and say why: nothing to compile
-        self.thread = threading.Thread(target=self._compile, args=(cfg, len(ids)), daemon=True)
+        self.thread = threading.Thread(target=self._compile, args=(cfg, context_length(cfg, a.ctx), len(ids)),
+                                       daemon=True)
         self.thread.start()
 
-    def _compile(self, cfg, n: int) -> None:
+    def _compile(self, cfg, ctx: int, n: int) -> None:
         import time
 
         from jaxsmol.cache.scheduler.compile_ahead import compile_lone_request
 
         t0 = time.perf_counter()
         try:
-            compile_lone_request(cfg, self.args.dtype, n, self.args.max_tokens, self.args.speculate,
+            compile_lone_request(cfg, self.args.dtype, ctx, n, self.args.max_tokens, self.args.speculate,
                                  bool(self.args.draft_model))
         except Exception:  # noqa: BLE001 - compiled on first use instead
             pass

@@ -344,10 +344,10 @@ def build_parser() -> ArgumentParser:
 
 @user_errors
 def main(argv=None) -> int:
-    from jaxsmol.system.host_memory import keep_freed_memory
+    from jaxsmol.system.host_memory import one_malloc_arena
 
     args = build_parser().parse_args(argv)
-    keep_freed_memory()  # big buffers reused, not faulted in afresh (see jaxsmol/system/host_memory.py)
+    one_malloc_arena()  # one high-water mark for all threads (see jaxsmol/system/host_memory.py)
     return args.func(args)
 
 

@@ -1,5 +1,5 @@
 """`jaxsmol bench --quick` end to end: every section is there, its numbers are positive, and the
-mixed workload stays within the compile bound. No timing assertions: speed is the benchmark's
+mixed workload compiles nothing after compile-ahead. No timing assertions: speed is the benchmark's
 output, not a test's (the machine running the tests may be busy).
 
 It runs on the two-layer checkpoint (`tiny_model_dir`, with the real tokenizer): the subject is the
@@ -69,9 +69,8 @@ def test_bench_quick_writes_every_section(tmp_path, tiny_model_dir):
 
     c = res["compilations"]
     assert c["requests"] > 0 and 2 <= c["prompt_min"] <= c["prompt_max"] <= 1500
-    _positive(c["forward_programs"], "forward programs")
-    assert c["forward_programs"] <= c["bound"] and c["within_bound"]
-    assert res["forward_programs_total"] <= res["meta"]["compile_bound_fast"]
+    _positive(c["programs_ahead"], "programs made ready ahead")
+    assert c["programs_during"] == 0 and c["closed"]
 
     for case in ("without_cache", "with_cache"):
         _positive(res["cli"][case]["ttft_s"], f"fresh process {case} ttft")

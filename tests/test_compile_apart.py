@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.model.config import Config
+from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime import compile_apart, program_store, programs
 
 
@@ -34,7 +35,11 @@ def store(tmp_path, monkeypatch):
 
 
 def _calls(engine):
-    return engine.forward_calls(64, (8, 16, 32, 64, 128, 256))
+    """The one-sequence forward over chunks of 8..256 rows into a 512-slot cache, as (program, args, kwargs)."""
+    kv = jax.eval_shape(lambda: KVCache.zeros(engine.cfg, 512, dtype=engine.cache_dtype))
+    length = jax.ShapeDtypeStruct((), jnp.int32)
+    return [(programs.forward, (engine.params, jax.ShapeDtypeStruct((1, T), jnp.int32), length, kv, engine.cfg), {})
+            for T in (8, 16, 32, 64, 128, 256)]
 
 
 def test_a_child_compiles_what_the_store_lacks_and_the_caller_loads_it(engine, store):
@@ -45,11 +50,11 @@ def test_a_child_compiles_what_the_store_lacks_and_the_caller_loads_it(engine, s
     assert programs.forward.prepared - prepared == len(calls) == programs.forward.loaded - loaded  # none compiled here
     assert not any(p.missing(*args, **kwargs) for p, args, kwargs in calls)
     # what the child compiled computes what this process's own compile of the same function does
-    kv = engine.new_cache(64)
+    kv = engine.new_cache(512)
     tokens, n = jnp.asarray(np.arange(1, 9, dtype=np.int32)[None]), jnp.int32(8)
     ours = jax.jit(programs.forward.jitted.__wrapped__, static_argnames=("cfg", "all_logits"),
                    compiler_options=programs.COMPILER_OPTIONS)(engine.params, tokens, n, kv, engine.cfg)[0]
-    theirs = programs.forward(engine.params, tokens, n, engine.new_cache(64), engine.cfg)[0]
+    theirs = programs.forward(engine.params, tokens, n, engine.new_cache(512), engine.cfg)[0]
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 

@@ -310,8 +310,8 @@ def test_kernels_off_without_a_compiler(tmp_path, tiny_model_dir):
 def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, dtype, caplog):
     """compile_ahead.compile_lone_request builds a lone request's programs from shapes alone (`jaxsmol
     generate` runs it while the weights load); the request then compiles none of them itself (its
-    prefill chunks, first token, decode row), in either dtype (a bfloat16 engine's cache is float32
-    under the kernels, as its shapes must say)."""
+    prefill chunks, first token, decode step over the engine's arena), in either dtype (a bfloat16
+    engine's cache is float32 under the kernels, as its shapes must say)."""
     import logging
 
     from jaxsmol.cache.scheduler.compile_ahead import compile_lone_request
@@ -321,11 +321,12 @@ def test_programs_compiled_while_loading_are_the_ones_a_request_runs(tiny_cfg, d
 
     cfg = cpu_kernels.configure(tiny_cfg, getattr(jnp, dtype))
     assert cfg.cpu_kernels
-    assert compile_lone_request(cfg, dtype, 40, 4) == 5  # 32- and 8-row chunks, sample_first, decode_step, insert_row
+    # 32- and 8-row chunks, sample_first, decode_step
+    assert compile_lone_request(cfg, dtype, cfg.max_position, 40, 4) == 4
     engine = Engine(cfg, init_random(cfg, seed=5, dtype=getattr(jnp, dtype)), None)
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         generate(engine, list(range(3, 43)), SamplingParams(max_tokens=4))
-    ours = ("forward", "sample_first", "decode_step", "insert_row")
+    ours = ("prefill_rows", "sample_first", "decode_step")
     compiled = [r.getMessage()[:60] for r in caplog.records
                 if r.getMessage().startswith(tuple(f"Compiling jit({name}" for name in ours))]
     assert compiled == []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.cache.prefix_cache import PrefixCache
-from jaxsmol.cache.scheduler.draft_model import DraftModel
+from jaxsmol.cache.scheduler.draft_model import DRAFT_STEPS, DraftModel
 from jaxsmol.cache.scheduler.many import _run, generate, generate_many
 from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
@@ -135,16 +135,16 @@ def test_mismatches_are_refused_by_name(tiny_engine):
 
 
 def test_the_daemons_warm_up_compiles_the_drafts_programs(tiny_engine):
-    """program_calls (what the daemon compiles before it is ready) holds the draft model's prompt chunks and
-    draft calls: a drafting request afterwards compiles no draft program."""
-    from jaxsmol.cache.scheduler.compile_ahead import program_calls
+    """scheduler_calls (what the daemon compiles before it is ready) holds the draft model's prompt chunks
+    and draft calls: a drafting request afterwards compiles no draft program."""
+    from jaxsmol.cache.scheduler.compile_ahead import scheduler_calls
     from jaxsmol.runtime import programs
 
     cache = PrefixCache(tiny_engine, mode="off")
     sched = drafting(cache, tiny_engine)
-    single, _ = program_calls(sched, 512)
-    assert sum(program is programs.greedy_drafts for program, _, _ in single) == 6  # k 1, 3, 7 at two capacities
-    programs.compile_all(single)
+    calls = scheduler_calls(sched)
+    assert sum(program is programs.greedy_drafts for program, _, _ in calls) == len(DRAFT_STEPS)  # one arena
+    programs.compile_all(calls)
     held = programs.compiled_count("greedy_drafts")
     prompt, sp = np.random.default_rng(9).integers(3, 256, 30).tolist(), SamplingParams(max_tokens=40)
     _run(sched, [Request(prompt, [sp], Collector())])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxsmol.runtime.chunks import (FAST_BUCKETS, MIN_CAPACITY, PREFILL_BUCKETS, ROW_EXACT_BUCKETS, capacity_for,
-                            chunk_plan, compile_bound, prefill_buckets, tight_plan)
+                            chunk_plan, prefill_buckets, tight_plan)
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.engine import Engine, compiled_programs
 from jaxsmol.errors import JaxsmolError
@@ -43,10 +43,10 @@ def _streamed(engine, sp, prompt=PROMPT):
 
 # ---- compiled programs (first, so later tests reuse what it compiles) ------------------------
 
-def test_compiled_programs_are_bounded(tiny_engine):
-    """A mixed workload compiles at most compile_bound(ctx) forward programs, and the set saturates:
-    a second pass of different random lengths compiles nothing new. The first token's sampler compiles
-    once, a lone row's decode step once per capacity."""
+def test_compiled_programs_are_closed(tiny_engine):
+    """A mixed workload (prompts of 1-600 tokens, any max_tokens, sampling settings, logprobs, clients
+    leaving early) makes ready one prefill program per chunk length it meets, one decode step and one
+    first-token sampler: lengths and fields are data. A second pass of other lengths adds nothing."""
     programs.clear()  # count from zero, whatever earlier tests compiled
     ctx = tiny_engine.ctx
     everything = tuple(range(256))  # as stop_ids: stop right after the first token
@@ -54,17 +54,18 @@ def test_compiled_programs_are_bounded(tiny_engine):
     def run(n, max_tokens, steps=4, seed=0, **sp):
         sink = Collector()  # a streaming client may leave early: after `steps` tokens here
         sink.on_token = lambda i, _: setattr(sink, "cancel", len(sink.steps[i]) >= steps)
-        sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=1)
+        sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=1, speculate="none")
         sched.submit(Request(_ids(n, seed), [SamplingParams(max_tokens=max_tokens, seed=seed, **sp)], sink))
         sched.run()
 
-    # every reachable (chunk, capacity) pair, and decode at both capacities, once
     for n in (5, 10, 20, 50, 100, 200, 400):  # every bucket (8, 16 and 32 with the CPU kernels, see engine.py)
-        run(n, 3)  # capacity 512
-        run(n, 600, stop_ids=everything)  # capacity 1024, no decode step
-    run(600, 3)  # 512 + 128 chunks, capacity 1024, decode at 1024
-    covered = compiled_programs()
-    assert 0 < covered <= compile_bound(ctx, tiny_engine.buckets())
+        run(n, 3, logprobs=n % 3)
+        run(n, 600, stop_ids=everything)  # no decode step
+    run(600, 3)  # 512 + 128 chunks
+    covered = {name: compiled_programs(name) for name in ("prefill_rows", "decode_step", "sample_first")}
+    # the chunk lengths up to a step's 128 rows (longer prompts advance 128 rows a step)
+    assert covered == {"prefill_rows": len([T for T in tiny_engine.buckets() if T <= 128]), "decode_step": 1,
+                       "sample_first": 1}
 
     def random_pass(seed):
         rng = np.random.default_rng(seed)
@@ -72,14 +73,11 @@ def test_compiled_programs_are_bounded(tiny_engine):
             n = int(rng.integers(1, 601))
             m = int(rng.integers(0, ctx - n + 1))
             run(n, m, seed=i, temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.integers(0, 50)),
-                top_p=float(rng.choice([1.0, 0.9])))
+                top_p=float(rng.choice([1.0, 0.9])), logprobs=int(rng.integers(0, 21)))
 
     random_pass(1)
-    assert compiled_programs() == covered <= compile_bound(ctx, tiny_engine.buckets())
     random_pass(2)
-    assert compiled_programs() == covered
-    assert compiled_programs("sample_first") == 1
-    assert compiled_programs("decode_step") == 2  # capacities 512 and 1024
+    assert {name: compiled_programs(name) for name in covered} == covered
 
 
 # ---- generation: sampling ------------------------------------------------------------------------
@@ -296,42 +294,12 @@ def test_capacity_for():
         assert cap >= s and cap % ATTN_BLOCK == 0 and (cap == MIN_CAPACITY or cap // 2 < s)
 
 
-def test_compile_bound_values():
-    # capacities 512, 1024, 2048 for ctx 1024 (a 512-chunk may overhang ctx); 4 buckets + decode each
-    assert compile_bound(1024, PREFILL_BUCKETS) == 5 * 3
-    assert compile_bound(2048, PREFILL_BUCKETS) == 5 * 4
-    assert compile_bound(1, PREFILL_BUCKETS) == 5 * 2
-    # by default, the fast path's buckets (a superset of every exact set): 1, 8, 16, 32 and the four
-    assert set(ROW_EXACT_BUCKETS) < set(FAST_BUCKETS) and compile_bound(1024) == 8 * 3
-
-
 def test_slots_needed_covers_padding_and_decode(tiny_engine):
     assert tiny_engine.cfg.cpu_kernels  # so its exact chunks may have 16 rows (engine.py)
     assert tiny_engine.slots_needed(0, 10, 5) == 16 and tiny_engine.slots_needed(0, 10, 5, exact=False) == 16
     assert tiny_engine.slots_needed(0, 10, 100) == 110
     assert tiny_engine.slots_needed(0, 600, 0) == 640
     assert tiny_engine.slots_needed(500, 600, 0) == 628
-
-
-def test_pool_bytes_counts_recycled_buffers(tiny_cfg):
-    """The recycled-buffer pool is shown in /metrics (jaxsmol_pool_bytes): at most PER_CAPACITY small
-    buffers per capacity, each counted; a buffer taken for a new request leaves the count. Large
-    buffers: as many as BYTES_PER_CAPACITY holds, never fewer than MIN_PER_CAPACITY."""
-    from jaxsmol.runtime.buffers import CachePool
-    from jaxsmol.runtime.engine import Engine
-    from jaxsmol.model.params import init_random
-
-    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
-    budget = CachePool.BYTES_PER_CAPACITY
-    assert [engine.pool.limit(budget // d) for d in (1, 3, 4, 100)] == [
-        CachePool.MIN_PER_CAPACITY, 3, 4, CachePool.PER_CAPACITY]
-    caches = [engine.new_cache(100) for _ in range(CachePool.PER_CAPACITY + 1)]
-    assert engine.pool_bytes == 0
-    for kv in caches:
-        engine.recycle(kv)
-    assert engine.pool_bytes == CachePool.PER_CAPACITY * caches[0].nbytes  # the extra one is dropped
-    engine.new_cache(100)
-    assert engine.pool_bytes == (CachePool.PER_CAPACITY - 1) * caches[0].nbytes
 
 
 def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
@@ -353,49 +321,28 @@ def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
             np.testing.assert_array_equal(np.asarray(a)[..., :n, :], b[..., :n, :])
 
 
-def test_a_restore_takes_a_finished_cache_holding_its_prefix_without_copying(tiny_cfg):
-    """A recycled cache holding the exact state of its tokens (the engine knows which) serves a restore
-    of a prefix of them as it is (same buffer, no staging copy), with the snapshot's values in those
-    slots; a restore of other tokens, or one not told its tokens, copies the snapshot in."""
-    from jaxsmol.model.params import init_random
+def test_an_arena_row_holds_only_exact_states(tiny_engine):
+    """The tokens whose exact state a row holds after a decode step (its mark: what a later take of a
+    prefix of them reuses without a copy): the prompt after a cold prefill or exact chunks onto a prefix
+    restored with its tokens; nothing after a one-row chunk (the fast path's, not exact) or onto a
+    prefix restored without them."""
+    from jaxsmol.runtime.batch import free_mask, row_settings
 
-    engine = Engine(tiny_cfg, init_random(tiny_cfg), None, ctx=1024)
-    prompt = _ids(300, 0)
-    _, kv = engine.prefill(prompt, engine.new_cache(engine.slots_needed(0, 300, 0)))
-    snapshot = jax.device_get(kv)
-    address = kv.k.unsafe_buffer_pointer()
-    assert engine.exact_prefix(kv) == tuple(prompt)  # a cold prefill of exact chunks
-    engine.recycle(kv)
-    del kv
-    got = engine.restore(snapshot, 512, 200, prompt)
-    assert got.k.unsafe_buffer_pointer() == address and int(got.pos) == 200
-    assert engine.staging.nbytes == 0 and engine.pool.taken_holding == 1  # nothing was copied
-    for a, b in ((got.k, snapshot.k), (got.v, snapshot.v)):
-        np.testing.assert_array_equal(np.asarray(a)[..., :200, :], b[..., :200, :])
-    engine.recycle(got)
-    del got
-    other = prompt[:199] + [prompt[199] + 1]
-    copied = engine.restore(snapshot, 512, 200, other)  # the same slots would be another prompt's state
-    assert engine.pool.taken_holding == 1 and engine.staging.nbytes > 0
-    engine.recycle(copied)
-    del copied
-    assert engine.restore(snapshot, 512, 200) is not None and engine.pool.taken_holding == 1  # not told: copies
-
-
-def test_only_exact_states_are_recycled_as_reusable(tiny_engine):
-    """The tokens whose exact state a request's cache holds after a decode step (what it is recycled
-    with): the prompt after a cold prefill or exact chunks onto an exact prefix; nothing after a one-row
-    chunk (the fast path's, not exact) or onto a prefix not known exact."""
     prompt = _ids(40, 1)
-    snapshot = jax.device_get(tiny_engine.prefill(prompt, tiny_engine.new_cache(64))[1])
+    arena = tiny_engine.arena()
+    with arena.borrowed() as row:
+        arena.fill(row, prompt)
+        snapshot = arena.segment(row, 0, 40)
+    greedy = row_settings([SamplingParams()], [0], [None], free_mask(tiny_engine.cfg.vocab_size, 1))
 
     def held(prefix_len=0, told=False, exact=True):
-        slots = tiny_engine.slots_needed(prefix_len, len(prompt), 2, exact)
-        kv = (tiny_engine.restore(snapshot, slots, prefix_len, prompt if told else None) if prefix_len
-              else tiny_engine.new_cache(slots))
-        _, kv = tiny_engine.prefill(prompt, kv, exact)
-        _, kv = tiny_engine.decode(7, kv)
-        return tiny_engine.exact_prefix(kv)
+        with arena.borrowed() as row:
+            arena.pos[row], arena.marks[row] = 0, ()
+            if prefix_len:
+                arena.restore(row, [snapshot], 0, prefix_len, prompt if told else None)
+            arena.fill(row, prompt, exact)
+            arena.decode([row], np.array([7], np.int32), greedy)
+            return arena.marks[row]
 
     assert held() == tuple(prompt)
     assert held(30, told=True) == tuple(prompt)
@@ -417,7 +364,7 @@ def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_warmup_for_a_prompt_compiles_what_its_probe_runs(caplog, n):
-    """engine.warmup(slots, prompt_len) compiles every forward a prompt of that length runs, the exact
+    """engine.warmup(n) compiles every prefill program a prompt of n tokens runs, the exact
     path's chunk too (a one-token prompt runs an 8-row chunk with the kernels: it was left out, and the
     lab's one-token probe paid ~0.5 s in its cold run). Its own shapes, so no earlier test compiled them."""
     import logging
@@ -432,9 +379,10 @@ def test_warmup_for_a_prompt_compiles_what_its_probe_runs(caplog, n):
     cfg = Config.tiny(n_layers=5, vocab_size=352 + 32 * n)
     engine = Engine(cfg, init_random(cfg), None, ctx=256)
     engine._fingerprint = f"warmup-{n}"
-    engine.warmup(n + 1, prompt_len=n)
+    engine.warmup(n)
     caplog.clear()
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         result = run_probe(engine, list(range(3, 3 + n)), max_tokens=1, warmup=False)
     assert result["identical"]
-    assert not [r for r in caplog.records if "forward" in r.getMessage()], [r.getMessage() for r in caplog.records]
+    compiled = [r.getMessage() for r in caplog.records if "prefill_rows" in r.getMessage()]
+    assert not compiled, compiled

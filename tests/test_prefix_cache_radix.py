@@ -16,6 +16,7 @@ from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.cache.scheduler.many import generate
 from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.scheduler.settings import arena_rows
 
 
 # ---- radix: exact full hit ------------------------------------------------------------------------
@@ -49,17 +50,18 @@ def test_exact_hit_with_max_tokens_zero(eng):
 def test_save_after_generation_next_turn_reuses_the_answer(eng):
     cache = PrefixCache(eng, mode="radix")
     p = toks(50, 42)
-    taken = eng.pool.taken_holding
+    arena = eng.arena(arena_rows(1))  # generate's
+    taken = arena.taken_holding
     gen1 = generate(cache, p, SP)  # (compared with a cold run below, after the next turn)
     out = gen1.output_ids
     assert len(out) == 3
-    assert eng.pool.taken_holding == taken + 1  # the answer was stored from the prompt's own cache
+    assert arena.taken_holding == taken + 1  # the answer was stored from the prompt's own row
     turn2 = p + out + toks(12, 43)
     gen2, r2 = run(cache, turn2)
     assert r2.matched == r2.reused == len(p) + len(out) > len(p)
-    # its restore took the answer's cache as it was stored, no copy (same bits: run), and so did the
+    # its restore took the answer's row as it was stored, no copy (same bits: run), and so did the
     # store of its own answer
-    assert eng.pool.taken_holding == taken + 3
+    assert arena.taken_holding == taken + 3
     assert_same(gen1, generate(eng, p, SP))
     # regenerating at the end of the answer: an exact hit (the saved answer has its logits)
     gen3, r3 = run(cache, p + out)
@@ -81,11 +83,12 @@ def test_save_generated_not_exact_stores_the_whole_answer(eng):
     p = toks(50, 46)
     gen1 = generate(cache, p, SP)
     turn2 = p + gen1.output_ids + toks(12, 47)
-    taken = eng.pool.taken_holding
+    arena = eng.arena(arena_rows(1))  # generate's
+    taken = arena.taken_holding
     gen2 = generate(cache, turn2, SP)
     r2 = gen2.report
     assert r2.reused == len(p) + len(gen1.output_ids)
-    assert eng.pool.taken_holding == taken  # its entries are not told exact: always copied in
+    assert arena.taken_holding == taken  # its entries are not told exact: always copied in
 
 
 # ---- radix: fork -----------------------------------------------------------------------------------
@@ -192,8 +195,10 @@ def test_lru_under_a_small_budget(eng, bpt, payload_bytes):
     assert cache.bytes_held <= cache.budget_bytes
 
 
-def test_entry_in_use_is_not_evicted(eng, bpt, payload_bytes):
-    """A stored prefix that a request being prefilled restored stays until its prompt is done."""
+def test_a_restored_entry_is_released_at_once_and_the_budget_holds(eng, bpt, payload_bytes):
+    """A stored prefix that a request restored is released as soon as its state is in the request's
+    row: it may be evicted while the rest of the prompt is prefilled, the result is unchanged, and the
+    store never holds more than its budget (leases by requests in flight included)."""
     long_n = 340  # > a scheduler step's 128 rows: its prefill spans steps
     cache = PrefixCache(eng, mode="radix", budget_bytes=long_n * bpt + payload_bytes, save_generated=False)
     ns = cache.namespace()
@@ -203,15 +208,13 @@ def test_entry_in_use_is_not_evicted(eng, bpt, payload_bytes):
     sink, sched = Collector(), Scheduler(cache, max_batch=1)
     sched.submit(Request(prompt, [SP], sink, detail=True))
     sched.step()  # admitted: a restored, the first 128 rows of the rest prefilled
-    assert sched.prefills and sched.prefills[0].lookup.report.reused == 40
+    assert sched.prefills and sched.prefills[0].lookup.report.reused == 40 and sched.prefills[0].lookup.match is None
     for i in range(12):  # a is the least recently used throughout
         run(cache, distinct(40, 91 + i, 92 + i))
-    assert cache.store.match(ns, a).length == 40  # still there
+        assert cache.bytes_held <= cache.budget_bytes
+    assert cache.store.match(ns, a).length == 0  # evicted while the prompt that restored it is prefilled
     sched.run()
     assert_same(sink.results[0], generate(eng, prompt, SP))
-    for i in range(12):
-        run(cache, distinct(40, 105 + i, 106 + i))
-    assert cache.store.match(ns, a).length == 0  # released: evicted like any other
     assert cache.bytes_held <= cache.budget_bytes
 
 

@@ -16,8 +16,8 @@ from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.many import generate_many
 from jaxsmol.cache.scheduler.settings import widths_for
 from jaxsmol.cache.scheduler.scheduler import Scheduler
+from jaxsmol.cache.scheduler.settings import arena_rows
 from jaxsmol.runtime import programs
-from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
@@ -78,30 +78,58 @@ def test_requests_join_while_others_decode(tiny_engine):
     assert len(first.results[0].output_ids) == 30 and len(second.results[0].output_ids) == 5
 
 
-def test_a_burst_grows_the_batch_once_within_its_memory(tiny_engine):
-    """Six requests at once: the batch grows straight to the width they need (one move of the live
-    rows, not one per rung of 1, 2, 4, 8), but never past kv_bytes."""
+def test_a_burst_decodes_at_the_narrowest_width_within_its_memory(tiny_engine):
+    """Six requests at once decode in six rows of the arena at width 8 (the ladder 1, 2, 4, 8), nothing
+    moved; every row goes back when they are done; with a KV budget for four requests' reservations
+    (prompt + max_tokens each) four are admitted first and the others wait."""
+    bpt = tiny_engine.kv_bytes_per_token
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8)
     for p in prompts(9, [30, 40, 50, 20, 60, 10]):
         sched.submit(Request(p, [SamplingParams(max_tokens=20)], Collector()))
     sched.step()
-    assert len(sched.rows) == 8 and sched.stats.relayouts == 1
+    assert sched.live_rows == 6 and sched.width == 8 and len({r.slot for r in sched.rows}) == 6
     sched.run()
-    assert sched.stats.relayouts <= 2  # and shrinking back once the rows finish
-    per_row = capacity_for(60 + 20) * tiny_engine.kv_bytes_per_token
-    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, kv_bytes=4 * per_row)
+    assert sched.width == 0 and sched.arena.free_rows == sched.arena.pad and sched.arena.check_in_place()
+    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, kv_bytes=(50 + 60 + 70 + 40) * bpt)
     for p in prompts(9, [30, 40, 50, 20, 60, 10]):
         tight.submit(Request(p, [SamplingParams(max_tokens=20)], Collector()))
     tight.step()
-    assert len(tight.rows) == 4 and tight.kv_bytes_held <= 4 * per_row
+    assert tight.live_rows == 4 and len(tight.pending) == 2 and tight.reserved_slots * bpt <= tight.kv_bytes
     tight.run()
 
 
-def test_an_idle_batch_is_kept_for_the_next_burst(tiny_engine):
-    """After a burst the batch stays (counted in kv_bytes_held): the next burst of the same shape
-    decodes in the same buffer, with tokens equal to a fresh scheduler's; one of another width gets
-    a new batch of its own width, and the bigger one is kept beside it (the spare, counted too) for
-    the burst after, but only within kv_bytes."""
+def test_rows_are_granted_kv_as_they_grow_and_sit_out_steps_past_the_budget(tiny_engine):
+    """Four requests asking for 300 tokens each under a budget of about two of them: all four are
+    admitted on their first grant (prompt + GROW_SLOTS), rows past their grant get more while it fits,
+    the others sit steps out while the oldest request goes on, the grants stay within the budget but
+    for that one, and every answer is its run alone, bit for bit."""
+    from jaxsmol.cache.scheduler.requests import GROW_SLOTS
+
+    bpt, sp = tiny_engine.kv_bytes_per_token, SamplingParams(max_tokens=300, temperature=0.8, seed=5, ignore_eos=True)
+    budget = 4 * (20 + GROW_SLOTS) + 8
+    sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=4, batch_invariant=True, kv_bytes=budget * bpt,
+                      speculate="none")
+    ps, sinks = prompts(60, [20, 20, 20, 20]), [Collector() for _ in range(4)]
+    for p, sink in zip(ps, sinks):
+        sched.submit(Request(p, [sp], sink))
+    sched.step()
+    assert sched.live_rows == 4
+    while sched.has_work:
+        sched.step()
+        oldest = sched.rows[0].reserved if sched.rows else 0
+        assert sched.reserved_slots <= budget + oldest  # only the oldest request's grant may pass it
+    assert sched.stats.stalled > 0
+    for p, sink in zip(ps, sinks):
+        assert sink.results[0].output_ids == run_alone(tiny_engine, p, sp)[0].output_ids
+
+
+def test_free_rows_keep_their_pages_within_the_budget_and_give_them_back_when_idle(tiny_engine, monkeypatch):
+    """After a burst its rows keep their pages (the next burst writes the same memory, with the tokens
+    a fresh scheduler gives), up to RETAIN_SHARE of the budget (a tight budget trims them, least
+    recently used first, and more when new requests reserve room); once idle for IDLE_RELEASE_S they go
+    back to the OS (the arena's resident pages fall to its slabs' edges)."""
+    from jaxsmol.cache.scheduler import scheduler as scheduler_module
+
     def burst(sched, seed, n):
         sinks = [Collector() for _ in range(n)]
         for p, sink in zip(prompts(seed, [20 + 7 * i for i in range(n)]), sinks):
@@ -110,22 +138,30 @@ def test_an_idle_batch_is_kept_for_the_next_burst(tiny_engine):
         return [sink.results[0].output_ids for sink in sinks]
 
     sched = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8)
+    arena = sched.arena
+    arena.release(range(arena.pad))
     burst(sched, 31, 4)
-    assert sched.live_rows == 0 and len(sched.rows) == 4 and sched.kv_bytes_held == sched.batch.nbytes > 0
-    buffer = sched.batch.k.unsafe_buffer_pointer()
+    kept = arena.slots_held(free=True)  # each prompt and the 11 tokens written after it (not the last)
+    assert kept >= 20 + 27 + 34 + 41 + 4 * 11 and arena.resident_bytes() >= kept * arena.bytes_per_slot // 2
     again = burst(sched, 32, 4)
-    assert sched.batch.k.unsafe_buffer_pointer() == buffer  # reused in place, not allocated afresh
+    assert arena.slots_held(free=True) <= kept + 4 * 12  # the same rows' pages, written again
     assert again == burst(Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8), 32, 4)
-    burst(sched, 33, 2)
-    assert len(sched.rows) == 2 and sched.spare.k.unsafe_buffer_pointer() == buffer
-    assert sched.kv_bytes_held == sched.batch.nbytes + sched.spare.nbytes
-    again = burst(sched, 34, 4)
-    assert sched.batch.k.unsafe_buffer_pointer() == buffer and sched.spare is None  # the 2-row batch freed
-    assert again == burst(Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8), 34, 4)
-    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8, kv_bytes=sched.batch.nbytes + 1)
-    burst(tight, 31, 4)
-    burst(tight, 33, 2)
-    assert tight.spare is None and tight.kv_bytes_held == tight.batch.nbytes  # both would not fit
+    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 0.0)
+    sched.idle()
+    sched.idle()
+    L, R, K, _, _ = arena.shape
+    edges = 2 * L * R * K * 2 * 4096  # each slab's first and last page may be shared with the next one
+    assert arena.slots_held() == 0 and arena.resident_bytes() <= edges
+    budget = 400
+    tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8,
+                      kv_bytes=budget * tiny_engine.kv_bytes_per_token)
+    burst(tight, 33, 4)  # its rows wrote ~170 slots: the most recently given back kept, up to 100
+    assert 0 < tight.arena.slots_held(free=True) <= scheduler_module.RETAIN_SHARE * budget
+    for p in prompts(34, [200, 27]):
+        tight.submit(Request(p, [SamplingParams(max_tokens=12)], Collector()))
+    tight.step()  # their admission trimmed the free rows' pages to what the budget leaves
+    assert tight.arena.slots_held(free=True) + tight.reserved_slots <= budget
+    tight.run()
 
 
 def test_a_cancelled_request_frees_its_row_for_the_next(tiny_engine):
@@ -183,16 +219,17 @@ def test_cached_prompt_state_is_bitwise_cold_with_batching(tiny_engine):
 
 
 def test_answers_are_stored_for_the_next_turn(tiny_engine):
-    """... from the prompt's own cache, and the next turn starts from the answer's, neither copied
-    in (Engine.restore takes a recycled cache holding them), with the bits of a cold run."""
+    """... from the prompt's own row, and the next turn starts from the answer's, neither copied in (a
+    take of the arena's returns a row holding them), with the bits of a cold run."""
     cache = PrefixCache(tiny_engine, mode="radix")
     prompt = prompts(8, [80])[0]
-    taken = tiny_engine.pool.taken_holding
+    arena = tiny_engine.arena(arena_rows(16))  # generate_many's
+    taken = arena.taken_holding
     [[first]] = generate_many(cache, [prompt], SamplingParams(max_tokens=20))
     follow_up = prompt + first.output_ids + prompts(9, [10])[0]
     [[second]] = generate_many(cache, [follow_up], SamplingParams(max_tokens=2))
     assert second.cached_tokens == len(prompt) + len(first.output_ids)
-    assert tiny_engine.pool.taken_holding == taken + 3  # both answers' stores and the second turn's restore
+    assert arena.taken_holding == taken + 3  # both answers' stores and the second turn's restore
     cold_cache = PrefixCache(tiny_engine, mode="radix")
     [[cold]] = generate_many(cold_cache, [follow_up], SamplingParams(max_tokens=2))
     assert cold.cached_tokens == 0 and cold.output_ids == second.output_ids
@@ -237,31 +274,41 @@ def test_answers_are_stored_when_no_row_decodes(tiny_engine):
     assert follow.cached_tokens == len(a) + len(answer)
 
 
-@pytest.mark.parametrize("width,capacity,rows", [(8, 64, [0, 1, 2, -1, -1, -1, -1, -1]),  # growing
-                                                 (2, 64, [3, 1]),  # shrinking, compacted
-                                                 (4, 128, [2, -1, 0, 3])])  # more slots, a gap
-def test_relayout_moves_each_row_and_zeroes_the_rest(tiny_cfg, width, capacity, rows):
-    """programs.relayout against numpy: new row i is old row rows[i] (its slots, then zeros past the
-    old capacity); an empty row (-1) is zeros at position 0."""
-    from jaxsmol.model.kv import KVCache
+def test_arena_rows_restore_fork_read_and_release_against_numpy(tiny_engine):
+    """A KV arena's rows against NumPy: a prefix restored from parts of several lengths reads back as
+    their concatenation, at any window; a fork copies it with its mark; a take of a prefix the row holds
+    copies nothing; a released row's pages go back to the OS; every program updated the arena in place."""
+    from jaxsmol.runtime.kv_arena import KVArena
 
-    rng = np.random.default_rng(width)
-    old = KVCache.zeros(tiny_cfg, 64, batch=4)
-    old = old.replace(k=rng.standard_normal(old.k.shape, np.float32), v=rng.standard_normal(old.v.shape, np.float32),
-                      pos=np.array([5, 17, 40, 63], np.int32))
-    new = programs.relayout(old, np.array(rows, np.int32), width, capacity)
-    for name in ("k", "v"):
-        want = np.zeros(getattr(new, name).shape, np.float32)  # [L, W, K, S, H]
-        for i, r in enumerate(rows):
-            if r >= 0:
-                want[:, i, :, :64] = np.asarray(getattr(old, name))[:, r]
-        assert np.array_equal(np.asarray(getattr(new, name)), want)
-    assert np.asarray(new.pos).tolist() == [int(old.pos[r]) if r >= 0 else 0 for r in rows]
+    arena, rng = KVArena(tiny_engine, 3), np.random.default_rng(4)
+    L, _, K, _, H = arena.shape
+    parts = [{name: rng.standard_normal((L, 1, K, n, H)).astype(np.float32) for name in ("k", "v")}
+             for n in (100, 200, 37)]
+    whole = {name: np.concatenate([p[name] for p in parts], axis=3) for name in ("k", "v")}
+    tokens = tuple(range(337))
+    row, held = arena.take()
+    assert held == 0
+    arena.restore(row, parts, 0, 337, tokens)
+    for start, stop in [(0, 337), (250, 300), (255, 257)]:
+        got = arena.segment(row, start, stop)
+        assert all(np.array_equal(got[n], whole[n][:, :, :, start:stop]) for n in ("k", "v"))
+    other, _ = arena.take()
+    arena.fork(row, other)
+    assert np.array_equal(arena.segment(other, 0, 337)["v"], whole["v"]) and arena.marks[other] == tokens
+    arena.give(row)
+    again, held = arena.take(tokens[:300] + (999,))
+    assert again == row and held == 300 and arena.pos[row] == 300 and arena.taken_holding >= 1
+    arena.give(again)
+    held = arena.resident_bytes()
+    slab_edges = 2 * L * K * 2 * 4096  # a slab's first and last page may be shared with its neighbours
+    assert arena.release([again]) >= 2 * L * K * 512 * H * 4 - slab_edges  # the 512 slots its blocks wrote
+    assert arena.resident_bytes() <= held - 2 * L * K * 512 * H * 4 + slab_edges
+    assert arena.marks[again] == () and arena.touched[again] == 0 and arena.check_in_place()
 
 
-def test_widths_and_compiled_programs_are_bounded(tiny_engine):
-    """A mixed workload through a max_batch 8 scheduler compiles at most one decode program per
-    (width, capacity, logprobs) and one insert per (width, capacity, row capacity)."""
+def test_programs_do_not_depend_on_lengths_or_fields(tiny_engine):
+    """A mixed workload (prompts of 2-400 tokens, logprobs on and off, several choices) through a
+    max_batch 8 scheduler compiles at most one decode program per width: lengths and fields are data."""
     assert widths_for(8) == (1, 2, 4, 8) and widths_for(6) == (1, 2, 4, 6)
     before = programs.compiled_count("decode_step")
     cache = PrefixCache(tiny_engine, mode="radix")
@@ -270,13 +317,12 @@ def test_widths_and_compiled_programs_are_bounded(tiny_engine):
     for _wave in range(3):
         for n in rng.integers(2, 400, size=5):
             sched.submit(Request(prompts(int(n), [int(n)])[0],
-                                 [SamplingParams(max_tokens=int(rng.integers(1, 30)), logprobs=int(n) % 2)],
-                                 Collector()))
+                                 [SamplingParams(max_tokens=int(rng.integers(1, 30)), logprobs=int(n) % 3)]
+                                 * int(1 + n % 2), Collector()))
         for _ in range(int(rng.integers(3, 20))):
             sched.step()
     sched.run()
-    capacities = {capacity_for(s) for s in (512, 1024)}
-    assert programs.compiled_count("decode_step") - before <= len(widths_for(8)) * len(capacities) * 2
+    assert programs.compiled_count("decode_step") - before <= len(widths_for(8))
 
 
 def test_too_many_choices_is_a_clear_error(tiny_engine):
@@ -322,49 +368,40 @@ def test_structured_output_rows_beside_free_rows(real_engine):
     assert sinks[2].results[0].output_ids == free.output_ids
 
 
-BATCHED_PROGRAMS = ("decode_step", "insert_row", "relayout", "sample_first", "prefill_rows")
+BATCHED_PROGRAMS = ("decode_step", "sample_first", "prefill_rows", "write_slots", "copy_row", "read_slots")
 
 
 def _burst_prepares(cfg, ahead: bool) -> set[str]:
-    """Which batched programs a burst of four short requests makes ready (compiles, or loads from the
+    """Which arena programs a burst of four short requests makes ready (compiles, or loads from the
     program store where an earlier run left them) on a fresh engine of cfg, after
-    Scheduler.compile_programs when `ahead`. Their prompts' chunks run side by side, and their answers
-    end at different steps, so the batch grows to 4 rows and later shrinks to 1."""
+    Scheduler.compile_programs when `ahead`. Their prompts' chunks run side by side with the kernels,
+    and their answers end at different steps, so the batch runs at widths 4, then 2 and 1."""
+    from jaxsmol.cache.scheduler.compile_ahead import scheduler_calls
     from jaxsmol.runtime import programs
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random
 
-    sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4)
+    sched = Scheduler(PrefixCache(Engine(cfg, init_random(cfg), None, ctx=1024), mode="off"), max_batch=4,
+                      speculate="none")
     if ahead:
-        # decode and insert per width, 3 x 2 relayouts, sampling; with the kernels, 2 and 4 prompts side
-        # by side (groups of 2, 4 or 8, at most max_batch) at 8, 16 and 32 rows, in the 128-slot window
-        # and over the whole 512 slots (without them prompts are prefilled alone: JAXSMOL_KERNELS=off in CI)
-        side_by_side = 2 * 3 * 2 if sched.engine.side_by_side else 0
-        assert sched.compile_programs() == 3 * 2 + 3 * 2 + 1 + side_by_side
+        assert sched.compile_programs() == len(scheduler_calls(sched))
     sinks = [Collector() for _ in range(4)]
     before = {name: programs.ALL[name].prepared for name in BATCHED_PROGRAMS}
     for p, n, sink in zip(prompts(12, [40, 9, 70, 25]), [30, 3, 4, 5], sinks):
-        sched.submit(Request(p, [SamplingParams(max_tokens=n)], sink))
+        sched.submit(Request(p, [SamplingParams(max_tokens=n, logprobs=n % 2)], sink))
     sched.run()
     assert all(len(s.results[0].output_ids) == n for s, n in zip(sinks, [30, 3, 4, 5]))
-    assert sched.stats.relayouts >= 2  # it grew and shrank
     return {name for name in BATCHED_PROGRAMS if programs.ALL[name].prepared > before[name]}
 
 
-def _burst_programs() -> set[str]:
-    """The batched programs a burst runs: prompts side by side only with the CPU kernels."""
-    from jaxsmol.kernels import cpu_kernels
-
-    return set(BATCHED_PROGRAMS) - (set() if cpu_kernels.available() else {"prefill_rows"})
-
-
 def test_programs_compiled_ahead_are_the_ones_a_burst_runs():
-    """The daemon compiles the batched programs in the background at start (compile_programs, from
-    shapes alone): a burst of requests then makes none of them ready. Without it the same burst makes
-    them ready (compiles them, or loads them where an earlier run stored them) as the batch reaches each
-    width. Each burst has a config of its own shapes (layers for the cache, vocabulary for the
-    sampling), so no earlier test in this process made its programs ready."""
+    """The daemon compiles the scheduler's programs before it is ready (compile_programs, from shapes
+    alone): a burst of requests then makes none ready. Without it the same burst makes them ready
+    (compiles them, or loads them where an earlier run stored them) as it meets each. Each burst has a
+    config of its own shapes (layers for the cache, vocabulary for the sampling), so no earlier test
+    in this process made its programs ready."""
     from jaxsmol.model.config import Config
 
-    assert _burst_prepares(Config.tiny(n_layers=3, vocab_size=288), False) == _burst_programs()
+    assert _burst_prepares(Config.tiny(n_layers=3, vocab_size=288), False) == {"decode_step", "sample_first",
+                                                                               "prefill_rows"}
     assert _burst_prepares(Config.tiny(n_layers=4, vocab_size=320), True) == set()

@@ -46,7 +46,7 @@ def test_chunk_rows_64_advances_a_long_prompt_32_rows_per_step_exactly(tiny_engi
     positions = []
     while not second.steps:
         sched.step()
-        positions += [int(p.kv.pos) for p in sched.prefills]
+        positions += [sched.arena.pos[p.row] for p in sched.prefills]
     assert positions[:3] == [32, 64, 96] and sched.live_rows == 2
     sched.run()
     got, alone = second.results[0], run_alone(tiny_engine, long_, sp)[0]
@@ -146,7 +146,7 @@ def test_a_prompt_alone_runs_128_rows_a_step_so_a_newcomer_waits_little(tiny_eng
     slow, quick = Collector(), Collector()
     sched.submit(Request(long_, [sp], slow))
     sched.step()
-    assert [int(p.kv.pos) for p in sched.prefills] == [128]
+    assert [sched.arena.pos[p.row] for p in sched.prefills] == [128]
     sched.submit(Request(short, [sp], quick))
     sched.step()
     assert quick.steps and not slow.steps

@@ -75,34 +75,24 @@ def test_health_and_models(server):
     assert models[0].model_extra.get("max_model_len") == CTX
 
 
-def test_batched_programs_are_compiled_at_start(server, serve_daemons):
-    """The daemon compiles its batched decoding programs in the background at start
-    (Scheduler.compile_programs; tests/test_scheduler.py checks that a burst then compiles none) and
-    says so on stderr and, until then, on /health: --max-batch 16 is widths 1, 2, 4, 8, 16, so 5
-    decode steps, 5 inserts, 20 relayouts and the first tokens' sampling, plus groups of 2, 4 and 8
-    prompts side by side at 8, 16 and 32 rows, in the 128-slot window and over the whole 512 slots (18)."""
+# what docs/design.md says a daemon at --max-batch 16 makes ready before it is ready, on a model the kernels
+# run: one prompt's chunks of 8-128 rows (5), 2, 4 and 8 prompts side by side at 8, 16 and 32 rows (9),
+# decode steps at widths 1, 2, 4, 8, 16 (5), first tokens of 1 and of 16 choices (2), verify steps at 4
+# and 8 positions of each width (10), a scoring chunk (1), a restore's, a fork's and a save's copies (3)
+PROGRAMS_AHEAD = 5 + 9 + 5 + 2 + 10 + 1 + 3
+
+
+def test_the_programs_made_before_ready_are_the_closed_set(server, serve_daemons):
+    """Before it says ready the daemon makes every program its requests can run, PROGRAMS_AHEAD of them
+    (Scheduler.compile_programs; tests/test_closed_programs.py checks that requests of any fields then
+    make none), says so on stderr, and /health says it is no longer compiling."""
     main = serve_daemons.servers["main"]
     deadline = time.monotonic() + 600
-    while not (found := re.search(r"batched decoding: (\d+) programs compiled", main.output(None))):
+    while not (found := re.search(r"programs ready ahead: (\d+) in", main.output(None))):
         assert time.monotonic() < deadline and main.proc.poll() is None, main.output()
         time.sleep(0.5)
-    assert int(found.group(1)) == 31 + 18
+    assert int(found.group(1)) == PROGRAMS_AHEAD
     assert httpx.get(server + "/health", timeout=30).json()["compiling"] is False
-
-
-PROGRAMS_AHEAD = 14 + 31 + 18  # what docs/design.md promises a daemon at --max-batch 16 compiles before ready
-
-
-def test_the_programs_made_before_ready_are_bounded(server, serve_daemons):
-    """Before it says ready the daemon makes at most PROGRAMS_AHEAD programs: one prompt's exact chunk
-    lengths at two capacities (14), the batched decode programs (31) and the
-    side-by-side prefill groups (18), each one decoder layer looped, compiled or loaded from the store."""
-    main = serve_daemons.servers["main"]
-    deadline = time.monotonic() + 600
-    while not (found := re.search(r"programs ready ahead: (\d+) single-sequence \+ (\d+) batched", main.output(None))):
-        assert time.monotonic() < deadline and main.proc.poll() is None, main.output()
-        time.sleep(0.5)
-    assert 0 < int(found.group(1)) + int(found.group(2)) <= PROGRAMS_AHEAD
 
 
 def test_completion_text_and_token_id_prompts(server, tokenizer):

@@ -26,7 +26,7 @@ def held_compile(monkeypatch):
 
     release, calls = threading.Event(), []
 
-    def compile_programs(self, slots=0, stop=None):
+    def compile_programs(self, stop=None):
         calls.append(stop)
         while not release.wait(0.05) and not stop.is_set():  # a daemon shutting down stops it too
             pass
@@ -86,7 +86,7 @@ def test_a_failed_warmup_still_ends_ready(tiny_engine, monkeypatch):
     """Only the head start is lost: the programs then compile on first use."""
     from jaxsmol.cache.scheduler.scheduler import Scheduler
 
-    def fails(self, slots=0, stop=None):
+    def fails(self, stop=None):
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(Scheduler, "compile_programs", fails)
@@ -109,7 +109,7 @@ def test_block_warmup_opens_the_port_only_once_ready(tiny_model_dir):
         assert first.status_code == 200 and first.json()["status"] == "ok", first.text
         assert first.json()["warmup"] == "block"
         log = server.output(None)
-        compiled = re.search(r"batched decoding: (\d+) programs compiled", log)
+        compiled = re.search(r"programs ready ahead: (\d+) in", log)
         assert compiled and int(compiled.group(1)) > 0, log
         assert compiled.start() < log.index("jaxsmol serving"), log
     finally:

@@ -1,4 +1,4 @@
-"""Prompts prefilled side by side (jaxsmol/runtime/batch.py prefill_rows, Engine.prefill_side_by_side, the
+"""Prompts prefilled side by side (jaxsmol/runtime/batch.py prefill_rows over rows of the KV arena, the
 scheduler's grouping): one forward for several prompts' chunks, every row with the bits of its
 prompt's lone chunk, so cached == uncached still holds bit for bit."""
 
@@ -11,58 +11,52 @@ from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.cache.scheduler.side_by_side import GROUP_SIZES, MAX_ROWS, group_chunks, group_sizes
+from jaxsmol.runtime.kv_arena import KVArena
 from jaxsmol.runtime.sampling import SamplingParams
 
 from scheduler_runs import prompts, run_alone
 
 
-def _started(engine, prompt, start):
-    """A staging cache holding prompt[:start], computed alone (as a restored prefix would be)."""
-    kv = engine.new_cache(512)
-    while int(kv.pos) < start:
-        _, kv = engine.prefill_chunk(prompt[:start], kv)
-    return kv
+def _started(arena, prompt, start):
+    """A row of `arena` holding prompt[:start], computed alone (as a restored prefix would be)."""
+    row, _ = arena.take()
+    if start:
+        arena.fill(row, prompt[:start])
+    return row
 
 
 def _assert_side_by_side_bits(engine, T, seed):
     """Three prompts at different positions (0, a 16-row prefix, a 70-token prefix), with fewer
-    real tokens than T in two of them: each prompt's logits and cache equal its lone chunk's, bitwise."""
+    real tokens than T in two of them: each prompt's logits and row equal its lone chunk's, bitwise,
+    and a row beside them is left as it was."""
     assert engine.side_by_side
+    arena = KVArena(engine, 8)
     ps = prompts(seed, [T - 5, 16 + T, 70 + T // 2])
     starts = [0, 16, 70]
-    lone = [engine.prefill_chunk(p, _started(engine, p, s), T) for p, s in zip(ps, starts)]
-    logits, kvs = engine.prefill_side_by_side(ps, [_started(engine, p, s) for p, s in zip(ps, starts)], T)
+    lone = []
+    for p, s in zip(ps, starts):
+        row = _started(arena, p, s)
+        lone.append((arena.prefill([(row, p)], T, exact_rows=True)[0], row))
+    bystander = _started(arena, ps[2], 70)
+    before = arena.segment(bystander, 0, 70)
+    rows = [_started(arena, p, s) for p, s in zip(ps, starts)]
+    logits = arena.prefill(list(zip(rows, ps)), T, exact_rows=True)
     assert logits.shape == (3, engine.cfg.vocab_size)
-    for i, (lone_logits, lone_kv) in enumerate(lone):
-        n = int(lone_kv.pos)
-        assert int(kvs[i].pos) == n == min(len(ps[i]), starts[i] + T)
-        np.testing.assert_array_equal(np.asarray(logits[i]), np.asarray(lone_logits[0]))
-        np.testing.assert_array_equal(np.asarray(kvs[i].k)[..., :n, :], np.asarray(lone_kv.k)[..., :n, :])
-        np.testing.assert_array_equal(np.asarray(kvs[i].v)[..., :n, :], np.asarray(lone_kv.v)[..., :n, :])
+    for i, (lone_logits, lone_row) in enumerate(lone):
+        n = arena.pos[lone_row]
+        assert arena.pos[rows[i]] == n == min(len(ps[i]), starts[i] + T)
+        np.testing.assert_array_equal(np.asarray(logits[i]), np.asarray(lone_logits))
+        got, want = arena.segment(rows[i], 0, n), arena.segment(lone_row, 0, n)
+        np.testing.assert_array_equal(got["k"], want["k"])
+        np.testing.assert_array_equal(got["v"], want["v"])
+    after = arena.segment(bystander, 0, 70)
+    assert np.array_equal(after["k"], before["k"]) and np.array_equal(after["v"], before["v"])
+    assert arena.check_in_place()
 
 
 @pytest.mark.parametrize("T", [16, 32, 64])
 def test_side_by_side_rows_have_their_lone_chunks_bits(tiny_engine, T):
-    # the furthest chunk ends at slot 70 + T: in the 128-slot window at 16 and 32 rows, the whole
-    # 512 slots at 64
-    assert tiny_engine.side_by_side_window(70 + T, 512) == (128 if T < 64 else None)
     _assert_side_by_side_bits(tiny_engine, T, 40 + T)
-
-
-def test_a_short_chunk_stacks_only_its_window(tiny_engine):
-    """Chunks ending within the first 128 slots stack (and write back) only those: the slots past
-    them are left as they were, in place. Past 128, the whole capacity (or 512 of a larger one)."""
-    e = tiny_engine
-    assert [e.side_by_side_window(s, 512) for s in (1, 48, 128, 129, 512)] == [128, 128, 128, None, None]
-    assert e.side_by_side_window(300, 2048) == 512 and e.side_by_side_window(600, 2048) is None
-    ps = prompts(50, [30, 20])
-    kvs = [e.new_cache(512) for _ in ps]
-    kvs = [kv.replace(k=kv.k.at[..., 128:, :].set(7.0), v=kv.v.at[..., 128:, :].set(7.0)) for kv in kvs]
-    _, out = e.prefill_side_by_side(ps, kvs, 32)
-    for kv, p in zip(out, ps):
-        assert int(kv.pos) == len(p)
-        assert np.all(np.asarray(kv.k)[..., 128:, :] == 7.0) and np.all(np.asarray(kv.v)[..., 128:, :] == 7.0)
-        assert np.any(np.asarray(kv.k)[..., :len(p), :] != 0)
 
 
 def test_side_by_side_rows_have_their_lone_chunks_bits_on_the_real_model(real_engine):
@@ -118,7 +112,7 @@ def test_a_burst_is_prefilled_side_by_side_and_answers_as_alone(tiny_engine):
 
 def test_without_the_kernels_prompts_are_prefilled_one_by_one(tiny_cfg, monkeypatch):
     """Without the CPU kernels (XLA's fused attention may change with the batch's shape) no chunks run
-    side by side: each prompt gets forwards of its own, and the engine refuses a side-by-side call."""
+    side by side: each prompt gets forwards of its own."""
     from jaxsmol.kernels import cpu_kernels
     from jaxsmol.runtime.engine import Engine
     from jaxsmol.model.params import init_random
@@ -131,5 +125,3 @@ def test_without_the_kernels_prompts_are_prefilled_one_by_one(tiny_cfg, monkeypa
         sched.submit(Request(p, [SamplingParams(max_tokens=5)], Collector()))
     sched.step()
     assert sched.live_rows == 2 and sched.stats.prefill_calls == 2
-    with pytest.raises(ValueError, match="CPU kernels"):
-        engine.prefill_side_by_side(prompts(43, [20, 30]), [engine.new_cache(512), engine.new_cache(512)], 64)

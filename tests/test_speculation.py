@@ -21,7 +21,8 @@ from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.speculation import NgramDrafts, Speculator, expected, speculating
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime import batch, programs
+from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime.kv_arena import KVArena
 from jaxsmol.runtime.sampling import SamplingParams
 
 
@@ -38,18 +39,28 @@ def assert_same(a, b, what=""):
 
 @pytest.mark.parametrize("start", [7, 300])  # before and past the decode kernel's split of the keys in two
 def test_verify_rows_have_decode_step_bits(tiny_engine, start):
+    """A verify step's rows (forward's as_steps over two rows of an arena, one of them idle) have the
+    logits and leave the keys and values that one-token decode steps give, bit for bit."""
+    from jaxsmol.model.forward import forward
+
     eng, rng = tiny_engine, np.random.default_rng(start)
+    run = jax.jit(forward, static_argnames=("cfg", "all_logits", "as_steps"))
     prompt, tokens = rng.integers(3, 256, start).tolist(), rng.integers(3, 256, 6).tolist()
-    _, kv = programs.forward(eng.params, jnp.asarray([prompt]), jnp.int32(start), eng.new_cache(1024), eng.cfg)
-    rows = programs.insert_row(batch.empty_batch(eng.cfg, 2, 1024, eng.cache_dtype), kv, np.int32(1))
-    stepped, steps = rows, []
-    for t in tokens:  # plain decoding, one token a step (row 0 idle)
-        logits, stepped = jax.jit(batch.decode_rows, static_argnames="cfg")(
-            eng.params, jnp.asarray([0, t], jnp.int32), stepped, jnp.asarray([False, True]), eng.cfg)
+    arena = KVCache.zeros(eng.cfg, 1024, batch=2, dtype=eng.cache_dtype)
+    rows = jnp.asarray([0, 1], jnp.int32)  # row 0 idle, at position 0
+    _, kv = run(eng.params, jnp.asarray([prompt]), jnp.asarray([start], jnp.int32),
+                             arena.replace(pos=jnp.zeros((1,), jnp.int32)), eng.cfg, rows=rows[1:])
+    before = (np.array(kv.k), np.array(kv.v))
+    stepped, steps = kv, []
+    for i, t in enumerate(tokens):  # plain decoding, one token a step
+        logits, stepped = run(eng.params, jnp.asarray([[0], [t]], jnp.int32), jnp.ones((2,), jnp.int32),
+                                           stepped.replace(pos=jnp.asarray([0, start + i], jnp.int32)), eng.cfg,
+                                           rows=rows)
         steps.append(np.asarray(logits[1]))
     chunk = jnp.asarray([[0] * 6, tokens], jnp.int32)
-    logits, verified = programs.forward(eng.params, chunk, jnp.asarray([1, 6], jnp.int32), rows, eng.cfg,
-                                        all_logits=True, as_steps=True)
+    logits, verified = run(eng.params, chunk, jnp.asarray([1, 6], jnp.int32),
+                                        KVCache(k=before[0], v=before[1], pos=jnp.asarray([0, start], jnp.int32)),
+                                        eng.cfg, all_logits=True, as_steps=True, rows=rows)
     assert np.array_equal(np.asarray(logits[1]), np.stack(steps))
     n = start + len(tokens)
     assert np.array_equal(np.asarray(verified.k[:, 1, :, :n]), np.asarray(stepped.k[:, 1, :, :n]))
@@ -202,14 +213,14 @@ def test_speculator_verifies_only_where_it_pays():
             return [8, 7, 8, 7, 8, 7, 8][:most]
 
     s = Speculator()
-    assert s.plan([Row(0.9)], 64) is None  # no step timed yet: plain
+    assert s.plan([Row(0.9)], 1, 64) is None  # no step timed yet: plain
     for shape, seconds in {(1, 1): 1.0, (1, 2): 1.1, (1, 4): 1.3, (1, 8): 1.8}.items():
         s.timed(*shape, seconds)
         s.timed(*shape, seconds)
-    t, drafts = s.plan([Row(0.95)], 64)
+    t, drafts = s.plan([Row(0.95)], 1, 64)
     assert t == 8 and drafts == [[8, 7, 8, 7, 8, 7, 8]]
-    assert s.plan([Row(0.02)], 64) is None  # rarely accepted: plain decoding is faster
-    assert s.plan([Row(0.95)], 13) is None or s.plan([Row(0.95)], 13)[0] <= 3  # within the capacity
+    assert s.plan([Row(0.02)], 1, 64) is None  # rarely accepted: plain decoding is faster
+    assert s.plan([Row(0.95)], 1, 13) is None or s.plan([Row(0.95)], 1, 13)[0] <= 3  # within the capacity
     assert expected(0.5, 2) == 0.75
 
 
@@ -238,10 +249,10 @@ def test_a_verify_program_compiles_in_the_background(tiny_engine):
 
     from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms
 
-    programs_ = VerifyPrograms(tiny_engine)
-    assert not programs_.ready(3, 256, 4, False)  # a shape no scheduler of this suite runs
+    programs_ = VerifyPrograms(KVArena(tiny_engine, 3))  # an arena's shape no scheduler of this suite runs
+    assert not programs_.ready(3, 4)
     deadline = time.monotonic() + 120
-    while not programs_.ready(3, 256, 4, False):
+    while not programs_.ready(3, 4):
         assert time.monotonic() < deadline, "the background compile did not finish"
         time.sleep(0.05)
 

@@ -21,8 +21,9 @@ MAX_PENDING = 64  # answers waiting; beyond them the oldest is dropped (its next
 
 
 class AnswerQueue:
-    def __init__(self, cache: PrefixCache):
-        self.cache = cache
+    def __init__(self, cache: PrefixCache, arena, lease):
+        """arena: where the answers' chunks run; lease: the scheduler's holder of its rows."""
+        self.cache, self.arena, self.lease = cache, arena, lease
         self._queue: collections.deque[AnswerPrefill] = collections.deque()
 
     def __bool__(self) -> bool:
@@ -31,7 +32,7 @@ class AnswerQueue:
     def add(self, save: AnswerSave) -> None:
         self._queue.append(AnswerPrefill(save))
         while len(self._queue) > MAX_PENDING:
-            self._queue.popleft().drop(self.cache)
+            self._queue.popleft().drop(self.cache, self.lease)
 
     def may_run(self, rows_decoding: bool) -> bool:
         """Should a chunk run this step? When no row decodes, or when a waiting prompt continues the
@@ -51,5 +52,10 @@ class AnswerQueue:
 
     def step(self, max_rows: int) -> None:
         """One prefill chunk (at most max_rows rows) of the first waiting answer; stores it when done."""
-        if self._queue[0].step(self.cache, max_rows):
+        if self._queue[0].step(self.cache, self.arena, self.lease, max_rows):
             self._queue.popleft()
+
+    def close(self) -> None:
+        """Give every waiting answer up (their rows back)."""
+        while self._queue:
+            self._queue.popleft().drop(self.cache, self.lease)

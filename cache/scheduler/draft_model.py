@@ -2,11 +2,11 @@
 proposes each decode row's next tokens, greedily; the target verifies them in one exact step
 (speculation.py), so the output is the target's, bit for bit, whatever the draft proposes.
 
-Each row drafting keeps the draft's own KV cache of its tokens (one sequence of the draft engine),
-made when the row first drafts: its prompt's state is looked up in the draft's prefix cache (a
-PrefixCache over the draft engine, the request's salt, its byte budget the target cache's in
-proportion to the bytes of a position), restored, the rest prefilled and stored, as the target's
-prompt is. At each draft call the row's cache takes in the tokens it has not seen (the last one
+Each row drafting keeps the draft's KV state of its tokens in a row of the draft engine's own KV arena
+(jaxsmol/runtime/kv_arena.py), taken when the row first drafts: its prompt's state is looked up in the
+draft's prefix cache (a PrefixCache over the draft engine, the request's salt, its byte budget the
+target cache's in proportion to the bytes of a position), restored, the rest prefilled and stored, as
+the target's prompt is. At each draft call the row takes in the tokens it has not seen (the last one
 sampled; also the last draft where all were accepted) and runs k - 1 greedy steps after them
 (programs.greedy_drafts, one call). Its position then moves back to what the target accepted: the KV
 of rejected drafts is overwritten later, never read.
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.speculation import DECAY, MEASURED, VERIFY_ROWS, NgramDrafts
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.model.kv import KVCache
-from jaxsmol.runtime import programs
-from jaxsmol.runtime.chunks import FAST_BUCKETS, capacity_for
+from jaxsmol.runtime.arena_programs import ArenaShapes
+from jaxsmol.runtime.chunks import FAST_BUCKETS
 from jaxsmol.runtime.engine import Engine
 
 FED_AT_ONCE = 2  # the tokens a draft call feeds before its greedy steps (more: a prefill first)
@@ -53,11 +50,12 @@ def check_pair(draft: Engine, target: Engine) -> None:
 
 
 class DraftModel:
-    """A draft engine, its prefix cache and the measured cost of its draft calls, for one target cache."""
+    """A draft engine, its KV arena and prefix cache, and the measured cost of its draft calls, for one
+    target cache and a scheduler of `rows` decode rows."""
 
-    def __init__(self, engine: Engine, target: PrefixCache):
+    def __init__(self, engine: Engine, target: PrefixCache, rows: int = 16):
         check_pair(engine, target.engine)
-        self.engine = engine
+        self.engine, self.arena = engine, engine.arena(rows)
         share = engine.kv_bytes_per_token / target.engine.kv_bytes_per_token  # as many positions as the target's
         self.cache = PrefixCache(engine, mode="off" if target.mode == "off" else "radix",
                                  budget_bytes=int(target.budget_bytes * share), salt=target.salt,
@@ -72,8 +70,8 @@ class DraftModel:
         return ModelDrafts(self, lookup, max_tokens, lookups)
 
     def figures(self) -> dict:
-        """Its prefix cache's bytes and its recycled buffers' (counted in the daemon's memory)."""
-        return {"draft_cache_bytes": self.cache.bytes_held, "draft_pool_bytes": self.engine.pool_bytes}
+        """Its prefix cache's bytes (counted in the daemon's memory; its arena's, with the batch's KV)."""
+        return {"draft_cache_bytes": self.cache.bytes_held}
 
     def seconds(self, k: int, plain: float, behind: int = 0) -> float:
         """A draft call of k tokens' time, with `behind` prompt tokens to prefill first (a row's first draft):
@@ -81,51 +79,51 @@ class DraftModel:
         call = self._seconds.get(k, self.share * k * plain)
         return call + behind * self._seconds.get("token", self.share * PREFILL_SHARE * plain)
 
-    def calls(self, slots: int) -> list:
-        """What its rows of requests up to `slots` positions run, as (program, args, kwargs) calls
-        (programs.compile_all; the daemon's warm-up): prompt chunks and draft calls at their capacities."""
-        e, calls = self.engine, self.engine.forward_calls(slots, FAST_BUCKETS)
-        for capacity in sorted({capacity_for(s) for s in (slots, slots + FAST_BUCKETS[-1])}):
-            kv = jax.eval_shape(lambda capacity=capacity: KVCache.zeros(e.cfg, capacity, dtype=e.cache_dtype))
-            calls += [(programs.greedy_drafts, (e.params, jax.ShapeDtypeStruct((1, FED_AT_ONCE), jnp.int32),
-                                                jax.ShapeDtypeStruct((), jnp.int32), kv, e.cfg), {"k": k})
-                      for k in DRAFT_STEPS]
-        return calls
+    def calls(self) -> list:
+        """What its rows run, as (program, args, kwargs) calls (programs.compile_all; the daemon's
+        warm-up): prompt chunks at the fast path's lengths, draft calls of each k, restores and saves."""
+        a = ArenaShapes.of(self.arena)
+        return [a.prefill(1, T) for T in FAST_BUCKETS] + [a.drafts(FED_AT_ONCE, k) for k in DRAFT_STEPS] + a.copies()
 
-    def start(self, lookup: Lookup, max_tokens: int) -> KVCache:
-        """The draft's cache of lookup's prompt, for max_tokens more: its stored prefix restored, the rest
-        prefilled and stored. Raises JaxsmolError where the draft cannot take the prompt (its context is
-        shorter)."""
+    def start(self, lookup: Lookup, max_tokens: int) -> int:
+        """A draft arena row holding lookup's prompt: its stored prefix restored, the rest prefilled and
+        stored. Raises JaxsmolError where the draft cannot take the prompt (its context is shorter) or
+        has no free row."""
         salt = None if lookup.ns is None else lookup.ns[1]
         lk = self.cache.lookup(lookup.prompt, max_tokens, salt=salt, bypass=lookup.ns is None)
-        e, n, reused = self.engine, len(lk.prompt), lk.report.reused
+        n, reused, row = len(lk.prompt), lk.report.reused, None
         try:
-            slots = e.slots_needed(reused, n, max_tokens, exact=False)
-            kv = e.restore(lk.prefix, slots, reused) if reused else e.new_cache(slots)
+            row, _ = self.arena.take()
+            if reused:
+                self.arena.restore(row, lk.parts, 0, reused)
+            self.cache.release(lk)
             if reused < n:
                 started = time.perf_counter()
-                logits, kv = jax.block_until_ready(e.prefill(lk.prompt, kv, exact=False))
+                logits = self.arena.fill(row, lk.prompt, exact=False)
                 self._timed("token", (time.perf_counter() - started) / (n - reused))
-                self.cache.save_prompt(lk, kv, logits)
+                self.cache.save_prompt(lk, self.arena.view(row), logits)
             self.cache.finish(lk, n - reused)
+        except BaseException:
+            if row is not None:
+                self.arena.give(row)
+            raise
         finally:
             self.cache.release(lk)
-        return kv
+        return row
 
-    def run(self, kv: KVCache, tokens: list[int], fed: int, k: int) -> tuple[list[int], KVCache]:
-        """k (one of DRAFT_STEPS) greedy drafts after `tokens`, of which kv holds the first `fed`: (drafts,
-        kv). Needs len(tokens) + k <= kv.capacity."""
-        e, kv = self.engine, kv.replace(pos=jnp.int32(fed))
+    def run(self, row: int, tokens: list[int], fed: int, k: int) -> list[int]:
+        """k (one of DRAFT_STEPS) greedy drafts after `tokens`, of which the row holds the first `fed`.
+        Needs len(tokens) + k <= the arena's slots."""
+        self.arena.pos[row] = fed
         if len(tokens) - fed > FED_AT_ONCE:  # after plain steps: their tokens (not the call's time: their steps')
-            _, kv = e.prefill(tokens[:-1], kv, exact=False)
+            self.arena.fill(row, tokens[:-1], exact=False)
             fed = len(tokens) - 1
         started = time.perf_counter()
         chunk = np.zeros((1, FED_AT_ONCE), np.int32)
         chunk[0, :len(tokens) - fed] = tokens[fed:]
-        drafts, kv = programs.greedy_drafts(e.params, chunk, np.int32(len(tokens) - fed), kv, e.cfg, k=k)
-        drafts = jax.device_get(drafts).tolist()
+        drafts = self.arena.greedy_drafts(row, chunk, len(tokens) - fed, k)
         self._timed(k, time.perf_counter() - started)
-        return drafts, kv
+        return drafts
 
     def _timed(self, k: int | str, seconds: float) -> None:
         if k not in self._seen:
@@ -149,8 +147,8 @@ class ModelDrafts:
     def __init__(self, model: DraftModel, lookup: Lookup, max_tokens: int, lookups: NgramDrafts | None = None):
         self.model, self.lookup, self.max_tokens, self.lookups = model, lookup, max_tokens, lookups
         self.output: list[int] = []
-        self.kv: KVCache | None = None
-        self.fed = 0  # the row's tokens whose state kv holds
+        self.row: int | None = None  # its row of the draft arena, from its first draft
+        self.fed = 0  # the row's tokens whose state its draft row holds
         self.unsure = 0  # drafts fed to the draft model at its last call (kept in kv as far as accepted)
         self.failed = False  # the draft model cannot take this prompt: no drafts
         self.source = "draft"  # of the last drafts: "draft", or the lookups' source
@@ -165,15 +163,11 @@ class ModelDrafts:
         return self.record[1] if self.source == "draft" else self.lookups.rejected
 
     @property
-    def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.nbytes
-
-    @property
     def behind(self) -> int:
         """The prompt tokens its first draft call would prefill (its stored prefix is reused, but how much is
         known only at the lookup); 0 once started. (A catch-up after plain steps is not counted: it grows
         with every plain step, and a row charged for it would never draft again.)"""
-        return len(self.lookup.prompt) if self.kv is None and not self.failed else 0
+        return len(self.lookup.prompt) if self.row is None and not self.failed else 0
 
     def sync(self, output_ids: list[int], prompt_n: int) -> None:
         self.output = output_ids
@@ -193,27 +187,28 @@ class ModelDrafts:
             return None
         if most <= 0 or self.failed:
             return []
-        if self.kv is None:
+        if self.row is None:
             try:
-                self.kv = self.model.start(self.lookup, self.max_tokens)
+                self.row = self.model.start(self.lookup, self.max_tokens)
             except JaxsmolError:  # e.g. a prompt longer than the draft's context: decoded plainly
                 self.failed = True
                 return []
             self.fed = len(self.lookup.prompt)
         tokens = self.lookup.prompt + self.output
-        fits = [k for k in DRAFT_STEPS if len(tokens) + k <= self.kv.capacity]
+        fits = [k for k in DRAFT_STEPS if len(tokens) + k <= self.model.arena.slots]
         if not fits:
             return []
         k = min((k for k in fits if k >= most), default=fits[-1])
-        drafts, self.kv = self.model.run(self.kv, tokens, self.fed, k)
+        drafts = self.model.run(self.row, tokens, self.fed, k)
         self.fed, self.unsure = len(tokens), k - 1
         self.record = [self.record[0] * DECAY, self.record[1] * DECAY]
         return drafts[:most]
 
     def release(self) -> None:
-        """Hand the draft cache back to the draft engine's pool (the next row's may take it)."""
-        self.model.engine.recycle(self.kv)
-        self.kv, self.failed = None, True
+        """Hand its draft row back (once; later calls do nothing)."""
+        if self.row is not None:
+            self.model.arena.give(self.row)
+        self.row, self.failed = None, True
 
     def verified(self, drafted: int, accepted: int) -> None:
         if self.source != "draft":

@@ -15,10 +15,15 @@ from typing import Protocol
 import numpy as np
 
 from jaxsmol.cache.records import CacheReport
-from jaxsmol.runtime.chunks import capacity_for
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import Step
+
+
+# A decode row's KV is granted in steps of this many positions past its prompt (at admission, then as it
+# grows), not its whole max_tokens at once: a client asking for 4,096 tokens and stopping after 40 then
+# holds 40 positions' worth of the KV budget, not 4,096 (cache/scheduler/scheduler.py, the budget).
+GROW_SLOTS = 128
 
 
 @dataclasses.dataclass
@@ -114,9 +119,20 @@ class Request:
         not keep a streaming newcomer from a free row while it is prefilled."""
         return sum(sp.max_tokens > 1 for sp in self.samplings)
 
-    @property
-    def capacity(self) -> int:  # cache slots for the prompt and the longest choice
-        return capacity_for(len(self.prompt_ids) + max(sp.max_tokens for sp in self.samplings))
+    def reservation(self, slots: int) -> int:
+        """The KV positions it reserves when admitted: for each choice that decodes, its row's first
+        grant (row_reservation), at least the prompt's row while it is prefilled; at most `slots` a row."""
+        rows = [self.row_reservation(i, slots) for i, sp in enumerate(self.samplings) if sp.max_tokens > 1]
+        return sum(rows) if rows else min(slots, len(self.prompt_ids) + 1)
+
+    def row_reservation(self, i: int, slots: int) -> int:
+        """The positions choice i's row is granted first: its prompt and up to GROW_SLOTS tokens (a row
+        is granted more as it grows: the scheduler's _grant), at most `slots`."""
+        return min(slots, len(self.prompt_ids) + min(self.samplings[i].max_tokens, GROW_SLOTS))
+
+    def row_final(self, i: int, slots: int) -> int:
+        """The most positions choice i's row can take: its prompt and its max_tokens, at most `slots`."""
+        return min(slots, len(self.prompt_ids) + self.samplings[i].max_tokens)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,113 +1,122 @@
 """Continuous batching: many requests decode together, one jitted step for all of them.
 
-Each `step()` does, in order:
-  1. admission: waiting requests, while decode rows will be free for their choices (and fewer than
-     PREFILLS_AT_ONCE prompts are being prefilled), are looked up in the prefix cache and restored
-     into one-row staging caches (prefill / insert / generate, as in JetStream), in the settings'
-     admission order (cache/scheduler/admission.py: the longest stored prefix first, bounded, or
-     by arrival); the chosen request waits, and none other goes before it, while it does not fit;
+Every sequence lives in a row of the engine's KV arena (jaxsmol/runtime/kv_arena.py), from its
+admission to its end: a prompt is restored and prefilled in the row it then decodes in, a prompt's n
+choices fork into rows of their own, and a step names the rows it runs. Each `step()` does, in order:
+  1. admission: waiting requests, while decode rows and the KV budget will be free for them (and
+     fewer than PREFILLS_AT_ONCE prompts are being prefilled), in the settings' admission order
+     (cache/scheduler/admission.py: the longest stored prefix first, bounded, or by arrival), take a
+     row, are looked up in the prefix cache and their stored prefix restored into it (a row that
+     already holds the prefix is taken as it is); the chosen request waits, and none other goes
+     before it, while it does not fit;
   2. prefill: their prompts' next chunks, exact (a prompt state has a cold prefill's bits), chunks
      of one length side by side in one forward (see `_prefill_newcomers`); or else one chunk of an
-     answer being stored for the next turn. A complete prompt's first tokens are sampled and its
-     state inserted into a decode row per choice (`n` forks share one prefill);
+     answer being stored for the next turn. A complete prompt is stored, its first tokens are
+     sampled and each choice that goes on decodes in a row (the prompt's, and copies of it);
   3. decode: one step of every live row (forward at each row's position, then each row's own
      sampling; or, where rows drafted tokens and it pays, a verify step of their drafts:
      cache/scheduler/speculation.py), then the host side of every row (its TokenStream).
-Rows leave as they finish or as their client goes; their rows are reused by the next admissions.
+Rows leave as they finish or as their client goes, and go back to the arena.
 
-The batch's width comes from a ladder (1, 2, 4, ... `max_batch`) and its capacity from the engine's
-doubling ladder; it grows when a newcomer needs more (at once to the width the waiting requests need
-too, as far as kv_bytes allows) and shrinks after SHRINK_AFTER steps at most half used (layout.py), so that a
-lone stream decodes at width 1. With `batch_invariant`, the width is always `max_batch`: a row's
-logits then do not depend on how many other rows are live, so a request's tokens are the same
-alone or among others (a step's row count changes the last bits).
+A step's width (the rows it computes, its program's shape) comes from a ladder (1, 2, 4, ...
+`max_batch`): the narrowest that holds the live rows, padding entries writing the arena's pad row, so a
+lone stream decodes at width 1 and nothing moves when the batch grows or shrinks. With
+`batch_invariant`, the width is always `max_batch`: a row's logits then do not depend on how many
+other rows are live, so a request's tokens are the same alone or among others (a step's row count
+changes the last bits without the CPU kernels).
 
-Decode rows' memory is bounded by `kv_bytes` (width x capacity x bytes per position); a request that
-would break it waits, except that one request alone is always admitted. An idle batch is kept for
-the next burst: reused as it is for the same shape, else freed just before the new one is made (its
-memory, not fresh pages); a bigger one that a smaller one replaces (a lone request after a burst)
-is kept as the spare for the next burst, within kv_bytes together.
+Memory: the KV positions granted to the requests in flight stay within `kv_bytes`. A request is
+admitted when its grant fits: per row it will decode in, its prompt and up to GROW_SLOTS tokens
+(requests.GROW_SLOTS). A row reaching the end of its grant is granted GROW_SLOTS more where they fit;
+where they do not, it sits out decode steps (its stream pauses) until rows finish and free their
+grants, except the rows of the oldest request decoding, which always go on (as one request alone is
+always admitted): no row is ever stopped or recomputed, and the budget holds but for that one
+request. Rows given back keep their pages (and the prefix they hold: the next turn of a chat takes
+that row without a copy) while the budget allows; beyond it, and once the scheduler has been idle for
+IDLE_RELEASE_S, their pages go back to the OS (`idle`).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+import weakref
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.cache.scheduler.admission import admitted, next_index
 from jaxsmol.cache.scheduler.answers import AnswerQueue
-from jaxsmol.cache.scheduler.settings import BatchSettings
+from jaxsmol.cache.scheduler.settings import PREFILLS_AT_ONCE, SPARE_ROWS, BatchSettings, arena_rows
 from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batched
 from jaxsmol.cache.scheduler.draft_model import DraftModel
-from jaxsmol.cache.scheduler.layout import DecodeRows
 from jaxsmol.cache.prefix_cache import PrefixCache
-from jaxsmol.cache.scheduler.requests import Request
+from jaxsmol.cache.scheduler.requests import GROW_SLOTS, Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
-from jaxsmol.cache.scheduler.speculation import Speculator, column, run_step, speculating
-from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, free_mask
-from jaxsmol.runtime import programs
-from jaxsmol.runtime.chunks import MIN_CAPACITY, tight_plan
+from jaxsmol.cache.scheduler.speculation import VERIFY_ROWS, Speculator, column, run_step, speculating
+from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, first_tokens
+from jaxsmol.runtime.chunks import tight_plan
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.batch import row_settings
 from jaxsmol.runtime.engine import Engine
-from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime.stream import TokenStream
 from jaxsmol.runtime.structured import constraint_for
+from jaxsmol.system.host_memory import release_freed
 
-# Prompts prefilled at once (side by side where their chunks have one length), each holding a
-# one-row staging cache until its rows decode (8 x 512 slots: 189 MB in float32).
-PREFILLS_AT_ONCE = 8
+IDLE_RELEASE_S = 5.0  # idle this long: free rows' pages and malloc's free memory go back to the OS
+# The share of the KV budget free rows may keep their pages for: a row's pages faulted in afresh cost
+# ~5 ms for a 1000-token prompt (its prefill: ~1 s), and a row kept holding a prompt spares its next
+# turn a restore's copy (~10 ms), so few are kept, the most recently used
+RETAIN_SHARE = 0.25
+# While busy, malloc's free pages go back this often: the prefix cache's snapshots are large blocks of
+# many sizes, and as they are evicted and stored the heap's free memory grew ~100 MB every few long
+# prompts, never returned (a trim: ~1 ms, and the few MB a step reuses faulted in again)
+TRIM_EVERY_S = 2.0
 
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, draft: Engine | DraftModel | None = None, **settings):
         """settings: the fields of BatchSettings (max_batch, kv_bytes, batch_invariant, chunk_rows, speculate...);
         draft: a draft model for speculate "draft" / "auto" (an Engine gets a DraftModel of its own)."""
-        self.settings = s = BatchSettings(**settings)
         self.cache, self.engine = cache, cache.engine
+        self.arena = self.engine.arena(arena_rows(settings.get("max_batch", BatchSettings.max_batch)))
+        if self.arena.pad - SPARE_ROWS < settings.get("max_batch", BatchSettings.max_batch):  # a small machine's
+            settings["max_batch"] = max(1, self.arena.pad - SPARE_ROWS)  # arena: fewer rows decode at once
+        self.settings = s = BatchSettings(**settings)
         self.max_batch, self.kv_bytes, self.batch_invariant = s.max_batch, s.kv_bytes, s.batch_invariant
         self.widths = s.widths
+        # a prompt's first tokens: one choice, or its choices padded to max_batch rows (sampling 16 rows
+        # costs ~1 ms once a request, where each width's program was 0.5 s of the daemon's warm-up)
+        self.first_widths = tuple(dict.fromkeys((1, s.max_batch)))
+        self.lease = self.arena.lease()  # the rows it holds: back to the arena at close, or when it is dropped
         # the most prompt chunks in one forward, no more than the batch's rows (--max-batch 2 compiles no
         # group of 4 or 8); 1 without the kernels (each alone)
         self.side_by_side_most = min(PREFILLS_AT_ONCE, s.max_batch) if self.engine.side_by_side else 1
         self.pending: collections.deque[Request] = collections.deque()
         self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
-        self.saves = AnswerQueue(cache)  # answers being stored for the next turn
+        self.live: list[Row] = []  # the decode rows, in the order they came
+        self.saves = AnswerQueue(cache, self.arena, self.lease)  # answers being stored for the next turn
         self.stats = SchedulerStats()
         if isinstance(draft, Engine):
-            draft = DraftModel(draft, cache)
+            draft = DraftModel(draft, cache, s.max_batch)
         self.speculator = Speculator(self.engine, most=s.speculate_tokens, from_cache=s.speculate != "ngram",
                                      draft=draft) if speculating(s, self.engine.cfg, draft is not None) else None
-        # a decode row's bytes per position: the target's, and its draft cache's where a draft model drafts
+        # a decode row's bytes per position: the target's, and its draft row's where a draft model drafts
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token + (draft.engine.kv_bytes_per_token if draft else 0)
-        self.layout = DecodeRows(self.engine, s, self.kv_bytes_per_token, self.stats)
-        self.verify_programs = VerifyPrograms(self.engine)
-        self._relayouts = 0  # the relayouts before the last decode step
+        self.verify_programs = VerifyPrograms(self.arena)
+        self._idle_since: float | None = None
+        self._trimmed = time.monotonic()
+        weakref.finalize(self, _abandon, self.live, self.lease)
 
     # ---- the public surface ------------------------------------------------------------------------
     @property
-    def rows(self) -> list[Row | None]:  # the decode rows (None: free), one per batch row
-        return self.layout.rows
-
-    @rows.setter
-    def rows(self, rows: list[Row | None]) -> None:
-        self.layout.rows = rows
+    def rows(self) -> list[Row]:  # the live decode rows
+        return self.live
 
     @property
-    def batch(self) -> KVCache | None:  # k, v [L, W, K, S, H], pos [W]
-        return self.layout.batch
-
-    @batch.setter
-    def batch(self, batch: KVCache | None) -> None:
-        self.layout.batch = batch
-
-    @property
-    def spare(self) -> KVCache | None:  # an idle bigger batch (see kv_bytes_held)
-        return self.layout.spare
+    def width(self) -> int:
+        """The width of the next decode step (0 with no row live)."""
+        if not self.live:
+            return 0
+        return self.max_batch if self.batch_invariant else self.settings.width_for(len(self.live))
 
     def submit(self, request: Request) -> None:
         """Queue a request; its events reach its sink from `step()` (a bad one: one error event)."""
@@ -119,7 +128,7 @@ class Scheduler:
 
     @property
     def live_rows(self) -> int:
-        return self.layout.live
+        return len(self.live)
 
     @property
     def free_rows(self) -> int:
@@ -131,38 +140,73 @@ class Scheduler:
         return bool(self.pending or self.prefills or self.saves or self.live_rows)
 
     @property
+    def reserved_slots(self) -> int:
+        """Positions reserved by the requests in flight: each live row's, each prompt being prefilled's."""
+        return sum(r.reserved for r in self.live) + sum(p.request.reservation(self.arena.slots) for p in self.prefills)
+
+    @property
     def kv_bytes_held(self) -> int:
-        """The batch's bytes and the spare's (kept for the next burst: 8 x 512 fresh slots took 65-200 ms),
-        and the live rows' draft caches (a draft model's)."""
-        drafts = sum(r.drafts.nbytes for r in self.rows if r is not None and r.drafts is not None)
-        return drafts + sum(b.nbytes for b in (self.batch, self.spare) if b is not None)
+        """The KV memory the arena's rows hold now (resident pages: live rows' and free rows' kept), and
+        a draft model's arena's."""
+        draft = self.speculator.draft if self.speculator else None
+        return self.arena.resident_bytes() + (draft.arena.resident_bytes() if draft else 0)
+
+    @property
+    def arena_span(self) -> int:
+        """Bytes the KV arenas span (reserved, mostly never backed): the target's and a draft model's."""
+        draft = self.speculator.draft if self.speculator else None
+        return self.arena.span_bytes + (draft.arena.span_bytes if draft else 0)
 
     def figures(self) -> dict:
         """What /metrics shows of the batch (see cli/server/metrics.py)."""
-        return {"rows": self.live_rows, "width": len(self.rows), "pending": len(self.pending),
-                "kv_bytes": self.kv_bytes_held, "steps": self.stats.steps,
-                "decoded_tokens": self.stats.decoded_tokens, "prefilled_tokens": self.stats.prefilled_tokens,
+        return {"rows": self.live_rows, "width": self.stats.width, "pending": len(self.pending),
+                "kv_bytes": self.kv_bytes_held, "kv_reserved_bytes": self.reserved_slots * self.kv_bytes_per_token,
+                "steps": self.stats.steps, "decoded_tokens": self.stats.decoded_tokens, "stalled": self.stats.stalled,
+                "prefilled_tokens": self.stats.prefilled_tokens,
                 "speculation": {k: tuple(v) for k, v in self.stats.by_source.items()},
                 **(self.speculator.draft.figures() if self.speculator and self.speculator.draft else {})}
 
-    def compile_programs(self, slots: int = MIN_CAPACITY, stop=None) -> int:
-        """Compile the batched programs ahead, from shapes alone (cache/scheduler/compile_ahead.py);
+    def compile_programs(self, stop=None) -> int:
+        """Compile the programs over the arena ahead, from shapes alone (cache/scheduler/compile_ahead.py);
         returns how many."""
-        return compile_batched(self.engine, self.widths, slots, stop, side_by_side=self.side_by_side_most)
+        return compile_batched(self, stop)
 
     def step(self) -> None:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
         decode step of all rows."""
+        self._idle_since = None
         self._drop_cancelled()
         busy = self._prefill_newcomers()
         if not busy and self.saves.may_run(rows_decoding=self.live_rows > 0):
             self.saves.step(self.settings.step_rows(self.live_rows > 0))
             busy = True
         if self.live_rows:
-            # timed where nothing ran before it that it may wait for (a chunk, an insert, a relayout)
-            self._decode(timed=not busy and self.stats.relayouts == self._relayouts)
-        if not (self.batch_invariant or self.prefills):
-            self.layout.maybe_shrink()
+            self._decode(timed=not busy)
+        self._keep_within(self.reserved_slots)  # the rows this step gave back keep no more than the budget
+        if time.monotonic() - self._trimmed >= TRIM_EVERY_S:
+            release_freed()
+            self._trimmed = time.monotonic()
+
+    def idle(self) -> None:
+        """Called while there is no work: once idle for IDLE_RELEASE_S, the free rows' pages and
+        malloc's free memory go back to the OS (the resident set returns toward its size at start)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= IDLE_RELEASE_S and self._idle_since > 0:
+            self.arena.release_free()
+            if self.speculator and self.speculator.draft:
+                self.speculator.draft.arena.release_free()
+            release_freed()
+            self._idle_since = -1.0  # done until the next work
+
+    def close(self) -> None:
+        """Give back every row this scheduler holds (its requests are abandoned)."""
+        for p in list(self.prefills):
+            self._abort_prefill(p, None)
+        for r in list(self.live):
+            self._free_row(r)
+        self.saves.close()
 
     def _prefill_newcomers(self) -> bool:
         """Admit what fits (at most PREFILLS_AT_ONCE prompts being prefilled), then give each prompt,
@@ -181,12 +225,12 @@ class Scheduler:
         for j in range(max(map(len, plans.values()))):  # round j: every prompt's j-th chunk, padded rows T
             todo = [(p, self.engine.chunk_rows(self._rows_left(p), rows[j], self._exact(p)))
                     for p, rows in plans.items() if j < len(rows) and p in self.prefills]
-            for group in group_chunks(todo, lambda c: (c[1], c[0].kv.capacity), self.side_by_side_most):
+            for group in group_chunks(todo, lambda c: (c[1], 0), self.side_by_side_most):
                 self._prefill_group(group)
         return True
 
-    def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p.kv
-        return len(p.lookup.prompt) - int(p.kv.pos)
+    def _rows_left(self, p: Prefill) -> int:  # prompt positions not yet in p's row
+        return len(p.lookup.prompt) - self.arena.pos[p.row]
 
     def run(self) -> None:
         while self.has_work:
@@ -215,19 +259,30 @@ class Scheduler:
                 req.sink.error(e)
 
     def _room_for(self, req: Request) -> bool:
-        """Whether decode rows (and memory for them) will be free for req's choices, counting the
-        requests already being prefilled as holding theirs."""
-        need = req.decode_rows
+        """Whether decode rows, arena rows and the KV budget will be free for req's choices, counting the
+        requests already being prefilled as holding theirs (one request alone is always admitted: a
+        row missing then is its error, not a wait)."""
         held = [p.request for p in self.prefills if p.request.decode_rows]
-        rows = self.live_rows + sum(r.decode_rows for r in held) + need
-        if rows > self.max_batch:
+        if self.live_rows + sum(r.decode_rows for r in held) + req.decode_rows > self.max_batch:
             return False
-        if not need:
-            return True
-        width = self.settings.width_for(rows)
-        capacity = max([r.capacity for r in held + [req]]
-                       + [self.batch.capacity if self.batch is not None and self.live_rows else 0])
-        return self.live_rows + len(held) == 0 or width * capacity * self.kv_bytes_per_token <= self.kv_bytes
+        need = self.reserved_slots + req.reservation(self.arena.slots)
+        if self.live_rows + len(self.prefills):
+            forks = sum(max(0, p.request.decode_rows - 1) for p in self.prefills)  # rows taken at their end
+            if self.arena.free_rows - forks - SPARE_ROWS < max(1, req.decode_rows):
+                return False
+            if need * self.kv_bytes_per_token > self.kv_bytes:
+                return False
+        self._keep_within(need)
+        return True
+
+    def _keep_within(self, reserved: int) -> None:
+        """Release free rows' pages (least recently used first) until they and `reserved` positions fit
+        the KV budget and they hold at most RETAIN_SHARE of it: the arena's memory stays within
+        max(kv_bytes, one request alone's)."""
+        budget = self.kv_bytes // self.kv_bytes_per_token
+        keep = min(int(RETAIN_SHARE * budget), budget - reserved)
+        if self.arena.slots_held(free=True) > keep:
+            self.arena.release_free(max(keep, 0))
 
     def _begin(self, req: Request) -> None:
         started, cfg = time.perf_counter(), self.engine.cfg
@@ -236,43 +291,44 @@ class Scheduler:
         lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
                                salt=req.salt, bypass=req.bypass)
         self.stats.admitted += 1
-        slots = max(req.capacity, self.batch.capacity if self.batch is not None else 0)
         n, reused = len(lk.prompt), lk.report.reused
+        row = None
         try:
             if req.pin:
                 self.cache.pins.check(lk)  # before any work: a prompt that cannot be pinned is refused
-            if reused and (reused < n or req.decode_rows):
-                kv = self.engine.restore(lk.prefix, slots, reused, self.cache.exact_state(lk.prompt))
-            else:
-                kv = self.engine.new_cache(slots) if reused < n else None
+            if reused < n or req.decode_rows:  # a row to prefill or decode in (an exact full hit without
+                exact = self.cache.exact_state(lk.prompt[:reused])  # decode rows needs none)
+                row, held = self.lease.take(exact if reused else None)
+                if held < reused:
+                    self.arena.restore(row, lk.parts, held, reused, exact)
         except BaseException:
-            self.cache.release(lk)
+            if row is not None:
+                self.lease.give(row)
             raise
-        p = Prefill(req, lk, kv, constraints, started)
+        finally:
+            self.cache.release(lk)  # restored: the store's budget bounds it again
+        p = Prefill(req, lk, row, constraints, started)
         self.prefills.append(p)
         if reused == n:  # an exact full hit: the stored logits stand in for the forward
-            self._prompt_done(p, jnp.asarray(lk.logits, jnp.float32)[None])
+            self._prompt_done(p, np.asarray(lk.logits, np.float32)[None])
 
     def _prefill_group(self, group: list[tuple[Prefill, int]]) -> None:
         """One chunk of T padded rows of each prompt in group (one T), side by side when more than one."""
         prefills, T = [p for p, _ in group], group[0][1]
         try:
-            if len(group) == 1:
-                logits, prefills[0].kv = self.engine.prefill_chunk(prefills[0].lookup.prompt, prefills[0].kv, T,
-                                                                   exact=self._exact(prefills[0]))
-            else:
-                logits, kvs = self.engine.prefill_side_by_side([p.lookup.prompt for p in prefills],
-                                                               [p.kv for p in prefills], T)
-                for p, kv in zip(prefills, kvs):
-                    p.kv = kv
-            done = [(p, logits[i:i + 1]) for i, p in enumerate(prefills) if int(p.kv.pos) >= len(p.lookup.prompt)]
+            logits = self.arena.prefill([(p.row, p.lookup.prompt) for p in prefills], T,
+                                        exact_rows=T in self.engine.buckets(True))
+            done = [p for p in prefills if self._rows_left(p) <= 0]
+            # each prompt's row sliced on the host: a slice of a device array would be a program of its own
+            logits = np.asarray(logits) if done else None
         except Exception as e:  # a failure costs these requests, never the others
             for p in prefills:
                 self._abort_prefill(p, e)
+            self._recover()
             return
         self.stats.prefill_calls += 1
-        for p, logits in done:
-            self._prompt_done(p, logits)
+        for p in done:
+            self._prompt_done(p, logits[prefills.index(p)][None])
 
     def _exact(self, p: Prefill) -> bool:
         return self.cache.exact or not p.lookup.report.reused  # a cold prefill is always exact
@@ -280,33 +336,34 @@ class Scheduler:
     def _abort_prefill(self, p: Prefill, error: Exception | None) -> None:
         self.prefills.remove(p)
         self.cache.release(p.lookup)
-        self.engine.recycle(p.kv)
+        if p.row is not None:
+            self.lease.give(p.row)
         if error is not None:
             p.request.sink.error(error)
 
-    def _prompt_done(self, p: Prefill, logits: jax.Array) -> None:
-        """p's prompt is in p.kv and `logits` [1, V] follow it: store it, sample each choice's first
-        token, and give every choice that goes on a decode row."""
+    def _prompt_done(self, p: Prefill, logits: np.ndarray) -> None:
+        """p's prompt is in its row and `logits` [1, V] (on the host) follow it: store it, sample each
+        choice's first token, and give every choice that goes on a decode row (the prompt's row, and
+        copies of it)."""
         req, lk = p.request, p.lookup
         prefill_s = time.perf_counter() - p.started
-        want, m = max(sp.logprobs for sp in req.samplings), len(req.samplings)
-        out = jax.device_get(programs.sample_first(  # (a broadcast is an eager op: ~10 ms the first time)
-            logits if m == 1 else jnp.broadcast_to(logits, (m, logits.shape[-1])),
-            row_settings(req.samplings, [0] * m, p.constraints, free_mask(self.engine.cfg.vocab_size, m)),
-            logprobs=want > 0))
+        out = first_tokens(logits, req.samplings, p.constraints, self.engine.cfg.vocab_size, self.first_widths)
         ttft = time.perf_counter() - req.submitted
-        kept = np.array(np.asarray(logits)[0]) if req.detail else None
+        kept = np.array(logits[0]) if req.detail else None
         rows = []
         drafts = self.speculator.drafter(self.cache, lk, max(sp.max_tokens for sp in req.samplings)) if (
             self.speculator) else lambda: None
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
-            rows.append(Row(req, lk, index, TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids), ttft,
-                            p.constraints[i], prefill_s, kept, drafts()))
+            stream = TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids)
+            rows.append(Row(req, lk, index, stream, ttft, p.constraints[i], prefill_s, kept, drafts(),
+                            reserved=req.row_reservation(i, self.arena.slots),
+                            final=req.row_final(i, self.arena.slots)))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 rows[-1].push(out, i)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy
         # of a 700-token prompt: ~70 ms), and before a finished choice's answer extends it
-        self.cache.save_prompt(lk, p.kv, logits)
+        if p.row is not None:
+            self.cache.save_prompt(lk, self.arena.view(p.row), logits)
         refused = self._pin(req, lk)
         prefilled = len(lk.prompt) - lk.report.reused
         self.cache.finish(lk, prefilled)
@@ -318,13 +375,18 @@ class Scheduler:
         going_on = []
         for row, sp in zip(rows, req.samplings):
             if row.stream.done or sp.max_tokens == 0:
+                row.release()
                 self._finish(row)
             else:
                 going_on.append(row)
-        if going_on:
-            self._insert(going_on, p.kv)
-        self.engine.recycle(p.kv)
         self.prefills.remove(p)
+        for i, row in enumerate(going_on):  # the first continues in the prompt's row, the others in copies
+            row.slot = p.row if i == 0 else self.lease.take()[0]
+            if i:
+                self.arena.fork(p.row, row.slot)
+            self.live.append(row)
+        if not going_on and p.row is not None:
+            self.lease.give(p.row)
 
     def _pin(self, req: Request, lk) -> JaxsmolError | None:
         """Pin a pin request's prompt, stored just now (cache/pins.py); the error if it cannot be."""
@@ -336,35 +398,28 @@ class Scheduler:
         return None
 
     # ---- decode rows ---------------------------------------------------------------------------------
-    def _insert(self, rows: list[Row], kv: KVCache) -> None:
-        """Write the prompt state `kv` [L, 1, K, S, H] into one free decode row per choice, the batch
-        grown first where needed (with room for the choices waiting or being prefilled too)."""
-        coming = list(self.pending) + [p.request for p in self.prefills if p.request is not rows[0].request]
-        self.layout.insert(rows, kv, waiting=sum(r.decode_rows for r in coming))
-
     def _decode(self, timed: bool = True) -> None:
         """One decode step of every live row (a verify step where rows drafted tokens: speculation.py),
         then each row's host side (its tokens' stream, stop strings, events). (Dispatching the next
         step before reading this one, as vLLM's async scheduling does, gave no steady gain on two
         cores: docs/design.md, the scheduler.)"""
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        want = any(r.stream.sp.logprobs for _, r in live)
-        plan = self.speculator.plan(self.rows, self.batch.capacity, lambda t: self.verify_programs.ready(
-            len(self.rows), self.batch.capacity, t, want)) if self.speculator else None
-        free = free_mask(self.engine.cfg.vocab_size, len(self.rows))
+        live = self._granted()
+        W = self.max_batch if self.batch_invariant else self.settings.width_for(len(live))
+        plan = self.speculator.plan(live, W, self.arena.slots, lambda t: self.verify_programs.ready(W, t)) if (
+            self.speculator) else None
         started = time.perf_counter()
         try:
-            out, self.batch = run_step(self.engine, self.batch, self.rows, plan, free, want)
-        except Exception as e:  # the batch is lost: fail its requests, keep serving
-            for _, r in live:
+            out = run_step(self.arena, live, W, plan, self.engine.cfg.vocab_size)
+        except Exception as e:  # the arena is lost: fail its requests, keep serving
+            for r in live:
                 r.request.sink.error(e)
-            self.batch, self.rows = None, []
+            self._recover()
             return
-        self._relayouts = self.stats.relayouts
         if self.speculator and timed and not self.verify_programs.compiling:  # (a compile shares the cores)
-            self.speculator.timed(len(self.rows), 1 if plan is None else plan[0], time.perf_counter() - started)
+            self.speculator.timed(W, 1 if plan is None else plan[0], time.perf_counter() - started)
         self.stats.steps += 1
-        for i, r in live:
+        self.stats.width = W
+        for i, r in enumerate(live):
             n = 1 if plan is None else int(out["count"][i])
             if plan is not None:
                 self.speculator.verified(r, len(plan[1][i]), n - 1)
@@ -372,17 +427,55 @@ class Scheduler:
             try:  # the step's new tokens, up to where the row's stream ends
                 self.stats.decoded_tokens += r.take([out] if plan is None else [column(out, j) for j in range(n)], i)
             except Exception as e:  # (its grammar refused a token) this row's request fails, no other
-                self.rows[i] = None
-                r.release()
+                self._free_row(r)
                 r.request.sink.error(e)
                 continue
             if r.stream.done:
-                self.rows[i] = None
+                self._free_row(r)
                 self._finish(r)
+
+    def _granted(self) -> list[Row]:
+        """The live rows that decode this step: each whose grant holds the positions a step may write
+        (a verify step's too), granted GROW_SLOTS more where it does not and the budget has room; the
+        rows of the oldest request always (see the module docstring). The others sit this step out."""
+        ahead = VERIFY_ROWS[-1] if self.speculator else 1
+        budget, reserved = self.kv_bytes // self.kv_bytes_per_token, self.reserved_slots
+        oldest, going = self.live[0].request, []
+        for r in self.live:
+            need = min(r.final, r.position + ahead)
+            if need > r.reserved:
+                more = min(r.final, max(r.reserved + GROW_SLOTS, need)) - r.reserved
+                if reserved + more > budget and r.request is not oldest:
+                    self.stats.stalled += 1
+                    continue
+                r.reserved += more
+                reserved += more
+            going.append(r)
+        return going
+
+    def _free_row(self, row: Row) -> None:
+        """A decode row leaves: its arena row goes back (holding its prompt's exact state), its drafter's too."""
+        self.live.remove(row)
+        row.release()
+        self.lease.give(row.slot)
+
+    def _recover(self) -> None:
+        """After a program failed: the arena's buffers may be gone with it; every row in flight fails
+        and the arena starts afresh (the prefix cache keeps its entries)."""
+        if not self.arena.lost:
+            return
+        for r in list(self.live):
+            r.request.sink.error(JaxsmolError("the KV arena was lost to a failed step"))
+        self.live = []
+        for p in list(self.prefills):
+            self.prefills.remove(p)
+            self.cache.release(p.lookup)
+            p.request.sink.error(JaxsmolError("the KV arena was lost to a failed step"))
+        self.saves.close()
+        self.arena.recover()
 
     def _finish(self, row: Row) -> None:
         s, lk = row.stream, row.lookup
-        row.release()
         row.request.sink.done(row.finished())
         if s.finish_reason and self.cache.wants_answer(lk, s.output_ids):
             save = self.cache.begin_answer(lk, s.output_ids)
@@ -390,9 +483,15 @@ class Scheduler:
                 self.saves.add(save)
 
     def _drop_cancelled(self) -> None:
-        for i, r in enumerate(self.rows):
-            if r is not None and r.request.sink.cancelled():
-                r.release()
-                self.rows[i] = None
+        for r in [r for r in self.live if r.request.sink.cancelled()]:
+            self._free_row(r)
         for p in [p for p in self.prefills if p.request.sink.cancelled()]:
             self._abort_prefill(p, None)
+
+
+def _abandon(live: list[Row], lease) -> None:
+    """A scheduler dropped with rows in flight (a library call abandoned): its drafters' rows and its
+    arena rows go back."""
+    for r in live:
+        r.release()
+    lease.close()

@@ -7,10 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 from jaxsmol.cache.scheduler.speculation import SPECULATE_MODES, VERIFY_ROWS
-from jaxsmol.runtime.chunks import PREFILL_BUCKETS
+from jaxsmol.runtime.chunks import IDLE_STEP_ROWS, PREFILL_BUCKETS  # noqa: F401 (IDLE_STEP_ROWS: the settings')
 from jaxsmol.errors import JaxsmolError
 
 
+# Prompts a scheduler prefills at once (side by side where their chunks have one length), each in its
+# own row of the KV arena.
+PREFILLS_AT_ONCE = 8
+# Arena rows admission leaves free: an answer being stored, a scoring (the worker's prompt logprobs).
+SPARE_ROWS = 2
 MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decode (see chunk_cap)
 # The step budgets a user may pick (--prefill-chunk). 32 and 48 run as exact 32 / 32 + 16 row chunks
 # with the CPU kernels; without them a chunk is padded to 64 rows, so they act as 64. The default 48:
@@ -18,7 +23,6 @@ MIN_DECODING_CHUNK = 32  # the shortest cap on a prompt's chunk while rows decod
 # (jaxsmol bench --only serve --clients 8, 48 / 64 alternating: ITL p99 298 / 287 ms against 457 / 382
 # while 1000-token prompts arrive, the rest alike).
 CHUNK_ROWS_CHOICES = (32, 48) + PREFILL_BUCKETS
-IDLE_STEP_ROWS = 128  # the least prompt rows a step runs when no row decodes (see step_rows)
 # The order waiting requests are admitted in: "lpm" the longest prefix stored in the prefix cache first
 # (SGLang's longest-prefix-match), a request overtaken `admission_bound` times next; "fifo" by arrival.
 ADMISSION_ORDERS = ("lpm", "fifo")
@@ -36,7 +40,7 @@ def widths_for(max_batch: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     max_batch: int = 16  # decode rows
-    kv_bytes: int = 4 << 30  # device memory for the decode rows' KV cache
+    kv_bytes: int = 256 << 20  # the KV the requests in flight may reserve (prompt + max_tokens per row)
     batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler/scheduler.py)
     chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
     admission: str = "lpm"  # one of ADMISSION_ORDERS
@@ -79,9 +83,21 @@ class BatchSettings:
         `chunk_cap` rows."""
         return plan if sum(plan) <= budget else [min(budget, self.chunk_cap(decoding))]
 
+    def longest_chunk(self, buckets: tuple[int, ...]) -> int:
+        """The longest chunk (of `buckets`) a prompt may run in one step, decoding or not."""
+        most = max(self.step_rows(True), self.step_rows(False))
+        return next((b for b in buckets if b >= most), buckets[-1])
+
     def chunk_cap(self, decoding: bool) -> int:
         """The longest chunk of one prompt in a step: half the step's rows while rows decode, so that
         a long prompt advances in short chunks while a burst of short prompts still joins two per step.
         chunk_rows 48 or 64 gives 32-row chunks: exact with the CPU kernels (without them the engine
         pads a chunk to 64 rows anyway), and a step that waits ~half as long on a CPU slow at arithmetic."""
         return max(MIN_DECODING_CHUNK, self.chunk_rows // 2) if decoding else self.step_rows(False)
+
+
+def arena_rows(max_batch: int) -> int:
+    """The arena rows a scheduler of `max_batch` decode rows asks for: those, a row for each prompt being
+    prefilled whose choices take no decode row, and SPARE_ROWS (the engine's arena has at least
+    kv_arena.DEFAULT_ROWS, as many as fit the machine)."""
+    return max_batch + PREFILLS_AT_ONCE + SPARE_ROWS

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import weakref
 
-import jax
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime import programs
-from jaxsmol.runtime.batch import row_settings
+from jaxsmol.runtime.batch import free_mask, row_settings
 from jaxsmol.runtime.sampling import SamplingParams
 
 # ngram: drafts from the request's own tokens; cache: from those and from what the prefix cache stored after
@@ -35,7 +33,10 @@ SPECULATE_MODES = ("auto", "none", "ngram", "cache", "draft")
 # where drafts come from: the prefix cache, the row's own tokens, a draft model, the grammar (forced)
 SOURCES = ("cache", "ngram", "draft", "grammar")
 NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
-VERIFY_ROWS = (2, 4, 8)  # a verify step's positions per row (its program shapes), padded up to one of these
+# a verify step's positions per row (its program shapes), padded up to one of these. Not 2 as well: a
+# row's 1 draft verified in 4 positions costs about what 2 do (a step of few rows streams the weights
+# whatever its rows), and 5 more programs were 4.5 s of a daemon's 30 s warm-up
+VERIFY_ROWS = (4, 8)
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
 DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see Speculator.chance)
 SOURCE_DECAY = 0.99  # the weight a source's earlier verify steps keep at each of its verify steps
@@ -214,38 +215,37 @@ class Speculator:
             return lambda: self.draft.drafts(lookup, max_tokens, NgramDrafts(lookup.prompt, self.most, reference))
         return lambda: NgramDrafts(lookup.prompt, self.most, reference)
 
-    def plan(self, rows: list, capacity: int, ready=lambda positions: True) -> tuple[int, list[list[int]]] | None:
+    def plan(self, rows: list, W: int, capacity: int, ready=lambda positions: True
+             ) -> tuple[int, list[list[int]]] | None:
         """(T, each row's drafts) for a verify step of T positions per row (one of VERIFY_ROWS, every
-        row's pos + T within the capacity, `ready(T)`: its program compiled), or None for a plain
-        decode step. A draft model's drafts are made only once a verify step is chosen, for its T - 1
-        (their cost counted in the choice)."""
-        W, live = len(rows), [r for r in rows if r is not None]
+        row's pos + T within the capacity, `ready(T)`: its program compiled) over the live `rows` at
+        width W, or None for a plain decode step. A draft model's drafts are made only once a verify
+        step is chosen, for its T - 1 (their cost counted in the choice)."""
         plain = self.times.seconds.get((W, 1))
-        room = min(capacity - r.position for r in live)
+        room = min(capacity - r.position for r in rows)
         fits = [t for t in VERIFY_ROWS if t <= room]
         # a plain step timed long ago is timed afresh (verify times are ratios to it: one timed beside a
         # background compile made every verify shape look cheap)
         if (self.adaptive and self.times.stale((W, 1))) or not fits:
             return None
         # None: a draft model's, for as many as the row has room for (Row.room)
-        drafts = [r.draft(fits[-1] - 1, run_model=False) if r is not None and r.drafts is not None else []
-                  for r in rows]
+        drafts = [r.draft(fits[-1] - 1, run_model=False) if r.drafts is not None else [] for r in rows]
         lengths = [r.room(fits[-1] - 1) if d is None else len(d) for r, d in zip(rows, drafts)]
         if not self.adaptive:
             longest = max(lengths)
             return (self._made(rows, drafts, next(t for t in fits if t > longest)) if longest else None)
-        best, best_rate = None, len(live) / plain
+        best, best_rate = None, len(rows) / plain
         for t in fits:
             gain = sum(expected(self.chance(r), min(n, t - 1)) for r, n in zip(rows, lengths) if n)
             if gain == 0:
                 break
             if not ready(t):
                 continue
-            # the rows a draft model drafts for; a row's first draft prefills its prompt into its draft cache,
+            # the rows a draft model drafts for; a row's first draft prefills its prompt into its draft row,
             # which holds up the rows beside it (counted) and alone serves its later drafts (not counted)
-            cost = sum(self.draft.seconds(t - 1, plain, r.drafts.behind if len(live) > 1 else 0)
+            cost = sum(self.draft.seconds(t - 1, plain, r.drafts.behind if len(rows) > 1 else 0)
                        for r, d, n in zip(rows, drafts, lengths) if d is None and n > 0)
-            rate = (len(live) + gain) / (self.times.estimate((W, t), plain) + cost)
+            rate = (len(rows) + gain) / (self.times.estimate((W, t), plain) + cost)
             if rate > best_rate:
                 best, best_rate = t, rate
         return None if best is None else self._made(rows, drafts, best)
@@ -277,50 +277,35 @@ class Speculator:
         self.sources.verified(row.draft_source, drafted, accepted, self.times.steps)
 
 
-def step_inputs(rows: list, free) -> tuple[np.ndarray, np.ndarray, dict]:
-    """A decode step's host inputs for the batch's rows (Row or None): each live row's last token
-    [W], the active mask [W], and the per-row sampling arrays (jaxsmol/batch.row_settings; `free`
-    the all-allowed mask of the width)."""
-    tokens = np.array([r.stream.output_ids[-1] if r is not None else 0 for r in rows], np.int32)
-    steps = [len(r.stream.output_ids) if r is not None else 0 for r in rows]
-    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows], steps,
-                            [r.constraint if r is not None else None for r in rows], free)
-    return tokens, np.array([r is not None for r in rows]), settings
+def _settings(rows: list, W: int, vocab_size: int, constraints: bool) -> dict:
+    """The sampling arrays of a step over `rows` padded to W entries (padding: greedy, unconstrained)."""
+    pad = W - len(rows)
+    return row_settings([r.stream.sp for r in rows] + [SamplingParams()] * pad,
+                        [len(r.stream.output_ids) for r in rows] + [0] * pad,
+                        [r.constraint if constraints else None for r in rows] + [None] * pad,
+                        free_mask(vocab_size, W))
 
 
-def verify_inputs(rows: list, drafts: list[list[int]], T: int, free: np.ndarray) -> tuple:
-    """A verify step's host inputs: tokens [W, T] (the last token, the drafts, padding), lengths [W],
-    the active mask [W] and the sampling arrays, "allowed" [W, T, words] (a constrained row's mask at
-    each of its positions, given the drafts before it; every id elsewhere)."""
-    W = len(rows)
-    tokens, lengths = np.zeros((W, T), np.int32), np.ones((W,), np.int32)
-    allowed = np.repeat(np.asarray(free)[:, None], T, axis=1)
-    for i, (r, d) in enumerate(zip(rows, drafts)):
-        if r is not None:
-            tokens[i, :1 + len(d)] = [r.stream.output_ids[-1], *d]
-            lengths[i] = 1 + len(d)
-            if r.constraint is not None:
-                allowed[i, :1 + len(d)] = r.constraint.masks_along(d)
-    settings = row_settings([r.stream.sp if r is not None else SamplingParams() for r in rows],
-                            [len(r.stream.output_ids) if r is not None else 0 for r in rows],
-                            [None] * W, free)
-    settings["allowed"] = allowed
-    return tokens, lengths, np.array([r is not None for r in rows]), settings
-
-
-def run_step(engine, batch, rows: list, plan, free, logprobs: bool) -> tuple[dict, object]:
-    """One step of the batch's rows (Row or None): a plain decode step (plan None), else the verify step
-    of `plan` (Speculator.plan). Returns (its output on the host, the batch after it)."""
-    # NumPy inputs straight into the jitted step: jnp.asarray ran an eager op each (~0.2 ms a step)
+def run_step(arena, rows: list, W: int, plan, vocab_size: int) -> dict:
+    """One step of the live `rows` (Row) at width W, padding entries writing the arena's pad row: a
+    plain decode step (plan None), else the verify step of `plan` (Speculator.plan). Returns its output
+    on the host (entry i: rows[i])."""
+    slots = [r.slot for r in rows] + [arena.pad] * (W - len(rows))
     if plan is None:
-        tokens, active, settings = step_inputs(rows, free)
-        out, batch = programs.decode_step(engine.params, tokens, batch, active, settings, engine.cfg,
-                                          logprobs=logprobs)
-    else:
-        tokens, lengths, active, settings = verify_inputs(rows, plan[1], plan[0], free)
-        out, batch = programs.verify_step(engine.params, tokens, lengths, batch, active, settings, engine.cfg,
-                                          logprobs=logprobs)
-    return jax.device_get(out), batch
+        tokens = np.zeros((W,), np.int32)
+        tokens[:len(rows)] = [r.stream.output_ids[-1] for r in rows]
+        return arena.decode(slots, tokens, _settings(rows, W, vocab_size, constraints=True))
+    T, drafts = plan
+    tokens, lengths = np.zeros((W, T), np.int32), np.ones((W,), np.int32)
+    settings = _settings(rows, W, vocab_size, constraints=False)
+    allowed = np.repeat(np.asarray(settings["allowed"])[:, None], T, axis=1)
+    for i, (r, d) in enumerate(zip(rows, drafts)):
+        tokens[i, :1 + len(d)] = [r.stream.output_ids[-1], *d]
+        lengths[i] = 1 + len(d)
+        if r.constraint is not None:  # a constrained row's mask at each of its positions, given the drafts
+            allowed[i, :1 + len(d)] = r.constraint.masks_along(d)
+    settings["allowed"] = allowed
+    return arena.verify(slots, tokens, lengths, settings)
 
 
 def column(out: dict, j: int) -> dict:

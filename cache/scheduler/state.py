@@ -1,36 +1,37 @@
 """What the scheduler (cache/scheduler/scheduler.py) holds: per request a prompt being prefilled and a decode
-row per choice (which feeds its tokens to its stream and sink); a decode step's inputs; its counters."""
+row per choice (which feeds its tokens to its stream and sink); a prompt's first tokens; its counters."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.cache.records import Lookup
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request, Timings
 from jaxsmol.cache.scheduler.draft_model import ModelDrafts
 from jaxsmol.cache.scheduler.speculation import NgramDrafts
-from jaxsmol.model.kv import KVCache
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.batch import free_mask, row_settings
+from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import TokenStream
-from jaxsmol.runtime.structured import Constraint, all_allowed
+from jaxsmol.runtime.structured import Constraint
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity (in self.prefills)
 class Prefill:
-    """An admitted request whose prompt is being prefilled into `kv`, a chunk per step."""
+    """An admitted request whose prompt is being prefilled into its arena row, a chunk per step (row
+    None: an exact full hit whose choices decode nothing)."""
     request: Request
     lookup: Lookup
-    kv: KVCache
+    row: int | None
     constraints: list  # per choice: its structured-output Constraint, or None
     started: float  # admitted (before its lookup)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (in the scheduler's live rows)
 class Row:
     """A decode row: one choice of a request."""
     request: Request
@@ -43,6 +44,9 @@ class Row:
     prompt_logits: np.ndarray | None = None  # [V], kept where the request asked for detail
     drafts: NgramDrafts | ModelDrafts | None = None  # speculation's drafter (None: this row does not speculate)
     draft_source: str = "ngram"  # of the last drafts: one of speculation.SOURCES
+    reserved: int = 0  # KV positions granted to it (its prompt, then GROW_SLOTS at a time: the scheduler's _grant)
+    final: int = 0  # the most it can take: its prompt and its max_tokens
+    slot: int = -1  # its row in the KV arena, once it decodes
 
     @property
     def position(self) -> int:
@@ -112,15 +116,24 @@ class Row:
                             report=lk.report if self.request.detail else None)
 
 
-@functools.cache
-def free_mask(vocab_size: int, width: int) -> jax.Array:
-    """The all-allowed token mask [width, ceil(V / 32)] of rows that sample freely, kept on the device."""
-    return jnp.asarray(all_allowed(width, vocab_size))
+def first_tokens(logits, samplings: list[SamplingParams], constraints: list, vocab_size: int,
+                 widths: tuple[int, ...]) -> dict:
+    """Each choice's first token from a prompt's logits [1, V] (and its log-probabilities), on the host:
+    one sample_first of the narrowest width on the ladder that holds the choices, padded with greedy
+    rows (the ladder's widths are its programs: the choices' count is data)."""
+    m = len(samplings)
+    N = next((w for w in widths if w >= m), m)
+    pad = N - m
+    settings = row_settings(list(samplings) + [SamplingParams()] * pad, [0] * N, list(constraints) + [None] * pad,
+                            free_mask(vocab_size, N))
+    return jax.device_get(programs.sample_first(logits, settings))
 
 
 @dataclasses.dataclass
 class SchedulerStats:
     steps: int = 0  # decode steps
+    width: int = 0  # the rows the last decode step computed (live ones and padding)
+    stalled: int = 0  # rows that sat a decode step out: their next grant did not fit the KV budget
     decoded_tokens: int = 0  # tokens sampled by decode steps (first tokens excluded)
     prefilled_tokens: int = 0  # prompt positions computed (padding excluded)
     prefill_calls: int = 0  # forwards that ran prompt chunks (several prompts side by side count once)

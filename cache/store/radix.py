@@ -131,8 +131,9 @@ class RadixStore(PinnedKeys):
 
     def lookup(self, namespace, tokens, gather: bool = True, count: bool = True) -> Match:
         """The longest stored prefix of `tokens`, held (never evicted) until `release(match)` if it
-        restores anything. gather=False leaves match.value None: `gather(match, match.reused)` reads it
-        later. count: a hit on every node whose positions are all restored (what inspection reports)."""
+        restores anything. gather=False leaves match.value None: `parts(match, match.reused)` or
+        `gather(match, match.reused)` read it later. count: a hit on every node whose positions are all
+        restored (what inspection reports)."""
         match = self.match(namespace, tokens)
         match.reused = len(tokens) if match.payload is not None else min(match.length, len(tokens) - 1)
         if match.reused:
@@ -162,7 +163,14 @@ class RadixStore(PinnedKeys):
         return node, depth, edge
 
     def gather(self, match: Match, length: int | None = None):
-        """The value of the first `length` (default: match.length) positions, as one pytree.
+        """The value of the first `length` (default: match.length) positions, as one pytree (a copy
+        where they span several nodes; `parts` gives them without one)."""
+        parts = self.parts(match, length)
+        return parts[0] if len(parts) == 1 else self._concat(parts)
+
+    def parts(self, match: Match, length: int | None = None) -> list:
+        """The value of the first `length` (default: match.length) positions as the nodes' segments, in
+        order (views: nothing copied).
 
         Read from the match's deepest node up through its parents, so a match pinned earlier still
         gathers its own positions after inserts have split its edges (a split keeps the pinned node as
@@ -180,7 +188,7 @@ class RadixStore(PinnedKeys):
             depth += take
             if depth == length:
                 break
-        return parts[0] if len(parts) == 1 else self._concat(parts)
+        return parts
 
     @staticmethod
     def tokens(match: Match) -> tuple:

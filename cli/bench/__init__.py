@@ -7,7 +7,7 @@ Every timed section runs after the programs it needs are compiled (compile time 
 in the fresh-process section, whose point is compile time), and reports the median of its repeats.
 Sections:
 
-  compilations  forward programs compiled by a mixed workload through the radix cache, vs compile_bound.
+  compilations  programs a mixed workload through the radix cache compiles after compile-ahead (0: closed).
                 Runs first, so that the count starts from a process that has compiled nothing.
   prefill       tokens/s of a cold prefill (no cache) of n tokens
   decode        tokens/s of decode steps at a short and a long position

@@ -38,77 +38,60 @@ def loadavg():
 
 
 class Warmup:
-    """Before a measurement, compile what it will run, so that its timings exclude compilation:
-    `Engine.warmup` for each cache capacity it uses, a restore into that capacity, and once the small
-    programs around a request (sampling, an exact full hit). Each capacity is warmed once per process."""
+    """Before a measurement, compile what it will run, so that its timings exclude compilation: the
+    programs a lone request runs (Engine.warmup: its prompt chunks in a row of the KV arena, its first
+    token, a decode step), once per process, and once the small programs around a request (a restore,
+    a save, an exact full hit)."""
 
     def __init__(self, engine):
-        self.engine, self.capacities, self.requests_warm = engine, set(), False
+        self.engine, self.requests_warm = engine, False
 
     def request(self, n: int, start: int = 0, max_tokens: int = 1, generated: int = 0, exact: bool = True) -> None:
-        """A request of n prompt tokens restored at `start`, generating max_tokens (exact=False: the
-        cache's fast path); with `generated`, also the re-prefill of that many generated tokens that
-        an exact radix cache runs to save them."""
-        eng = self.engine
-        exact = exact or start == 0  # a cold prefill is always exact
-        slots = [eng.slots_needed(start, n, max_tokens, exact)]
-        if generated:
-            slots.append(eng.slots_needed(n, n + generated, 0))
-        for s in slots:
-            self.capacity(s)
+        """A request of n prompt tokens restored at `start`, generating max_tokens (the arena's programs
+        serve every length, exact or not; `generated`: the re-prefill that stores an answer)."""
         if not self.requests_warm:
             self.requests_warm = True
             from jaxsmol.cache.prefix_cache import PrefixCache
             from jaxsmol.cache.scheduler.many import generate
             from jaxsmol.runtime.sampling import SamplingParams
 
-            cache = PrefixCache(eng)
-            for _ in range(2):  # cold, then an exact full hit
-                generate(cache, [100, 101, 102], SamplingParams(max_tokens=2))
-
-    def capacity(self, slots: int) -> None:
-        import numpy as np
-
-        from jaxsmol.runtime.chunks import capacity_for
-        from jaxsmol.model.kv import KVCache
-
-        eng, cap = self.engine, capacity_for(slots)
-        if cap in self.capacities:
-            return
-        eng.warmup(cap)
-        c = eng.cfg
-        one = np.zeros((c.n_layers, 1, c.n_kv_heads, 1, c.head_dim), eng.cache_dtype)  # [L, B, K, S, H]
-        eng.restore(KVCache(k=one, v=one, pos=np.int32(1)), cap).k.block_until_ready()  # host -> this capacity
-        self.capacities.add(cap)
+            self.engine.warmup()
+            cache = PrefixCache(self.engine)
+            for prompt in ([100, 101, 102], [100, 101, 102], [100, 101, 102, 103]):  # cold, exact hit, restore
+                generate(cache, prompt, SamplingParams(max_tokens=2))
 
 
 def measure_prefill(engine, ids) -> float:
-    """Seconds to prefill ids into a fresh cache (allocation included), logits on the host."""
+    """Seconds to prefill ids into a row of the KV arena (as a request's prompt is), logits on the host."""
     import numpy as np
 
-    t0 = now()
-    kv = engine.new_cache(engine.slots_needed(0, len(ids), 1))
-    logits, kv = engine.prefill(ids, kv)
-    np.asarray(logits)
-    return now() - t0
+    arena = engine.arena()
+    with arena.borrowed() as row:
+        t0 = now()
+        np.asarray(arena.fill(row, ids))
+        return now() - t0
 
 
 def measure_decode(engine, position: int, steps: int) -> float:
-    """Seconds per decode step at `position` (greedy, each token read back like a generation does).
-
-    The cache is a zero state with pos = position in the capacity a real request of that length
-    gets: a step's cost depends on the position and capacity, not on the values held."""
-    import jax.numpy as jnp
+    """Seconds per decode step at `position` (greedy, sampled in the step and read back like a
+    generation's), in a row of the KV arena holding a zero state up to that position: a step's cost
+    depends on the position, not on the values held."""
     import numpy as np
 
-    kv = engine.new_cache(engine.slots_needed(0, position, steps + 1))
-    kv = kv.replace(pos=jnp.asarray(position, jnp.int32))
-    token = 100
-    t0 = now()
-    for _ in range(steps):
-        logits, kv = engine.decode(token, kv)
-        token = int(np.argmax(np.asarray(logits[0])))
-    return (now() - t0) / steps
+    from jaxsmol.runtime.batch import free_mask, row_settings
+    from jaxsmol.runtime.sampling import SamplingParams
+
+    arena = engine.arena()
+    settings = row_settings([SamplingParams()], [0], [None], free_mask(engine.cfg.vocab_size, 1))
+    L, _, K, _, H = arena.shape
+    zeros = np.zeros((L, 1, K, position, H), arena.dtype)  # written, so that its pages are real memory
+    with arena.borrowed() as row:
+        arena.restore(row, [{"k": zeros, "v": zeros}], 0, position)
+        token = 100
+        t0 = now()
+        for _ in range(steps):
+            token = int(arena.decode([row], np.array([token], np.int32), settings)["tokens"][0])
+        return (now() - t0) / steps
 
 
 def timed(cache, prompt) -> dict:

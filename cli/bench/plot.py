@@ -81,7 +81,7 @@ def _hf_or_compilations(ax, res: dict) -> None:
         ax.tick_params(axis="y", labelsize=7)
     elif "compilations" in res:
         c = res["compilations"]
-        ax.bar(["programs", "bound"], [c["forward_programs"], c["bound"]])
+        ax.bar(["ready ahead", "during"], [c["programs_ahead"], c["programs_during"]])
         ax.set(title=f"forward programs over {c['requests']} mixed requests")
 
 

@@ -20,10 +20,10 @@ def _ms(s: float) -> str:
 
 
 def _compilations(c: dict) -> list[str]:
-    return [format_table(["requests", "prompt", "max_tokens", "programs", "compile_bound(ctx)", "within"],
+    return [format_table(["requests", "prompt", "max_tokens", "programs ahead", "compiled during", "closed"],
                          [[c["requests"], f"{c['prompt_min']}..{c['prompt_max']}", f"1..{c['max_tokens'][1]}",
-                           c["forward_programs"], c["bound"], "yes" if c["within_bound"] else "NO"]],
-                         title="XLA compilations (forward programs) over a mixed workload through the radix cache")]
+                           c["programs_ahead"], c["programs_during"], "yes" if c["closed"] else "NO"]],
+                         title="XLA programs over a mixed workload through the radix cache, after compile-ahead")]
 
 
 def _prefill(rows: list[dict]) -> list[str]:
@@ -116,8 +116,6 @@ def format_results(res: dict) -> str:
     if m.get("peak_rss_bytes"):
         out.append(f"peak memory (RSS) {m['peak_rss_bytes'] / 2**30:.2f} GiB; "
                    f"weights {m['params_bytes'] / 2**30:.2f} GiB")
-    if "forward_programs_total" in res:
-        out.append(f"forward programs compiled by this whole run: {res['forward_programs_total']} "
-                   f"(compile_bound {m['compile_bound']}, with the exact=False fast path "
-                   f"{m['compile_bound_fast']})")
+    if "programs_total" in res:
+        out.append(f"programs made ready by this whole run: {res['programs_total']}")
     return "\n\n".join(out)

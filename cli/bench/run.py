@@ -45,8 +45,6 @@ def command_line(argv: list[str]) -> str:
 def _meta(args, engine, plan, sections, load0) -> dict:
     import jax
 
-    from jaxsmol.runtime.chunks import compile_bound
-
     return {
         "model": str(engine.model_dir), "dtype": args.dtype, "weights": engine.cfg.quant or args.dtype,
         "ctx": engine.ctx, "quick": bool(args.quick),
@@ -54,8 +52,7 @@ def _meta(args, engine, plan, sections, load0) -> dict:
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "peer_name": getattr(args, "peer_name", None),
         "command": command_line(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
-        "kv_bytes_per_token": engine.kv_bytes_per_token, "compile_bound": compile_bound(engine.ctx, engine.buckets()),
-        "compile_bound_fast": compile_bound(engine.ctx, engine.buckets(exact=False)),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
         "sections": sections + (["hf"] if args.compare == "hf" else []),
         "peer_url": args.peer_url, "plan": dict(plan),
     }
@@ -133,7 +130,7 @@ def run_bench(args) -> int:
 
     from jaxsmol.cli.bench.report import format_results
     from jaxsmol.cli.common import load_engine
-    from jaxsmol.runtime.engine import compiled_programs
+    from jaxsmol.runtime import programs
 
     plan = with_flags(QUICK if args.quick else FULL, args)
     rng = np.random.default_rng(args.seed)
@@ -143,7 +140,7 @@ def run_bench(args) -> int:
     _ = engine.fingerprint  # hashed once, outside every timing
     res: dict = {"meta": _meta(args, engine, plan, sections, load0)}
     _run_sections(args, engine, plan, rng, sections, res)
-    res["forward_programs_total"] = compiled_programs()
+    res["programs_total"] = sum(p.prepared for p in programs.ALL.values())
     res["meta"]["loadavg_end"] = loadavg()
     res["meta"]["wall_s"] = now() - t_start
     res["meta"]["peak_rss_bytes"] = peak_rss_bytes()

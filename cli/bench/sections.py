@@ -26,36 +26,47 @@ def _mixed_prompt(rng, plan, docs, n: int, vocab: int) -> list[int]:
 
 
 def section_compilations(engine, plan, rng) -> dict:
-    """A mixed workload through the radix cache; count the forward programs it compiles."""
+    """A mixed workload through the radix cache, after the programs its requests run were made ready
+    (the closed set, compile_ahead.scheduler_calls): count the programs it makes ready itself (0 when
+    the set is closed)."""
     from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.compile_ahead import scheduler_calls
     from jaxsmol.cache.scheduler.many import generate
-    from jaxsmol.runtime.chunks import compile_bound
-    from jaxsmol.runtime.engine import compiled_programs
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
+    from jaxsmol.runtime import programs
     from jaxsmol.runtime.sampling import SamplingParams
 
     vocab = engine.cfg.vocab_size
     max_prompt = max(2, min(plan["workload_max_prompt"], engine.ctx - plan["workload_max_tokens"]))
     docs = [rand_ids(rng, max_prompt, vocab) for _ in range(plan["workload_docs"])]
     cache = PrefixCache(engine)
-    before = compiled_programs()
+    ahead = scheduler_calls(Scheduler(cache, max_batch=1))  # generate's
+    programs.compile_all(ahead)
+    before = _prepared()
     t0 = now()
     lengths = []
     for _ in range(plan["workload_requests"]):
         n = int(rng.integers(2, max_prompt + 1))
         prompt = _mixed_prompt(rng, plan, docs, n, vocab)
         max_tokens = int(rng.integers(1, plan["workload_max_tokens"] + 1))
-        generate(cache, prompt, SamplingParams(max_tokens=max_tokens))
+        generate(cache, prompt, SamplingParams(max_tokens=max_tokens, logprobs=int(rng.integers(0, 3))))
         lengths.append(n)
-    programs = compiled_programs() - before
+    during = _prepared() - before
     s = cache.stats
     return {
         "requests": plan["workload_requests"], "prompt_min": min(lengths), "prompt_max": max(lengths),
-        "max_tokens": [1, plan["workload_max_tokens"]], "forward_programs": programs,
-        "bound": compile_bound(engine.ctx, engine.buckets()), "ctx": engine.ctx,
-        "within_bound": programs <= compile_bound(engine.ctx, engine.buckets()),
+        "max_tokens": [1, plan["workload_max_tokens"]], "programs_ahead": len(ahead), "programs_during": during,
+        "closed": during == 0, "ctx": engine.ctx,
         "wall_s": now() - t0, "hits": s.hits, "exact_hits": s.exact_hits, "misses": s.misses,
         "tokens_reused": s.tokens_reused, "tokens_prefilled": s.tokens_prefilled,
     }
+
+
+def _prepared() -> int:
+    """Executables every program has made ready in this process (compiled, or loaded from the store)."""
+    from jaxsmol.runtime import programs
+
+    return sum(p.prepared for p in programs.ALL.values())
 
 
 def section_prefill(engine, plan, rng, warm: Warmup) -> list[dict]:

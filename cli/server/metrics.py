@@ -32,19 +32,24 @@ CACHE_COUNTERS = (
 
 
 # (key of Scheduler.figures(), help): the continuous batch
-BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows in the decode batch (used or not)."),
+BATCH_GAUGES = (("rows", "Decode rows in use."), ("width", "Rows the last decode step computed (live and padding)."),
                 ("pending", "Requests waiting for admission."),
-                ("kv_bytes", "Bytes of the decode batch's KV cache and its idle spare, and the decode rows' draft "
-                             "caches (bounded by --kv-cache-bytes)."),
+                ("kv_bytes", "Resident bytes of the KV arena (the rows of prompts being prefilled, of decode rows, and "
+                             "of free rows kept), and of a draft model's arena."),
+                ("kv_reserved_bytes", "KV bytes the requests in flight reserve: prompt + max_tokens per row "
+                                      "(bounded by --kv-cache-bytes, unless one request alone)."),
                 ("draft_cache_bytes", "Bytes held by the draft model's prefix cache (--draft-model)."))
 # (key of cli/server/memory.py MemoryAccount.figures(), help): the gauges jaxsmol_<key>
 MEMORY_GAUGES = (
     ("weights_bytes", "Bytes of the model's weights."),
     ("programs", "Compiled programs held (every jitted function's, jaxsmol/runtime/programs.py)."),
+    ("programs_after_ready", "Programs compiled (or loaded) since the daemon became ready: 0 while every request "
+                             "runs on the closed set made ready at start."),
     ("programs_bytes", "Heap bytes the compiled programs hold (measured as they compile ahead; an estimate "
                        "for those compiled on first use)."),
-    ("heap_in_use_bytes", "Bytes malloc has handed out (arrays, programs, tokenizer; not Python's small objects)."),
-    ("heap_free_bytes", "Freed bytes malloc keeps for reuse (jaxsmol/system/host_memory.py)."),
+    ("heap_in_use_bytes", "Bytes malloc has handed out (arrays, programs, tokenizer; not Python's small objects; "
+                          "the KV arena's reserved span left out: jaxsmol_batch_kv_bytes is its resident part)."),
+    ("heap_free_bytes", "Freed bytes malloc keeps for reuse, resident (jaxsmol/system/host_memory.py)."),
     ("resident_bytes", "The process's resident set size."),
     ("resident_at_start_bytes", "The resident set size when the daemon started (weights loaded, nothing "
                                 "compiled ahead)."),
@@ -52,6 +57,7 @@ MEMORY_GAUGES = (
                           "something holds memory nobody counts)."),
 )
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
+                  ("stalled", "Decode steps a row sat out: its next KV grant did not fit --kv-cache-bytes."),
                   ("prefilled_tokens", "Prompt positions computed by the scheduler."))
 # (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
 # Extension reads by default, aliases of the queue, the rows in use and the decode KV in use

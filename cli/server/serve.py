@@ -108,7 +108,7 @@ class Daemon:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         cache, worker = self.cache, self.worker
-        self.memory.start(pool=self.engine.pool_bytes)
+        self.memory.start(pool=self.engine.pool_bytes, batch_kv=self.worker.scheduler.kv_bytes_held)
         if cache.disk is not None:
             n = await asyncio.to_thread(cache.warm_from_disk)
             print(f"prefix cache: {n} entries loaded from {cache.disk.dir} ({cache.pins.restored} pinned)",
@@ -152,8 +152,9 @@ class Daemon:
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
         stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
-        memory = self.memory.figures(stats["bytes_held"] + batch.get("draft_cache_bytes", 0),
-                                     pool + batch.get("draft_pool_bytes", 0), batch.get("kv_bytes", 0))
+        memory = self.memory.figures(stats["bytes_held"] + batch.get("draft_cache_bytes", 0), pool,
+                                     batch.get("kv_bytes", 0), arena_span=self.worker.scheduler.arena_span,
+                                     programs_after_ready=self.warmup.programs_after_ready())
         load = read_load(self.worker, self.engine.kv_bytes_per_token)
         text = self.metrics.render(stats, self.worker.jobs.qsize(), batch, pool, memory, load=load)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

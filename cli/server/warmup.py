@@ -8,9 +8,10 @@ cores: one stream started while the batched programs compiled in the background 
               {"status": "warming"} until done, then 200; requests sent meanwhile are served, slower;
   none        compile nothing ahead: ready at once, each program compiles when first used (holding
               every stream while it does).
-What is compiled: the programs the scheduler runs, one prompt's chunks and the continuous batch's
-(cache/scheduler/compile_ahead.py: program_calls). A later start finds them in the
-program store (jaxsmol/runtime/program_store.py) and loads each without tracing it.
+What is compiled: every program the scheduler can run, a closed set whatever the requests' fields and
+lengths (cache/scheduler/compile_ahead.py: scheduler_calls). A later start finds them in the program
+store (jaxsmol/runtime/program_store.py) and loads each without tracing it. Once ready, the daemon
+counts any program compiled after (`programs_after_ready`, /metrics): none should be.
 """
 
 from __future__ import annotations
@@ -19,21 +20,18 @@ import sys
 import threading
 import time
 
-from jaxsmol.cache.scheduler.compile_ahead import program_calls
-from jaxsmol.runtime import programs
+from jaxsmol.system import program_memory
 
 MODES = ("block", "background", "none")
-SLOTS = 512  # the programs of requests up to this many positions
 
 
 class Warmup:
     """Compiles the daemon's programs once (`run`, or `start` for a thread) and says whether it is ready.
 
-    The scheduler's programs: one prompt's chunks (compile_ahead.program_calls) and the batched ones
-    (Scheduler.compile_programs, which checks the Event `stop` between them). All are made ready in
-    one pass first, so that what the program store lacks compiles in one child process
-    (jaxsmol/runtime/compile_apart.py). A failure only loses the head start (the programs then
-    compile on first use): the daemon is ready after it too, never stuck warming."""
+    The scheduler's programs (Scheduler.compile_programs, which checks the Event `stop` between
+    them), made ready in one pass, so that what the program store lacks compiles in one child
+    process (jaxsmol/runtime/compile_apart.py). A failure only loses the head start (the programs
+    then compile on first use): the daemon is ready after it too, never stuck warming."""
 
     def __init__(self, mode: str, scheduler):
         if mode not in MODES:
@@ -44,8 +42,9 @@ class Warmup:
         self._thread: threading.Thread | None = None
         self._began: float | None = None
         self.seconds: float | None = None  # how long it took, once ready
+        self.programs_at_ready: int | None = None  # programs made in this process when it became ready
         if mode == "none":
-            self._ready.set()
+            self._mark_ready()
 
     @property
     def ready(self) -> bool:
@@ -64,19 +63,24 @@ class Warmup:
         """Make ready every program the scheduler runs (compiled or loaded); ready after, unless stopped."""
         self._began = t0 = time.perf_counter()
         try:
-            single, batched = program_calls(self.scheduler, SLOTS)
-            programs.compile_all(single + batched, self.stop)
-            n = self.scheduler.compile_programs(SLOTS, self.stop)  # ready by now: counted
-            print(f"batched decoding: {n} programs compiled in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr, flush=True)
-            print(f"programs ready ahead: {len(single)} single-sequence + {n} batched", file=sys.stderr, flush=True)
+            with program_memory.span():  # their memory: the warm-up's growth (program_memory.py)
+                n = self.scheduler.compile_programs(self.stop)
+            print(f"programs ready ahead: {n} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         except Exception as e:  # only the head start is lost
             print(f"jaxsmol: programs not compiled ahead ({type(e).__name__}: {e}); they compile on first use",
                   file=sys.stderr, flush=True)
         if not self.stop.is_set():
             self.seconds = time.perf_counter() - t0
-            self._ready.set()
+            self._mark_ready()
             print(f"jaxsmol ready: warm-up ({self.mode}) took {self.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def _mark_ready(self) -> None:
+        self.programs_at_ready = program_memory.held().count
+        self._ready.set()
+
+    def programs_after_ready(self) -> int:
+        """Programs compiled (or loaded) in this process since it became ready: 0 when the set is closed."""
+        return 0 if self.programs_at_ready is None else program_memory.held().count - self.programs_at_ready
 
     def start(self) -> None:
         """`run` in a thread (background mode; block runs it before listening, none not at all)."""

@@ -84,7 +84,7 @@ class Worker(threading.Thread):
         super().__init__(name="jaxsmol-worker", daemon=True)
         self.cache, self.metrics = cache, metrics
         self._settings = dataclasses.asdict(batch)
-        self.draft = DraftModel(draft, cache) if draft is not None else None
+        self.draft = DraftModel(draft, cache, batch.max_batch) if draft is not None else None
         self.scheduler = Scheduler(cache, self.draft, **self._settings)
         self.max_queue = max_queue
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -119,6 +119,9 @@ class Worker(threading.Thread):
                     self._fail_all(e)
             elif self.stopping.is_set() and self.jobs.empty():
                 return
+            elif self.jobs.empty():
+                with self.lock:
+                    self.scheduler.idle()  # memory back to the OS once idle for a while
 
     def _take_jobs(self, wait: bool) -> None:
         """Submit the jobs that have arrived (waiting up to 0.1 s for one when idle, then for more while
@@ -180,4 +183,10 @@ class Worker(threading.Thread):
         sinks += [p.request.sink for p in s.prefills]
         for sink in {id(k): k for k in sinks}.values():
             sink.error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        try:
+            s.close()  # its rows back to the arena
+        except Exception:  # noqa: BLE001 - its state is not to be trusted: the arena starts afresh
+            s.arena.recover()
+        if s.arena.lost:
+            s.arena.recover()
         self.scheduler = Scheduler(self.cache, self.draft, **self._settings)

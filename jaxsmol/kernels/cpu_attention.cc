@@ -12,8 +12,10 @@
 // head) reads its keys and values in place, only up to its own position, on its own: its bits do
 // not depend on the chunk or batch it arrives in.
 //
-// q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, B, K, S, H] (float32 or bfloat16),
-// pos [B] (row b's first query position; the chunk's keys are already in the cache) -> out [B, T, K, G, H].
+// q [B, T, K, G, H] (scaled, RoPE applied), k_all and v_all [L, R, K, S, H] (float32 or bfloat16),
+// pos [B] (row b's first query position; the chunk's keys are already in the cache), rows [B] (the cache
+// row b's queries read: a decode batch's rows or the KV arena's, jaxsmol/runtime/kv_arena.py)
+// -> out [B, T, K, G, H].
 // Softmax in two passes: scores, then max, exp and sum, then P V, each in position order.
 #include "cpu_kernels.h"
 
@@ -184,7 +186,8 @@ void MergeParts(int64_t rk, int64_t parts, int64_t G, const float* m, const floa
 
 template <typename KV, int HV>
 void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
-                  float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S) {
+                  const int32_t* rs, float* os, int64_t layer, int64_t NR, int64_t B, int64_t T, int64_t K, int64_t G,
+                  int64_t S) {
   constexpr int64_t H = HV * kLanes;
   const int64_t P = kDecodeParts, R = B * T;  // query rows r = b T + t
   const auto keys_of = [ps, S, T](int64_t r) {
@@ -192,12 +195,12 @@ void AttendDecode(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV
   };
   const auto parts_of = [P](int64_t n) { return n >= kSplitFrom ? P : 1; };
   std::vector<float> m(R * K * P * G), l(R * K * P * G), acc(R * K * P * G * H);
-  ParallelFor(pool, R * K * P, [&, qs, ks, vs](int64_t task) {
+  ParallelFor(pool, R * K * P, [&, qs, ks, vs, rs](int64_t task) {
     const int64_t rk = task / P, part = task % P, r = rk / K;
     const int64_t n = keys_of(r), parts = parts_of(n);
     if (part >= parts) return;
     const int64_t p0 = n * part / parts, p1 = n * (part + 1) / parts;
-    const int64_t slots = ((layer * B + r / T) * K + rk % K) * S * H;  // [layer, b, kh] in [L, B, K, S, H]
+    const int64_t slots = ((layer * NR + rs[r / T]) * K + rk % K) * S * H;  // [layer, rows[b], kh] in [L, R, K, S, H]
     std::vector<float> scores(kHeadsAtOnce * (p1 - p0 + kLanes));
     const bool stream_values = R >= kStreamValuesRows && p1 - p0 >= kStreamValuesKeys;
     AttendKeys<KV, HV>(qs + rk * G * H, ks + slots, vs + slots, G, p0, p1, stream_values, scores.data(), &m[task * G],
@@ -380,16 +383,17 @@ template <ffi::DataType CacheType>
 using CacheOf = ffi::Buffer<CacheType, 5>;
 using Cache = CacheOf<ffi::F32>;
 using CacheBf16 = CacheOf<ffi::BF16>;  // elements as uint16_t (XLA's FFI maps BF16 to it)
-using Positions = ffi::Buffer<ffi::S32, 1>;
+using Positions = ffi::Buffer<ffi::S32, 1>;  // also the cache rows of the queries' rows
 using OutQueries = ffi::ResultBuffer<ffi::F32, 5>;
 
 // Attention with head dim H = kLanes HV over [B, T, K, G, H] queries.
 // as_steps: every row as a decode step computes it (a speculative step's drafted rows).
 template <typename KV, int HV>
 void AttendAll(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* vs, const int32_t* ps,
-               float* os, int64_t layer, int64_t B, int64_t T, int64_t K, int64_t G, int64_t S, bool as_steps) {
+               const int32_t* rs, float* os, int64_t layer, int64_t NR, int64_t B, int64_t T, int64_t K, int64_t G,
+               int64_t S, bool as_steps) {
   constexpr int64_t H = HV * kLanes;
-  if (T == 1 || as_steps) return AttendDecode<KV, HV>(pool, qs, ks, vs, ps, os, layer, B, T, K, G, S);
+  if (T == 1 || as_steps) return AttendDecode<KV, HV>(pool, qs, ks, vs, ps, rs, os, layer, NR, B, T, K, G, S);
   // a chunk: one task per (row, kv head, tile of kTileRows query positions), or, when that leaves threads
   // idle (3 kv heads on 2 threads), per query head too: each head's rows are computed the same way
   // either way, only the keys are read once per head instead of per kv head. A short chunk on
@@ -400,7 +404,7 @@ void AttendAll(ffi::ThreadPool& pool, const float* qs, const KV* ks, const KV* v
   ParallelFor(pool, B * K * heads * tiles, [=](int64_t task) {
     const int64_t b = task / (K * heads * tiles), kh = task / (heads * tiles) % K;
     const int64_t g = task / tiles % heads * per_task, t0 = task % tiles * kTileRows;
-    const int64_t slots = ((layer * B + b) * K + kh) * S * H;
+    const int64_t slots = ((layer * NR + rs[b]) * K + kh) * S * H;
     const int64_t offset = (b * T + t0) * row_stride + (kh * G + g) * H;
     const int64_t rows = std::min<int64_t>(kTileRows, T - t0), first = std::max<int64_t>(ps[b], 0) + t0;
     if constexpr (kVecRegs == 32) {  // (AVX2 never takes these: not compiled there)
@@ -435,16 +439,19 @@ AttendFn<KV> AttendFor(int64_t hv) {
 // The cache's element type names the kernel: F32 (float) or BF16 (uint16_t, widened as it loads).
 template <ffi::DataType CacheType>
 ffi::Error Attention(ffi::ThreadPool pool, Queries q, CacheOf<CacheType> k_all, CacheOf<CacheType> v_all,
-                     Positions pos, LayerIndex layer_index, int32_t as_steps, OutQueries out) {
+                     Positions pos, Positions rows, LayerIndex layer_index, int32_t as_steps, OutQueries out) {
   using KV = ffi::NativeType<CacheType>;
   const auto qd = q.dimensions(), cd = k_all.dimensions();
   const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], S = cd[3], layer = LayerOf(layer_index, cd[0]);
-  if (cd[1] != B || cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || layer < 0)
-    return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache and pos disagree");
+  if (cd[2] != K || cd[4] != H || pos.dimensions()[0] != B || rows.dimensions()[0] != B || layer < 0)
+    return ffi::Error::InvalidArgument("attention kernel: shapes of q, cache, pos and rows disagree");
+  for (int64_t b = 0; b < B; ++b)
+    if (rows.typed_data()[b] < 0 || rows.typed_data()[b] >= cd[1])
+      return ffi::Error::InvalidArgument("attention kernel: a query row's cache row is outside the cache");
   auto* attend = H == 16 || H == 32 || H == 64 || H == 128 ? AttendFor<KV>(H / kLanes) : nullptr;
   if (!attend) return ffi::Error::InvalidArgument("attention kernel: head_dim must be 16, 32, 64 or 128");
-  attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), out->typed_data(), layer,
-         B, T, K, G, S, as_steps != 0);
+  attend(pool, q.typed_data(), k_all.typed_data(), v_all.typed_data(), pos.typed_data(), rows.typed_data(),
+         out->typed_data(), layer, cd[1], B, T, K, G, S, as_steps != 0);
   return ffi::Error::Success();
 }
 
@@ -462,6 +469,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttention, Attention<ffi::F32>,
                                   .Arg<Cache>()
                                   .Arg<Cache>()
                                   .Arg<Positions>()
+                                  .Arg<Positions>()
                                   .Arg<LayerIndex>()
                                   .Attr<int32_t>("as_steps")
                                   .Ret<Queries>());
@@ -476,6 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolAttentionBf16, Attention<ffi::BF16>,
                                   .Arg<Queries>()
                                   .Arg<CacheBf16>()
                                   .Arg<CacheBf16>()
+                                  .Arg<Positions>()
                                   .Arg<Positions>()
                                   .Arg<LayerIndex>()
                                   .Attr<int32_t>("as_steps")

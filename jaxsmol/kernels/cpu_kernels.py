@@ -20,8 +20,10 @@
   head)'s keys and values in place, up to that query's own position. Each query row is computed on its own in
   position order, so its bits do not depend on the chunk or batch carrying it (a decode step's single row
   takes a different, split path: T == 1 differs from T >= 2).
-- `load_prefix` (cpu_prefix.cc): Engine.restore's copy of a snapshot's prefix into a cache, split between the
-  threads (XLA's dynamic-update-slice copies on one).
+- `load_prefix`, `write_slots`, `copy_row` (cpu_prefix.cc): copies of a snapshot's prefix into a cache, of a
+  staged block into a row of the KV arena, of a row's slots into another, split between the threads (XLA's
+  dynamic-update-slice copies on one); `reserve`: the KV arena allocated without touching its pages (XLA
+  writes every byte it allocates), so that only the positions written take memory (runtime/kv_arena.py).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
 (`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and
@@ -68,7 +70,8 @@ TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMat
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
            "jaxsmol_matmul_q8_0_int8": "JaxsmolMatmulQ8_0Int8", "jaxsmol_matmul_q4_1_int8": "JaxsmolMatmulQ4_1Int8",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
-           "jaxsmol_load_prefix": "JaxsmolLoadPrefix"}
+           "jaxsmol_load_prefix": "JaxsmolLoadPrefix", "jaxsmol_write_slots": "JaxsmolWriteSlots",
+           "jaxsmol_copy_row": "JaxsmolCopyRow", "jaxsmol_reserve": "JaxsmolReserve"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
@@ -355,10 +358,10 @@ def attention_kernel_for(cache_dtype, head_dim: int) -> bool:
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.Array,
-              target: str | None = None, as_steps: bool = False) -> jax.Array:
+              target: str | None = None, as_steps: bool = False, rows: jax.Array | None = None) -> jax.Array:
     """Causal attention of q [B, T, K, G, H] (scaled, RoPE applied) at positions pos.. (a scalar or
-    [B]) over cache layer `layer` (an int32 scalar, traced or not) of k_all, v_all [L, B, K, S, H] (the
-    chunk's keys already written)
+    [B]) over cache layer `layer` (an int32 scalar, traced or not) of k_all, v_all [L, R, K, S, H] (the
+    chunk's keys already written), query row b reading cache row rows[b] (None: row b, R == B)
     -> [B, T, K, G, H]. Each query row is computed on its own, so its bits do not depend on the chunk.
     as_steps: every row (b, t) with the bits of a decode step at position pos[b] + t (a one-row chunk's
     numerics, which differ from a longer chunk's in the last bits): a speculative step's drafted rows.
@@ -368,8 +371,9 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.
     if target is None:
         target = "jaxsmol_attention_bf16" if k_all.dtype == jnp.bfloat16 else "jaxsmol_attention"
     pos = jnp.broadcast_to(pos.astype(jnp.int32), (q.shape[0],))
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_all, v_all, pos, jnp.asarray(layer, jnp.int32), as_steps=np.int32(as_steps))
+    return call(q, k_all, v_all, pos, rows, jnp.asarray(layer, jnp.int32), as_steps=np.int32(as_steps))
 
 
 def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:
@@ -378,3 +382,24 @@ def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call("jaxsmol_load_prefix", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={0: 0})
     return call(cache, prefix)
+
+
+def write_slots(cache: jax.Array, block: jax.Array, row: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [L, R, K, S, H] with block [L, 1, K, P, H] (same dtype) written into row `row` at slots
+    start..start + P - 1, in place where the cache is donated."""
+    call = jax.ffi.ffi_call("jaxsmol_write_slots", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, block, jnp.stack([row, start]).astype(jnp.int32))
+
+
+def copy_row(cache: jax.Array, source: jax.Array, dest: jax.Array, n: jax.Array) -> jax.Array:
+    """cache [L, R, K, S, H] with the first n slots of row `source` copied into row `dest`, in place
+    where the cache is donated."""
+    call = jax.ffi.ffi_call("jaxsmol_copy_row", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, jnp.stack([source, dest, n]).astype(jnp.int32))
+
+
+def reserve(shape: tuple[int, ...], dtype) -> jax.Array:
+    """Zeros of `shape` whose whole pages are not touched (cpu_prefix.cc): memory only where written."""
+    return jax.ffi.ffi_call("jaxsmol_reserve", jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True)()

@@ -1,12 +1,33 @@
-// A restored prefix written into a cache buffer in place, for Engine.restore (cpu_kernels.py):
-// out [L, B, K, S, H] (the donated cache, aliased) gets prefix [L, B, K, P, H] at slots 0..P-1.
+// Copies into and within KV caches, for the jitted programs (cpu_kernels.py), and the KV arena's memory:
 //
-// Why: XLA:CPU's dynamic-update-slice copies on one thread; a 1008-position prefix of SmolLM2-135M
-// (2 x 24 MB) took 8 ms of a 61-67 ms warm time to first token. Here each (layer, row, kv head) is
-// one memcpy, the rows split between the threads. A copy: no bits change.
+// - LoadPrefix: Engine.restore's snapshot prefix written into a one-sequence cache, in place.
+// - WriteSlots: a staged block of a host snapshot written into one row of the KV arena at a position
+//   (jaxsmol/runtime/kv_arena.py: a restore is a few such blocks).
+// - CopyRow: the first n slots of one arena row copied into another (a prompt's forks).
+// - Reserve: the arena itself, [L, R, K, S, H] allocated and not touched: its whole pages are handed back
+//   to the OS (they read as zeros and take no memory until a program writes them), so the arena's
+//   resident memory is the positions its rows have written, not R x S.
+//
+// Why kernels: XLA:CPU's dynamic-update-slice copies on one thread; a 1008-position prefix of
+// SmolLM2-135M (2 x 24 MB) took 8 ms of a 61-67 ms warm time to first token. Here each (layer, row,
+// kv head) is one memcpy, the slabs split between the threads. A copy: no bits change. And XLA cannot
+// allocate memory without writing it: the arena as zeros touched every page of it.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "cpu_kernels.h"
 
 namespace {
+
+// Split `pieces` memcpys between the threads.
+template <typename Fn>
+void CopyPieces(ffi::ThreadPool& pool, int64_t pieces, Fn copy) {
+  const int64_t tasks = std::min<int64_t>(pieces, 4 * std::max<int64_t>(1, pool.num_threads()));
+  if (tasks <= 0) return;
+  ParallelFor(pool, tasks, [=](int64_t t) {
+    for (int64_t r = pieces * t / tasks; r < pieces * (t + 1) / tasks; ++r) copy(r);
+  });
+}
 
 ffi::Error LoadPrefix(ffi::ThreadPool pool, ffi::AnyBuffer cache, ffi::AnyBuffer prefix,
                       ffi::Result<ffi::AnyBuffer> out) {
@@ -19,10 +40,81 @@ ffi::Error LoadPrefix(ffi::ThreadPool pool, ffi::AnyBuffer cache, ffi::AnyBuffer
   const size_t piece = prefix.size_bytes() / rows, stride = cache.size_bytes() / rows;  // bytes of P and S slots
   char* const dst = static_cast<char*>(out->untyped_data());
   const char* const src = static_cast<const char*>(prefix.untyped_data());
-  const int64_t tasks = std::min<int64_t>(rows, 4 * std::max<int64_t>(1, pool.num_threads()));
-  ParallelFor(pool, tasks, [=](int64_t t) {
-    for (int64_t r = rows * t / tasks; r < rows * (t + 1) / tasks; ++r) std::memcpy(dst + r * stride, src + r * piece, piece);
+  CopyPieces(pool, rows, [=](int64_t r) { std::memcpy(dst + r * stride, src + r * piece, piece); });
+  return ffi::Error::Success();
+}
+
+using Where = ffi::Buffer<ffi::S32, 1>;
+
+// out = cache [L, R, K, S, H] (aliased) with block [L, 1, K, P, H] written into row at[0], slots
+// at[1]..at[1] + P - 1 (at[1] + P <= S).
+ffi::Error WriteSlots(ffi::ThreadPool pool, ffi::AnyBuffer cache, ffi::AnyBuffer block, Where at,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions(), bd = block.dimensions();
+  const int32_t* w = at.typed_data();
+  if (cd.size() != 5 || bd.size() != 5 || block.element_type() != cache.element_type() || bd[0] != cd[0] ||
+      bd[1] != 1 || bd[2] != cd[2] || bd[4] != cd[4] || at.dimensions()[0] != 2 ||
+      out->untyped_data() != cache.untyped_data())
+    return ffi::Error::InvalidArgument("write slots: needs cache [L, R, K, S, H] (aliased to the result), a block "
+                                       "[L, 1, K, P, H] of its dtype and (row, start)");
+  if (w[0] < 0 || w[0] >= cd[1] || w[1] < 0 || w[1] + bd[3] > cd[3])
+    return ffi::Error::InvalidArgument("write slots: the block does not fit the row at that position");
+  const int64_t L = cd[0], R = cd[1], K = cd[2], S = cd[3], P = bd[3];
+  const size_t slot = cache.size_bytes() / (L * R * K * S), piece = P * slot;
+  char* const dst = static_cast<char*>(out->untyped_data());
+  const char* const src = static_cast<const char*>(block.untyped_data());
+  const int64_t row = w[0], start = w[1];
+  CopyPieces(pool, L * K, [=](int64_t i) {  // i = l K + k: slab (l, row, k) of the cache, (l, 0, k) of the block
+    const int64_t l = i / K, k = i % K;
+    std::memcpy(dst + (((l * R + row) * K + k) * S + start) * slot, src + i * piece, piece);
   });
+  return ffi::Error::Success();
+}
+
+// out = cache [L, R, K, S, H] (aliased) with the first at[2] slots of row at[0] copied into row at[1].
+ffi::Error CopyRow(ffi::ThreadPool pool, ffi::AnyBuffer cache, Where at, ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions();
+  const int32_t* w = at.typed_data();
+  if (cd.size() != 5 || at.dimensions()[0] != 3 || out->untyped_data() != cache.untyped_data())
+    return ffi::Error::InvalidArgument("copy row: needs cache [L, R, K, S, H] (aliased to the result) and "
+                                       "(from, to, slots)");
+  const int64_t L = cd[0], R = cd[1], K = cd[2], S = cd[3];
+  if (w[0] < 0 || w[0] >= R || w[1] < 0 || w[1] >= R || w[2] < 0 || w[2] > S)
+    return ffi::Error::InvalidArgument("copy row: rows or slots outside the cache");
+  if (w[0] == w[1] || w[2] == 0) return ffi::Error::Success();
+  const size_t slot = cache.size_bytes() / (L * R * K * S), piece = w[2] * slot;
+  char* const base = static_cast<char*>(out->untyped_data());
+  const int64_t from = w[0], to = w[1];
+  CopyPieces(pool, L * K, [=](int64_t i) {
+    const int64_t l = i / K, k = i % K;
+    std::memcpy(base + ((l * R + to) * K + k) * S * slot, base + ((l * R + from) * K + k) * S * slot, piece);
+  });
+  return ffi::Error::Success();
+}
+
+// Zeros [p, p + bytes) touching as little of it as the OS allows: the partial pages at its ends are
+// written, the whole pages between are handed back (MADV_DONTNEED: they then read as zeros and are
+// backed by memory only once written), and kept off transparent huge pages, which would back a whole
+// 2 MB at a row's first write. Where the OS refuses, every byte is written.
+void ZeroLazily(char* p, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), e = a + bytes;
+  const uintptr_t first = (a + page - 1) / page * page, last = e / page * page;
+  if (last <= first) {
+    std::memset(p, 0, bytes);
+    return;
+  }
+  std::memset(p, 0, first - a);
+  std::memset(reinterpret_cast<char*>(last), 0, e - last);
+  void* const middle = reinterpret_cast<void*>(first);
+#ifdef MADV_NOHUGEPAGE
+  madvise(middle, last - first, MADV_NOHUGEPAGE);
+#endif
+  if (madvise(middle, last - first, MADV_DONTNEED) != 0) std::memset(middle, 0, last - first);
+}
+
+ffi::Error Reserve(ffi::Result<ffi::AnyBuffer> out) {
+  ZeroLazily(static_cast<char*>(out->untyped_data()), out->size_bytes());
   return ffi::Error::Success();
 }
 
@@ -34,3 +126,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolLoadPrefix, LoadPrefix,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolWriteSlots, WriteSlots,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Where>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolCopyRow, CopyRow,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Where>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolReserve, Reserve, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -96,22 +96,25 @@ def _layer_of(stacked, layer: jax.Array):
 
 
 def attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
-           cfg: Config, as_steps: bool = False) -> jax.Array:
-    """Causal attention of q [B, T, K, G, H] over layer `layer` of the cache: the C++ kernel when
-    cfg.cpu_kernels (as_steps: each row with a decode step's bits), `attention` (XLA) otherwise."""
+           cfg: Config, as_steps: bool = False, rows: jax.Array | None = None) -> jax.Array:
+    """Causal attention of q [B, T, K, G, H] over layer `layer` of the cache (query row b over cache
+    row rows[b]; None: row b): the C++ kernel when cfg.cpu_kernels (as_steps: each row with a decode
+    step's bits), `attention` (XLA) otherwise."""
     if cfg.cpu_kernels and cpu_kernels.attention_applies(q, k_all):
-        return cpu_kernels.attention(q, k_all, v_all, layer, pos, as_steps=as_steps)
-    return attention(q, k_all, v_all, layer, pos)
+        return cpu_kernels.attention(q, k_all, v_all, layer, pos, as_steps=as_steps, rows=rows)
+    return attention(q, k_all, v_all, layer, pos, rows)
 
 
 ATTN_TILE = 64  # queries are processed in tiles of this many rows (see `attention`)
 
 
-def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
+              rows: jax.Array | None = None) -> jax.Array:
     """Causal attention of the chunk's queries over the cache of one layer, in 64-row query tiles.
 
     q [B, T, K, G, H] (already scaled, RoPE applied), at positions pos..pos+T-1;
-    k_all, v_all [L, B, K, S, H], the chunk's own keys already written. Returns [B, T, K, G, H].
+    k_all, v_all [L, R, K, S, H], the chunk's own keys already written; query row b reads cache row
+    rows[b] (None: row b, R == B). Returns [B, T, K, G, H].
 
     Why tiles: XLA:CPU fuses the running-softmax update differently for different T (measured:
     exp(m - max(m, s)) over [1, 9, 1, T] differs in the last bit between T=64 and T=512), so a row's
@@ -120,15 +123,26 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array
     """
     B, T, K, G, H = q.shape
     if T <= ATTN_TILE or T % ATTN_TILE:  # decode steps, and odd lengths outside the engine's buckets
-        return _attention_tile(q, k_all, v_all, layer, pos)
+        return _attention_tile(q, k_all, v_all, layer, pos, rows)
     n = T // ATTN_TILE
     tiles = q.reshape(B, n, ATTN_TILE, K, G, H).transpose(1, 0, 2, 3, 4, 5)  # [n, B, tile, K, G, H]
-    out = lax.map(lambda a: _attention_tile(a[0], k_all, v_all, layer, pos + a[1] * ATTN_TILE),
+    out = lax.map(lambda a: _attention_tile(a[0], k_all, v_all, layer, pos + a[1] * ATTN_TILE, rows),
                   (tiles, jnp.arange(n)))
     return out.transpose(1, 0, 2, 3, 4, 5).reshape(B, T, K, G, H)
 
 
-def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
+def _key_block(cache: jax.Array, layer: jax.Array, i: jax.Array, B: int, rows: jax.Array | None) -> jax.Array:
+    """Slots [i C, (i + 1) C) of layer `layer` of cache [L, R, K, S, H] for each query row: [B, K, C, H]
+    (rows None: cache rows 0..B-1, batch-major for the matmuls, no copy; else cache row rows[b])."""
+    _, _, K, _, H = cache.shape
+    if rows is None:
+        return lax.dynamic_slice(cache, (layer, 0, 0, i * ATTN_BLOCK, 0), (1, B, K, ATTN_BLOCK, H))[0]
+    return jax.vmap(lambda r: lax.dynamic_slice(cache, (layer, r, 0, i * ATTN_BLOCK, 0),
+                                                (1, 1, K, ATTN_BLOCK, H))[0, 0])(rows)
+
+
+def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
+                    rows: jax.Array | None = None) -> jax.Array:
     """Attention for q [B, T, K, G, H] at positions pos..pos+T-1 over key blocks 0..last in use."""
     B, T, K, G, H = q.shape
     q_pos = pos[..., None] + jnp.arange(T)  # [T], or [B, T] when each row has its own position
@@ -136,10 +150,8 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
 
     def block(i, carry):
         m, denom, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
-        start = (layer, 0, 0, i * ATTN_BLOCK, 0)
-        size = (1, B, K, ATTN_BLOCK, H)
-        kb = lax.dynamic_slice(k_all, start, size)[0]  # [B, K, C, H]: batch-major for the matmuls, no copy
-        vb = lax.dynamic_slice(v_all, start, size)[0]  # [B, K, C, H]
+        kb = _key_block(k_all, layer, i, B, rows)  # [B, K, C, H]
+        vb = _key_block(v_all, layer, i, B, rows)
         s = jnp.einsum("btkgh,bkch->bkgtc", q, kb)  # [B, K, G, T, C]
         k_pos = i * ATTN_BLOCK + jnp.arange(ATTN_BLOCK)  # [C]
         visible = k_pos <= q_pos[..., None]  # [T, C] or [B, T, C]
@@ -158,24 +170,28 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, H]
 
 
-def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array) -> jax.Array:
-    """cache [L, B, K, S, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos is [B])."""
+def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array,
+           rows: jax.Array | None = None) -> jax.Array:
+    """cache [L, R, K, S, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos
+    is [B]), row b of new into cache row rows[b] (None: row b)."""
     new = new.transpose(0, 2, 1, 3)  # [B, K, T, H]
-    if pos.ndim == 0:
+    if pos.ndim == 0 and rows is None:
         return lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, pos, 0))
+    pos = jnp.broadcast_to(pos, (new.shape[0],))
+    at = jnp.arange(new.shape[0], dtype=jnp.int32) if rows is None else rows
 
     def row(b, c):  # one in-place slice per row: a scatter would copy the whole cache on XLA:CPU
-        return lax.dynamic_update_slice(c, lax.dynamic_index_in_dim(new, b)[None], (layer, b, 0, pos[b], 0))
+        return lax.dynamic_update_slice(c, lax.dynamic_index_in_dim(new, b)[None], (layer, at[b], 0, pos[b], 0))
     return lax.fori_loop(0, new.shape[0], row, cache)
 
 
 def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, pos: jax.Array,
-                  sin: jax.Array, cos: jax.Array, cfg: Config, dt,
-                  as_steps: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  sin: jax.Array, cos: jax.Array, cfg: Config, dt, as_steps: bool = False,
+                  rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoder layer `layer` (an int32 scalar, traced: one compiled body serves every layer): x [B, T, D]
     float32 (the residual stream) with its keys/values written into k_all, v_all [L, B, K, S, H] at
     slots pos.. -> (x, k_all, v_all); w: every layer's weights, stacked; dt: the matrix products' inputs;
-    as_steps: attention computes each row as a decode step would (see `forward`)."""
+    as_steps: attention computes each row as a decode step would (see `forward`); rows: see `forward`."""
     B, T, _ = x.shape
     K, G, H = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
     mm = lambda a, m, out_dtype=None: linear(a, m, cfg, out_dtype, layer)  # noqa: E731
@@ -192,9 +208,9 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
         v = mm(h, w.wv).reshape(B, T, K, H)
     qk = apply_rope(qk, sin, cos)  # [B, T, K * G + K, H]
     q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
-    k_all = _write(k_all, k.astype(k_all.dtype), layer, pos)
-    v_all = _write(v_all, v.astype(v_all.dtype), layer, pos)
-    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg, as_steps).reshape(B, T, K * G * H)
+    k_all = _write(k_all, k.astype(k_all.dtype), layer, pos, rows)
+    v_all = _write(v_all, v.astype(v_all.dtype), layer, pos, rows)
+    a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg, as_steps, rows).reshape(B, T, K * G * H)
     x = x + mm(a.astype(dt), w.wo, jnp.float32)
     h = rms_norm(x, _layer_of(w.mlp_norm, layer), cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
     if w.w_gate_up is not None:
@@ -221,7 +237,8 @@ def _last_real(x: jax.Array, length: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, cfg: Config,
-            all_logits: bool = False, as_steps: bool = False) -> tuple[jax.Array, KVCache]:
+            all_logits: bool = False, as_steps: bool = False,
+            rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Run `tokens` [B, T] (the first `length` are real, the rest padding) at positions kv.pos...
 
     kv.pos is a scalar (every row at the same position: one sequence, or a prompt's forks) or a
@@ -232,6 +249,8 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     [B, T, V] for every row when `all_logits`. Requires kv.pos + T <= S (the caller sizes S).
     as_steps (the CPU kernels): every row gets the bits a one-token decode step at its position would
     (a speculative step's drafted rows; a prompt chunk's rows are otherwise the chunk's).
+    rows [B] int32: the cache's rows the token rows go to (kv.k [L, R, K, S, H], kv.pos [B] the
+    positions of those rows: the KV arena, jaxsmol/runtime/kv_arena.py); None: row b is cache row b.
     """
     B, T = tokens.shape
     pos = kv.pos
@@ -242,7 +261,7 @@ def forward(params: Params, tokens: jax.Array, length: jax.Array, kv: KVCache, c
     # ~1/L the size and compile time (docs/design.md, "One layer, looped"). The kernels read layer i
     # of the stacked weights and cache in place, so the loop copies no weight.
     def layer(i, carry):
-        return decoder_layer(params.layers, *carry, i, pos, sin, cos, cfg, dt, as_steps)
+        return decoder_layer(params.layers, *carry, i, pos, sin, cos, cfg, dt, as_steps, rows)
 
     x, k_all, v_all = lax.fori_loop(0, cfg.n_layers, layer, (x, kv.k, kv.v), unroll=LAYER_UNROLL)
     if not all_logits:  # only the last real row is needed: skip the V x D product for the others

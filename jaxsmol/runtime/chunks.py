@@ -1,8 +1,8 @@
 """Prompt chunks and cache capacities: the few shapes every forward program is compiled for.
 
-Prompts are prefilled in chunks whose padded lengths come from a short list of buckets, and caches
-are allocated with capacities from a doubling ladder, so the number of compiled forward programs is
-bounded (`compile_bound`). Exactness decides the buckets: on XLA:CPU the rows of `x @ W` are
+Prompts are prefilled in chunks whose padded lengths come from a short list of buckets (the KV arena's
+programs, one per bucket, serve every prompt length), and the pure API's one-sequence caches are
+allocated with capacities from a doubling ladder. Exactness decides the buckets: on XLA:CPU the rows of `x @ W` are
 bit-identical for any row count >= 64 (not for 1..56), so an exact prefill chunk has at least 64
 rows; with the CPU kernels every row of a chunk of >= 2 rows gets the same bits whatever its size,
 so 8-, 16- and 32-row chunks are exact too (jaxsmol/runtime/engine.py says why that makes the cache exact).
@@ -22,9 +22,9 @@ FAST_BUCKETS = (1, 8, 16, 32) + PREFILL_BUCKETS
 # a row plus ~15 ms a chunk; 8 is the smallest that keeps every split below ahead of one chunk there.
 CHUNK_COST_ROWS = 8
 MIN_CAPACITY = 2 * ATTN_BLOCK
-# The leading slots a side-by-side chunk's forward stacks (prefill_rows' window): the smallest that
-# holds every prompt's pos + T, else the whole capacity.
-SIDE_BY_SIDE_WINDOWS = (128, MIN_CAPACITY)
+# The least prompt rows a scheduler's step runs when no row decodes, and the longest chunk it then runs
+# (cache/scheduler/settings.py step_rows): a newcomer arriving meanwhile waits for that step.
+IDLE_STEP_ROWS = 128
 
 
 def prefill_buckets(exact: bool = True, cpu_kernels: bool = False) -> tuple[int, ...]:
@@ -68,13 +68,3 @@ def capacity_for(slots: int) -> int:
     while cap < slots:
         cap *= 2
     return cap
-
-
-def compile_bound(ctx: int, buckets: tuple = FAST_BUCKETS) -> int:
-    """At most this many forward programs are ever compiled for a context of `ctx` tokens:
-    one per (chunk length, capacity) plus one decode program per capacity."""
-    n_caps = 1
-    while capacity_for(ctx + PREFILL_BUCKETS[-1]) > MIN_CAPACITY * 2 ** (n_caps - 1):
-        n_caps += 1
-    lengths = set(buckets) | {1}
-    return len(lengths) * n_caps

@@ -3,8 +3,10 @@
 Requests are driven above it, by the scheduler (cache/scheduler/), the library's one at a time too.
 
 Compiled programs come from programs.py (the one jit site). Prompts are prefilled in chunks whose lengths come from
-buckets, with the true length traced, and caches are allocated with capacities from a doubling
-ladder (chunks.py), so the number of compiled forward programs is bounded (`compile_bound`).
+buckets, with the true length traced. The scheduler's sequences live in rows of the engine's KV arena
+(`arena`, kv_arena.py), whose programs have one shape whatever the lengths; the pure single-sequence
+API below (`new_cache`, `prefill`, `decode`, `restore`) allocates caches with capacities from a doubling
+ladder (chunks.py).
 
 A prompt prefilled from a restored prefix gives exactly the bits of a prompt prefilled from zero, because a
 prompt row's bits do not depend on the chunk that carries it: that makes the prefix cache exact. On XLA:CPU the
@@ -26,24 +28,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsmol.runtime.buffers import CachePool, StagingBuffers
+from jaxsmol.runtime.buffers import StagingBuffers
+from jaxsmol.runtime.kv_arena import DEFAULT_ROWS, KVArena, rows_for
 from jaxsmol.runtime.compile_cache import enable_compilation_cache
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime import programs
 from jaxsmol.kernels import cpu_kernels, formats
 from jaxsmol.model.kv import KVCache, check_snapshot
-from jaxsmol.runtime.chunks import (FAST_BUCKETS, PREFILL_BUCKETS, SIDE_BY_SIDE_WINDOWS, capacity_for, chunk_length,
-                            chunk_plan, prefill_buckets)
+from jaxsmol.runtime.chunks import (IDLE_STEP_ROWS, PREFILL_BUCKETS, capacity_for, chunk_length, chunk_plan,
+                                   prefill_buckets)
 from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.model.params import Params, load_params, params_from_hf
 from jaxsmol.runtime.load_options import MATMULS, with_matmul, with_quantization  # noqa: F401 (MATMULS: the API's)
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
 
+SCORE_ROWS = 128  # rows of a scoring chunk (every position's logits): exact on XLA's matmul (>= 64) too
+
+
 def compiled_programs(program: str = "forward") -> int:
     """How many programs the jitted `forward` (or `decode_step`, ...: see programs.py) has compiled in this
-    process so far (what compile_bound bounds; programs.clear() resets it)."""
+    process so far (programs.clear() resets it)."""
     return programs.compiled_count(program)
 
 
@@ -91,7 +97,8 @@ def check_prompt(cfg: Config, ctx: int, ids, max_tokens: int = 0) -> list[int]:
 # relative to the jaxsmol package; only their bytes enter the hash, so a move keeps the identity
 NUMERICS_SOURCES = ("model/forward.py", "model/rope.py", "model/kv.py", "kernels/cpu_matmul.cc",
                     "kernels/cpu_matmul_quant.cc", "kernels/cpu_matmul_int8.cc", "kernels/formats.py",
-                    "kernels/cpu_attention.cc", "kernels/cpu_kernels.h", "kernels/cpu_matmul.h", "runtime/programs.py")
+                    "kernels/cpu_attention.cc", "kernels/cpu_kernels.h", "kernels/cpu_matmul.h", "runtime/programs.py",
+                    "runtime/batch.py")
 
 
 @functools.cache
@@ -126,7 +133,8 @@ class Engine:
         self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None
         self._fingerprint = None
-        self.pool, self.staging = CachePool(), StagingBuffers()  # kept between requests (buffers.py)
+        self.staging = StagingBuffers()  # a restore's host buffers, kept between calls (buffers.py)
+        self._arena: KVArena | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, ctx: int | None = None, dtype: str = "float32",
@@ -211,50 +219,33 @@ class Engine:
         """Return ids as a list of ints, or raise JaxsmolError naming what is wrong."""
         return check_prompt(self.cfg, self.ctx, ids, max_tokens)
 
-    # ---- the forward, chunked -------------------------------------------------------------------
-    def recycle(self, kv: KVCache | None) -> None:
-        """Hand back a one-row cache nothing will read again (drop your reference): a restore of a
-        prefix of its `exact_prefix` may take it without copying (see `restore`)."""
-        if kv is None or self.mesh is not None or kv.k.shape[1] != 1 or kv.k.is_deleted():
-            return  # (deleted: donated to a call that failed)
-        self.pool.give(kv)
-
-    def exact_prefix(self, kv: KVCache) -> tuple:
-        """The tokens whose exact state (an exact prefill's bits) kv's first slots hold, as the engine
-        made it: restores told their tokens, exact chunks onto such a state, decode steps after it."""
-        return self.pool.marked(kv)
-
+    # ---- one sequence's cache: the pure API (the scheduler's rows live in the arena) ---------------
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the buffers kept between requests (bounded: see buffers.py)."""
-        return self.pool.nbytes + self.staging.nbytes
+        """Bytes of the host buffers kept between requests: restores' staging (buffers.py, kv_arena.py)."""
+        return self.staging.nbytes + (self._arena.staging_bytes if self._arena is not None else 0)
 
     def new_cache(self, slots: int) -> KVCache:
-        cap = capacity_for(slots)
-        kept = self.pool.take(cap)
-        return kept if kept is not None else KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)
+        """An empty one-sequence cache of the capacity that holds `slots` (the doubling ladder)."""
+        return KVCache.zeros(self.cfg, capacity_for(slots), dtype=self.cache_dtype, mesh=self.mesh)
 
-    def restore(self, snapshot: KVCache, slots: int, length: int | None = None, tokens=None) -> KVCache:
+    def restore(self, snapshot: KVCache, slots: int, length: int | None = None) -> KVCache:
         """A device cache for `slots` slots holding the first `length` positions of a host snapshot.
 
         The snapshot is untouched; a host snapshot has no layout, so it is placed for this engine's
-        mesh whatever layout computed it. `tokens`, when the snapshot is the exact state of them (an
-        exact prefix cache's entry): a recycled cache already holding that state is taken as it is."""
+        mesh whatever layout computed it."""
         n = int(snapshot.pos) if length is None else length
         check_snapshot(snapshot, self.cfg, n)
         if n > capacity_for(slots):
             raise JaxsmolError(f"a prefix of {n} positions does not fit a cache of {slots} slots")
-        exact = tuple(tokens[:n]) if tokens is not None and len(tokens) >= n else ()
-        if exact and self.mesh is None and (kept := self.pool.take_holding(capacity_for(slots), exact)) is not None:
-            return kept
-        kv = self.new_cache(slots)  # a recycled buffer when one is free
+        kv = self.new_cache(slots)
         place = (lambda a: jax.device_put(a, may_alias=True)) if self.mesh is None else (
             lambda a: jax.device_put(a, kv_sharding(self.mesh, a.shape)))
         with self.staging.lock:  # one restore at a time uses the staging buffers
             k, v = self.staging.stage(snapshot.k, snapshot.v, n, ATTN_BLOCK)
             kernel = self.cfg.cpu_kernels and self.mesh is None  # the copy on both threads (not sharded)
             kv = programs.load_prefix(kv, place(k), place(v), jnp.int32(n), kernel=kernel)
-            return self.pool.mark(jax.block_until_ready(kv), exact)  # read before the next restore rewrites them
+            return jax.block_until_ready(kv)  # read before the next restore rewrites them
 
     def buckets(self, exact: bool = True) -> tuple[int, ...]:
         """The prefill chunk lengths this engine uses (see prefill_buckets)."""
@@ -286,88 +277,60 @@ class Engine:
         returns (logits [1, V] after the chunk's last token, kv). (A chunk that would run past the
         capacity starts earlier: see _next_chunk.)"""
         T = self.chunk_rows(len(ids) - int(kv.pos), max_rows, exact)
-        held = self.pool.marked(kv)
         chunk, n, ready = _next_chunk(ids, kv, T)
-        start = int(ready.pos)  # read before the call donates it
-        logits, out = programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), ready, self.cfg)
-        self.pool.mark_chunk(out, ids, held, start, n, T in self.buckets(True))
-        return logits, out
-
-    def prefill_side_by_side(self, prompts: list[list[int]], kvs: list[KVCache], T: int
-                             ) -> tuple[jax.Array, list[KVCache]]:
-        """The next chunk, T rows padded, of each prompt (ids[kv.pos:]) in one forward; every kv
-        (donated) is one prompt's [L, 1, K, S, H] cache, all of one capacity. Returns (logits [P, V]
-        after each chunk's last token, kvs). Each prompt's rows get the bits `prefill_chunk` gives
-        them: only with the C++ kernels (`side_by_side`), whose rows do not depend on the others."""
-        if not self.side_by_side:
-            raise ValueError("prompts are prefilled side by side only with the CPU kernels")
-        held = [self.pool.marked(kv) for kv in kvs]
-        chunks, lengths, ready = zip(*(_next_chunk(ids, kv, T) for ids, kv in zip(prompts, kvs)))
-        starts = [int(kv.pos) for kv in ready]  # read before the call donates them
-        window = self.side_by_side_window(max(starts) + T, ready[0].capacity)
-        logits, out = programs.prefill_rows(self.params, jnp.asarray(np.stack(chunks)),
-                                            jnp.asarray(lengths, jnp.int32), tuple(ready), self.cfg, window=window)
-        for ids, h, after, start, n in zip(prompts, held, out, starts, lengths):
-            self.pool.mark_chunk(after, ids, h, start, n, T in self.buckets(True))
-        return logits, list(out)
-
-    def side_by_side_window(self, slots: int, capacity: int) -> int | None:
-        """The window (see batch.prefill_rows) of a side-by-side chunk touching `slots` leading slots of
-        caches of `capacity`: the smallest of SIDE_BY_SIDE_WINDOWS that holds them, None for the whole.
-        Only where the attention kernel reads the cache: XLA's attention reads whole 256-slot blocks."""
-        fits = [w for w in SIDE_BY_SIDE_WINDOWS if slots <= w < capacity]
-        return fits[0] if fits and cpu_kernels.attention_kernel_for(self.cache_dtype, self.cfg.head_dim) else None
+        return programs.forward(self.params, jnp.asarray(chunk[None]), jnp.int32(n), ready, self.cfg)
 
     @property
     def side_by_side(self) -> bool:
-        """Whether several prompts' chunks may share a forward (prefill_side_by_side) and keep the
+        """Whether several prompts' chunks may share a forward (the arena's prefill) and keep the
         bits of a lone prefill: with the C++ kernels a row's bits do not depend on the rows beside
         it; XLA's fused attention may differ with the batch's shape, so without them, no."""
         return self.cfg.cpu_kernels
 
     def decode(self, token: int, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """One token at kv.pos; `kv` is donated. Returns (logits [1, V], kv)."""
-        held = self.pool.marked(kv)  # the step writes after the positions held: they stay exact
-        logits, out = programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
-        return logits, self.pool.mark(out, held)
+        return programs.forward(self.params, np.full((1, 1), token, np.int32), np.int32(1), kv, self.cfg)
 
-    def warmup(self, slots: int, prompt_len: int | None = None) -> int:
-        """Compile every program a lone request touching `slots` cache slots may need (prefill buckets
-        for the capacities on the way, its first token's sampling, its decode row), so later timings
-        measure compute, not compilation.
-        With `prompt_len`, only the chunk lengths a prompt of at most that many tokens can use: a
-        4-token probe needs the 1- and 16-row programs, not the 512-row one.
-        Compiled ahead of time (or loaded from the program store), not run: running them on zeros cost the
-        daemon's start 8 s more. Returns how many programs."""
-        # the exact path's chunks too: a one-token prompt runs an 8-row chunk with the kernels (64 without)
-        top = FAST_BUCKETS[-1] if prompt_len is None else max(chunk_length(prompt_len, FAST_BUCKETS[-1], FAST_BUCKETS),
-                                                               chunk_length(prompt_len, buckets=self.buckets(True)))
-        calls = self.forward_calls(slots, [T for T in FAST_BUCKETS if T <= top])
-        if self.mesh is None:  # a lone request's first token and decode row (a mesh's: from the live arrays)
-            calls += [programs.first_token_call(self.cfg)]
-            calls += programs.decode_calls(self.params, self.cfg, self.cache_dtype, 1, capacity_for(slots))
-        return programs.compile_all(calls)
+    def warmup(self, tokens: int | None = None) -> int:
+        """Compile every program a lone request of at most `tokens` prompt tokens (None: any) runs
+        through a scheduler of the default settings (its prompt's chunks in a row of the arena, at most
+        IDLE_STEP_ROWS rows a step, its first token's sampling, its decode step), so that later timings
+        measure compute, not compilation: a 4-token probe needs the 8-row chunk's program, not the
+        128-row one's. Compiled ahead of time (or loaded from the program store), not run. Returns how
+        many programs."""
+        from jaxsmol.runtime.arena_programs import ArenaShapes
 
-    def forward_calls(self, slots: int, lengths) -> list:
-        """`forward` over chunks of each of `lengths` rows into one sequence's cache, at the capacities
-        of a request touching `slots` slots and of one a chunk more, as (program, args, kwargs) calls
-        (programs.compile_all)."""
-        lengths = sorted(lengths)
-        calls = []
-        for cap in sorted({capacity_for(s) for s in (slots, slots + lengths[-1])}):
-            kv = KVCache.zeros(self.cfg, cap, dtype=self.cache_dtype, mesh=self.mesh)  # laid out as a request's
-            calls += [(programs.forward, (self.params, jax.ShapeDtypeStruct((1, T), jnp.int32),
-                                          jax.ShapeDtypeStruct((), jnp.int32), kv, self.cfg), {})
-                      for T in lengths if T <= cap]
-        return calls
+        if self.mesh is not None:  # a mesh's programs take their layouts from the live arrays
+            return 0
+        most = IDLE_STEP_ROWS if tokens is None else min(tokens, IDLE_STEP_ROWS)  # a lone request's chunks
+        lengths = {T for exact in (True, False) for T in self.buckets(exact)
+                   if T <= chunk_length(most, buckets=self.buckets(exact))}
+        a = ArenaShapes.of(self.arena())
+        return programs.compile_all([a.prefill(1, T) for T in sorted(lengths)] + [a.first(1), a.decode(1)])
+
+    def arena(self, rows: int = DEFAULT_ROWS) -> KVArena:
+        """The KV arena the scheduler's rows live in (runtime/kv_arena.py), made on first use with
+        DEFAULT_ROWS rows or `rows` if more, as many as fit the machine's memory (rows_that_fit), and
+        made anew, larger, where a caller needs more rows than it has (the old one's users keep it;
+        its memory goes with them)."""
+        rows = rows_for(self.cfg, self.ctx, self.cache_dtype, rows, None if self.mesh else jax.devices()[0])
+        if self._arena is None or self._arena.pad < rows:
+            if self._arena is not None and self._arena.free_rows == self._arena.pad:
+                self._arena = None  # unused: its memory goes before the new one is made
+            self._arena = KVArena(self, rows)
+        return self._arena
+
+    @property
+    def has_arena(self) -> bool:
+        return self._arena is not None
 
     def logits_all(self, ids) -> np.ndarray:
-        """[T, V] float32 logits of every position of ids from one forward (tests, parity, scoring)."""
+        """[T, V] float32 logits of every position of ids (tests, parity): exact chunks of SCORE_ROWS
+        rows in a row of the arena, so every row has the bits one forward over the whole gives."""
         ids = self.check_prompt(ids)
-        T = next((b for b in PREFILL_BUCKETS if b >= len(ids)), None) or -(-len(ids) // 64) * 64
-        tokens = np.zeros((1, T), np.int32)
-        tokens[0, :len(ids)] = ids
-        kv = self.new_cache(T)
-        logits, _ = programs.forward(self.params, jnp.asarray(tokens), jnp.int32(len(ids)), kv, self.cfg,
-                                     all_logits=True)
-        return np.asarray(logits[0, :len(ids)])
+        arena = self.arena()
+        out = np.empty((len(ids), self.cfg.vocab_size), np.float32)
+        with arena.borrowed() as row:
+            for begin, logits in arena.logits_chunks(row, ids, SCORE_ROWS):
+                out[begin:begin + len(logits)] = logits
+        return out

@@ -1,13 +1,13 @@
 """Every compiled program, in one place: `jax.jit` is applied here and only here.
 
-One sequence's cache (engine.py): `forward` (chunked prefill, and decode), `load_prefix`. The decode
-rows the scheduler drives (batch.py): `decode_step`, `verify_step` (speculation) and a draft model's
-`greedy_drafts`, `sample_first` (a prompt's first tokens), `insert_row`, `relayout`, `prefill_rows`.
+One sequence's cache (engine.py, the library's pure API): `forward` (chunked prefill, and decode),
+`load_prefix`. The rows of the KV arena the scheduler drives (batch.py, kv_arena.py): `prefill_rows`,
+`decode_step`, `verify_step` (speculation), a draft model's `greedy_drafts`, `sample_first` (a prompt's
+first tokens), `write_slots` (a restore), `copy_row` (forks), `read_slots` (a save), `reserve` (the arena).
 
 A cache argument is donated where the caller hands over a buffer that nothing else holds (a fresh
-cache, a recycled one, or one restored from a host snapshot), so XLA updates it in place. Host
-snapshots held by the prefix store are NumPy arrays, never device buffers, so a donation can never
-touch a stored prefix.
+cache, a recycled one, the arena), so XLA updates it in place. Host snapshots held by the prefix store
+are NumPy arrays, never device buffers, so a donation can never touch a stored prefix.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import threading
 from collections.abc import Iterable
 
 import jax
-import jax.numpy as jnp
 
-from jaxsmol.runtime import batch, compile_apart, sampling
-from jaxsmol.runtime.structured import all_allowed
+from jaxsmol.runtime import batch, compile_apart
 from jaxsmol.runtime.program_store import Program
 from jaxsmol.model import forward as model, kv
 
@@ -35,49 +33,26 @@ def _program(name: str, fn, static: tuple[str, ...] = (), donate: tuple[str, ...
                    static, __name__)
 
 
-forward = _program("forward", model.forward, ("cfg", "all_logits", "as_steps"), ("kv",))
+def _one_sequence(params, tokens, length, kv, cfg, all_logits: bool = False, as_steps: bool = False):
+    """model.forward over one sequence's cache (no arena rows): the pure API's program."""
+    return model.forward(params, tokens, length, kv, cfg, all_logits, as_steps)
+
+
+forward = _program("forward", _one_sequence, ("cfg", "all_logits", "as_steps"), ("kv",))
 load_prefix = _program("load_prefix", kv.load_prefix, ("kernel",), ("kv",))
 
-decode_step = _program("decode_step", batch.decode_step, ("cfg", "logprobs"), ("kv",))
-verify_step = _program("verify_step", batch.verify_step, ("cfg", "logprobs"), ("kv",))
+prefill_rows = _program("prefill_rows", batch.prefill_rows, ("cfg", "all_logits"), ("kv",))
+decode_step = _program("decode_step", batch.decode_step, ("cfg",), ("kv",))
+verify_step = _program("verify_step", batch.verify_step, ("cfg",), ("kv",))
 greedy_drafts = _program("greedy_drafts", batch.greedy_drafts, ("cfg", "k"), ("kv",))
-sample_first = _program("sample_first", batch.sample_and_score, ("logprobs",))
-insert_row = _program("insert_row", batch.insert_row, donate=("batch",))
-relayout = _program("relayout", batch.relayout, ("width", "capacity"))
-prefill_rows = _program("prefill_rows", batch.prefill_rows, ("cfg", "window"), ("rows",))
+sample_first = _program("sample_first", batch.sample_first)
+write_slots = _program("write_slots", batch.write_slots, ("kernel",), ("k", "v"))
+copy_row = _program("copy_row", batch.copy_row, ("kernel",), ("k", "v"))
+read_slots = _program("read_slots", batch.read_slots)
+reserve = _program("reserve", batch.reserve, ("shape", "dtype", "kernel"))
 
-ALL = {p.name: p for p in (forward, load_prefix, decode_step, verify_step, greedy_drafts, sample_first, insert_row,
-                           relayout, prefill_rows)}
-
-
-def decode_calls(params, cfg, cache_dtype, width: int, capacity: int) -> list:
-    """What a batch of `width` decode rows x `capacity` slots runs, rows sampling freely, as (program,
-    args, kwargs) calls (compile_all): decode_step, and insert_row of a prompt's state of that capacity."""
-    batch_ = jax.eval_shape(lambda: batch.empty_batch(cfg, width, capacity, cache_dtype))
-    row = jax.eval_shape(lambda: kv.KVCache.zeros(cfg, capacity, dtype=cache_dtype))
-    free = batch.row_settings([sampling.SamplingParams()] * width, [0] * width, [None] * width,
-                              all_allowed(width, cfg.vocab_size))
-    return [(decode_step, (params, jax.ShapeDtypeStruct((width,), jnp.int32), batch_,
-                           jax.ShapeDtypeStruct((width,), bool), free, cfg), {"logprobs": False}),
-            (insert_row, (batch_, row, jax.ShapeDtypeStruct((), jnp.int32)), {})]
-
-
-def verify_call(params, cfg, cache_dtype, width: int, capacity: int, positions: int, logprobs: bool) -> tuple:
-    """verify_step over a batch of `width` rows x `capacity` slots, `positions` per row, rows sampling
-    freely, as a (program, args, kwargs) call (compile_all)."""
-    batch_ = jax.eval_shape(lambda: batch.empty_batch(cfg, width, capacity, cache_dtype))
-    free = batch.row_settings([sampling.SamplingParams()] * width, [0] * width, [None] * width,
-                              all_allowed(width, cfg.vocab_size))
-    free["allowed"] = jax.ShapeDtypeStruct((width, positions, free["allowed"].shape[-1]), jnp.int32)
-    rows = jax.ShapeDtypeStruct((width, positions), jnp.int32)
-    return (verify_step, (params, rows, jax.ShapeDtypeStruct((width,), jnp.int32), batch_,
-                          jax.ShapeDtypeStruct((width,), bool), free, cfg), {"logprobs": logprobs})
-
-
-def first_token_call(cfg) -> tuple:
-    """sample_first for one choice sampling freely, as a (program, args, kwargs) call (compile_all)."""
-    free = batch.row_settings([sampling.SamplingParams()], [0], [None], all_allowed(1, cfg.vocab_size))
-    return sample_first, (jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32), free), {"logprobs": False}
+ALL = {p.name: p for p in (forward, load_prefix, prefill_rows, decode_step, verify_step, greedy_drafts, sample_first,
+                           write_slots, copy_row, read_slots, reserve)}
 
 
 def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Event | None = None) -> int:

@@ -1,9 +1,12 @@
 """Prompt scoring: the log-probability the model gives each token of a sequence, given those before it.
 
 This is what evaluation harnesses need (the log-likelihood of a continuation) and what `echo` with
-`logprobs` and `prompt_logprobs` return on the daemon. It is exact by construction: one cold forward
-over the whole sequence (`Engine.logits_all`), never a state restored from the prefix cache, so a
-score is the same whether or not the prompt (or a prefix of it) was cached.
+`logprobs` and `prompt_logprobs` return on the daemon. It is exact by construction: a cold prefill of
+the whole sequence in exact chunks of SCORE_ROWS rows in a row of the KV arena (every row has the bits
+one forward over the whole would give it; one program, whatever the length), never a state restored
+from the prefix cache, so a score is the same whether or not the prompt (or a prefix of it) was
+cached. Each chunk's logits are normalised and dropped before the next: a long prompt's [T, V] is
+never held.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 from jaxsmol.errors import JaxsmolError
 
 MAX_TOP_K = 20  # as SamplingParams.logprobs
-_ROWS = 256  # positions normalised at once: bounds the float64 scratch to _ROWS x V
+_ROWS = 32  # positions normalised at once: bounds the float64 scratch to _ROWS x V (6 MB a temporary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +64,20 @@ def score(engine, ids, top_k: int = 0) -> list[TokenScore]:
     Returns len(ids) TokenScores: position 0 has logprob None and top None; position p > 0 has
     log P(ids[p] | ids[:p]) and the top_k most likely tokens at p (an empty tuple for top_k 0).
     """
+    from jaxsmol.runtime.engine import SCORE_ROWS
+
     if not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
         raise JaxsmolError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {top_k!r}")
     ids = engine.check_prompt(ids)
-    logits = engine.logits_all(ids)  # [T, V]: row p predicts ids[p + 1]
     out = [TokenScore(ids[0], None, None)]
-    for start in range(0, len(ids) - 1, _ROWS):
-        rows = log_softmax(logits[start:min(start + _ROWS, len(ids) - 1)])
-        tops = top_k_rows(rows, top_k)
-        for r, (row, top) in enumerate(zip(rows, tops)):
-            token = ids[start + r + 1]
-            out.append(TokenScore(token, float(row[token]), top, rank=int((row > row[token]).sum()) + 1))
+    arena = engine.arena()
+    with arena.borrowed() as row:
+        for begin, logits in arena.logits_chunks(row, ids, SCORE_ROWS):  # row p predicts ids[p + 1]
+            first = len(out) - 1  # a chunk moved back at the arena's end repeats positions already scored
+            for start in range(first - begin, min(len(logits), len(ids) - 1 - begin), _ROWS):
+                rows = log_softmax(logits[start:min(start + _ROWS, len(ids) - 1 - begin)])
+                tops = top_k_rows(rows, top_k)
+                for r, (row_, top) in enumerate(zip(rows, tops)):
+                    token = ids[begin + start + r + 1]
+                    out.append(TokenScore(token, float(row_[token]), top, rank=int((row_ > row_[token]).sum()) + 1))
     return out

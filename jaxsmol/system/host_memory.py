@@ -1,16 +1,17 @@
-"""Keep freed host memory for reuse (glibc's malloc), so big buffers are not faulted in afresh.
+"""The process's host memory: malloc's policy and figures, the resident set, pages handed back to the OS.
 
-On CPU every device array is host memory from malloc. glibc serves a request above its mmap
-threshold (at most 32 MB) with a fresh mmap and unmaps it when freed, so each new batch, staging
-cache or stacked chunk of the continuous batch (a 16-row x 512-slot batch is 377 MB) is faulted in
-page by page, zeroed by the kernel, before XLA writes it. Measured in a burst of 16 requests
-(the shapes of jaxsmol bench --only serve, in process): the batch's first relayout took 332-700 ms with fresh
-pages and ~50 ms with reused ones. `keep_freed_memory` makes malloc take every block from its heap
-and never give the heap back, as long-running servers configure tcmalloc or jemalloc. One arena for
-all threads: a thread's own arena grows in heaps of at most 64 MB and serves anything larger with
-a fresh mmap whatever M_MMAP_MAX says (the daemon's worker thread allocates the batch). The process
-then holds its peak (which the daemon bounds: --kv-bytes, the prefix store's budget) instead of
-returning and refaulting it. The command line calls it at start; a library user may too.
+On CPU every device array is host memory from malloc. `one_malloc_arena` makes every thread allocate
+from one arena: a thread's own arena grows in heaps of at most 64 MB and keeps what it freed apart
+from the others' (glibc makes up to 8 per core), so a daemon's worker and HTTP threads would each
+hold a high-water mark of their own. glibc's other defaults stay: a block above its mmap threshold
+(adaptive, at most 32 MB) is a mapping of its own, returned to the OS when freed, and a freed block
+below it is kept for reuse up to the trim threshold. The daemon's large buffers are allocated once
+(the KV arena, runtime/kv_arena.py: never faulted in afresh per request), so nothing large is
+refaulted request after request; keeping every freed block (an earlier policy here) made a freed
+arena, or memory malloc_trim had handed back, count as free heap that holds no page. When the daemon
+is idle, `release_freed` returns malloc's free pages; `give_back` hands the pages of a range (a
+released arena row) back; `resident_in` reads which pages of a range are resident. The command line
+calls `one_malloc_arena` at start; a library user may too.
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
+import mmap
 import sys
 
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt parameters (malloc.h)
-INT_MAX = 2 ** 31 - 1
+import numpy as np
+
+M_ARENA_MAX = -8  # a mallopt parameter (malloc.h)
 
 _done: bool | None = None
 
 
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve big blocks from its heap and keep freed memory (idempotent).
-    Returns whether that took effect (False off glibc: other allocators keep their own policy)."""
+def one_malloc_arena() -> bool:
+    """Ask glibc's malloc to serve every thread from one arena (idempotent; call it before other
+    threads start). Returns whether that took effect (False off glibc: other allocators keep their own
+    policy)."""
     global _done
     if _done is None:
-        _done = (sys.platform.startswith("linux") and _mallopt(M_ARENA_MAX, 1) and _mallopt(M_MMAP_MAX, 0)
-                 and _mallopt(M_TRIM_THRESHOLD, INT_MAX))
+        _done = sys.platform.startswith("linux") and _mallopt(M_ARENA_MAX, 1)
     return _done
 
 
@@ -58,10 +61,12 @@ class _Mallinfo2(ctypes.Structure):  # struct mallinfo2 (glibc >= 2.33), every f
 @dataclasses.dataclass(frozen=True)
 class Heap:
     """malloc's own figures: `in_use` bytes handed out (every CPU array, compiled programs, the
-    tokenizer...; not Python's small objects, which live in its own arenas), `free` bytes it holds
-    for reuse (kept, not returned, under keep_freed_memory)."""
+    tokenizer...; not Python's small objects, which live in its own arenas), of which `mapped` in
+    mappings of their own (blocks over the mmap threshold), and `free` bytes it holds for reuse (some
+    of them handed back to the OS by malloc_trim: see free_resident)."""
     in_use: int
     free: int
+    mapped: int = 0
 
 
 def heap() -> Heap | None:
@@ -73,7 +78,38 @@ def heap() -> Heap | None:
         return None
     fn.restype = _Mallinfo2
     m = fn()
-    return Heap(in_use=m.uordblks + m.hblkhd, free=m.fordblks)
+    return Heap(in_use=m.uordblks + m.hblkhd, free=m.fordblks, mapped=m.hblkhd)
+
+
+@functools.cache
+def _heap_start() -> int | None:
+    """Where the [heap] mapping (the program break's) begins; None where there is none."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if line.rstrip().endswith("[heap]"):
+                    return int(line.split("-", 1)[0], 16)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def free_resident(h: Heap | None = None) -> int | None:
+    """The part of malloc's free memory that is resident: the [heap] mapping's resident pages (mincore)
+    less what is in use there (in use counted as resident). malloc_trim hands free pages back without
+    telling mallinfo, whose `free` then counts memory that holds no page. None where unknown."""
+    h = h or heap()
+    start = _heap_start()
+    if h is None or start is None:
+        return None
+    try:
+        sbrk = _libc().sbrk
+    except (OSError, AttributeError):
+        return None
+    sbrk.restype, sbrk.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t,)
+    end = sbrk(0) or 0
+    resident = resident_in(start, end - start) if end > start else None
+    return None if resident is None else max(0, resident - (h.in_use - h.mapped))
 
 
 def resident_bytes(kind: str = "VmRSS") -> int:
@@ -89,17 +125,73 @@ def resident_bytes(kind: str = "VmRSS") -> int:
     return 0
 
 
+def total_bytes() -> int:
+    """The machine's memory, RAM and swap (/proc/meminfo MemTotal + SwapTotal); 0 where unknown."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def held_bytes() -> int | None:
     """The memory this process holds, less what malloc keeps free for reuse: its anonymous resident
-    set (malloc's heap, Python's own arenas, other mappings) minus malloc's free bytes. None off glibc."""
+    set (malloc's heap, Python's own arenas, other mappings) minus malloc's resident free bytes. None
+    off glibc."""
     h = heap()
-    return None if h is None else resident_bytes("RssAnon") - h.free
+    if h is None:
+        return None
+    free = free_resident(h)
+    return resident_bytes("RssAnon") - (h.free if free is None else free)
 
 
 def release_freed() -> bool:
-    """Give the heap's free pages back to the OS (malloc_trim): after a one-time peak, such as the
-    daemon's programs compiled ahead, that keep_freed_memory would otherwise hold for good."""
+    """Give the heap's free pages back to the OS (malloc_trim): after a peak, such as the daemon's
+    programs compiled ahead or a burst of requests, which malloc would otherwise keep for reuse."""
     try:
         return bool(_libc().malloc_trim(ctypes.c_size_t(0)))
     except (OSError, AttributeError):
         return False
+
+
+MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 15  # sys/mman.h (Linux)
+
+
+def give_back(address: int, nbytes: int) -> int:
+    """Hand the whole pages of [address, address + nbytes) back to the OS: they then read as zeros and
+    take memory again only once written (madvise MADV_DONTNEED; the memory must be this process's own,
+    anonymous and private, as malloc's and XLA's CPU buffers are). Returns the bytes handed back (0 off
+    Linux, or where the OS refused)."""
+    page = mmap.PAGESIZE
+    first, last = -(-address // page) * page, (address + nbytes) // page * page
+    if last <= first or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        madvise = _libc().madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    # off transparent huge pages first: written again, a page must not come back as 2 MB
+    madvise(first, last - first, MADV_NOHUGEPAGE)
+    return last - first if madvise(first, last - first, MADV_DONTNEED) == 0 else 0
+
+
+def resident_in(address: int, nbytes: int) -> int | None:
+    """Bytes of [address, address + nbytes) that are resident (mincore), whole pages; None where that
+    cannot be read."""
+    page = mmap.PAGESIZE
+    first = address // page * page
+    pages = -(-(address + nbytes - first) // page)
+    try:
+        mincore = _libc().mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    vec = ctypes.create_string_buffer(pages)
+    if mincore(first, pages * page, vec) != 0:
+        return None
+    return int(np.count_nonzero(np.frombuffer(vec.raw, np.uint8) & 1)) * page

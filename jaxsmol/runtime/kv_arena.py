@@ -1,0 +1,459 @@
+"""The KV arena: one buffer holding the KV state of every prompt being prefilled and of every decode row,
+a row per sequence, which the scheduler takes and gives back.
+
+    k, v: [L, R, K, S, H]   R rows (the last, `pad`, is never handed out: a step's padding entries write
+                            there), S slots each: the engine's context, rounded up to ATTN_BLOCK
+
+Why one buffer of whole-context rows: every program over it (batch.py) has one shape whatever the
+requests' lengths, so the set of programs a daemon runs is closed once it is ready (a prompt of 3 or of
+8000 tokens, a batch of rows of any lengths: the same programs), and nothing is copied between buffers of
+other shapes (a prompt is prefilled in the row it decodes in; the batch grows and shrinks by naming
+other rows). Its memory is what the rows have written, not R x S: on CPU it is allocated without
+touching it (cpu_prefix.cc `Reserve`), a page is backed when first written, and `release` hands a row's
+pages back to the OS (host_memory.give_back). This is vAttention's idea (Prabhu et al., 2024: contiguous
+virtual memory per request, physical pages on demand), with the OS's page tables as the page table.
+Without the CPU kernels (and on other devices) XLA writes the whole buffer once when it is made; on CPU
+its pages are then handed back at once.
+
+Host-side, each row has the position written up to (`pos`), the exact prefix its first slots hold
+(`marks`: the tokens whose exact-prefill state they are; a request restoring a prefix of them takes the
+row as it is, and a restore copies only what the row lacks), and how far it was written since it was
+last released (`touched`: what its pages may hold).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.model.forward import ATTN_BLOCK
+from jaxsmol.model.kv import KVCache
+from jaxsmol.model.sharding import kv_sharding
+from jaxsmol.runtime import programs
+from jaxsmol.runtime.batch import BLOCK
+from jaxsmol.system import host_memory
+
+
+# The rows an engine's arena has by default: a scheduler of 16 decode rows (the daemon's default
+# --max-batch), 8 prompts being prefilled, 2 spare (cache/scheduler/scheduler.py arena_rows). One size
+# for the library's calls and the daemon's, so that they run (and store) the same programs.
+DEFAULT_ROWS = 26
+# The share of the machine's memory (RAM and swap; a device's, elsewhere) one of k, v may span: an
+# allocation larger than the machine is refused by the OS however little of it is ever written.
+SPAN_SHARE = 0.8
+
+
+def arena_shape(cfg, ctx: int, rows: int) -> tuple[int, ...]:
+    """k's and v's shape for `rows` rows (plus the pad row) of a `ctx` context: [L, rows + 1, K, S, H]."""
+    return cfg.n_layers, rows + 1, cfg.n_kv_heads, -(-ctx // ATTN_BLOCK) * ATTN_BLOCK, cfg.head_dim
+
+
+def rows_that_fit(cfg, ctx: int, dtype, device=None) -> int:
+    """The most rows an arena of this context may have (SPAN_SHARE of the memory it lives in)."""
+    _, _, K, S, H = arena_shape(cfg, ctx, 1)
+    row = cfg.n_layers * K * S * H * np.dtype(dtype).itemsize
+    stats = device.memory_stats() if device is not None and device.platform != "cpu" else None
+    total = (stats or {}).get("bytes_limit") or host_memory.total_bytes()
+    return max(1, int(SPAN_SHARE * total) // row - 1) if total else DEFAULT_ROWS
+
+
+def rows_for(cfg, ctx: int, dtype, asked: int, device=None) -> int:
+    """The rows an engine's arena gets when `asked` for so many: at least DEFAULT_ROWS, at most what
+    fits (rows_that_fit)."""
+    return min(max(asked, DEFAULT_ROWS), rows_that_fit(cfg, ctx, dtype, device))
+
+
+def _locked(method):
+    """The method under the arena's lock: each program call reads k and v and replaces them (they are
+    donated), so two threads using one engine's arena (a library's) take turns, call by call."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+class KVArena:
+    def __init__(self, engine, rows: int):
+        """An arena of `rows` rows (plus the pad row) of the engine's context each."""
+        cfg = engine.cfg
+        self.engine, self.rows, self.pad = engine, rows + 1, rows
+        self.shape = arena_shape(cfg, engine.ctx, rows)
+        self.slots = self.shape[3]
+        self.dtype = np.dtype(engine.cache_dtype)
+        self.kernel = cfg.cpu_kernels and engine.mesh is None
+        self.host = engine.mesh is None and jax.devices()[0].platform == "cpu"  # its pages are this process's
+        self.pos, self.touched = [0] * self.rows, [0] * self.rows
+        self.marks: list[tuple] = [()] * self.rows
+        self._free = collections.OrderedDict.fromkeys(range(rows))  # least recently given back first
+        self.taken_holding = 0  # takes whose row already held (part of) the prefix to restore
+        self._leases: weakref.WeakSet = weakref.WeakSet()
+        self.lock = threading.RLock()
+        self.k, self.v = self._allocate()
+        self._base = (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) if self.host else None
+        self._staging: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _allocate(self) -> tuple[jax.Array, jax.Array]:
+        if self.engine.mesh is not None:
+            sharding = kv_sharding(self.engine.mesh, self.shape)
+            return tuple(jnp.zeros(self.shape, self.dtype, device=sharding) for _ in range(2))
+        k, v = (programs.reserve(shape=self.shape, dtype=self.dtype, kernel=self.kernel) for _ in range(2))
+        if self.host and not self.kernel:  # XLA wrote every zero: its pages go back at once
+            for a in jax.block_until_ready((k, v)):
+                host_memory.give_back(a.unsafe_buffer_pointer(), a.nbytes)
+        return k, v
+
+    @property
+    def lost(self) -> bool:
+        """Whether its buffers went with a failed program (they were donated to it)."""
+        return self.k.is_deleted() or self.v.is_deleted()
+
+    @_locked
+    def recover(self) -> None:
+        """New buffers after a loss: every row free and empty (the leases' rows forgotten)."""
+        for lease in list(self._leases):
+            lease.rows.clear()
+        self.k = self.v = None
+        self.k, self.v = self._allocate()
+        self._base = (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) if self.host else None
+        self.pos, self.touched, self.marks = [0] * self.rows, [0] * self.rows, [()] * self.rows
+        self._free = collections.OrderedDict.fromkeys(range(self.pad))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one position of one row (keys and values, every layer)."""
+        L, _, K, _, H = self.shape
+        return 2 * L * K * H * self.dtype.itemsize
+
+    # ---- rows ----------------------------------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    @_locked
+    def take(self, prefix=None) -> tuple[int, int]:
+        """A free row for a new sequence -> (row, how many positions of `prefix` it already holds
+        exactly). With `prefix` (the exact tokens to be restored), the free row sharing its longest
+        beginning with them, if any; else one whose pages are backed already (holding nothing reusable
+        first, then the least recently used: memory is reused, not grown), else an untouched one.
+        JaxsmolError when none is free."""
+        if not self._free:
+            raise JaxsmolError("no free row in the KV arena")
+        held, row = 0, None
+        if prefix:
+            prefix = tuple(prefix)
+            held, row = max(((_common(self.marks[r], prefix), r) for r in self._free), default=(0, None))
+        if not held:
+            order = {r: i for i, r in enumerate(self._free)}
+            row = min(self._free, key=lambda r: (self.touched[r] == 0, bool(self.marks[r]), order[r]))
+        del self._free[row]
+        self.taken_holding += held > 0
+        self.marks[row] = prefix[:held] if held else ()
+        self.pos[row] = held
+        return row, held
+
+    @_locked
+    def give(self, row: int) -> None:
+        """Hand a row back; its mark and pages stay for a later take until released."""
+        if row in self._free or not 0 <= row < self.pad:
+            raise ValueError(f"row {row} is not taken")
+        self._free[row] = None
+
+    def lease(self) -> Lease:
+        """A holder of rows for one user (a scheduler): what it still holds goes back at `close`."""
+        lease = Lease(self)
+        self._leases.add(lease)
+        return lease
+
+    @contextlib.contextmanager
+    def borrowed(self):
+        """A row for the duration of a with-block (scoring)."""
+        row, _ = self.take()
+        try:
+            yield row
+        finally:
+            self.give(row)
+
+    # ---- the programs ------------------------------------------------------------------------------
+    def _kv(self, positions) -> KVCache:
+        return KVCache(k=self.k, v=self.v, pos=np.asarray(positions, np.int32))
+
+    def _took(self, k: jax.Array, v: jax.Array) -> None:
+        self.k, self.v = k, v
+
+    def next_chunk(self, row: int, ids, T: int) -> tuple[np.ndarray, int, int]:
+        """The chunk of T rows (padded) that continues ids in `row`: (tokens [T], real rows, where it
+        begins). One that would run past the row's slots begins earlier, recomputing a few positions
+        already written: an exact chunk gives every row the same bits wherever it starts."""
+        begin = max(min(self.pos[row], self.slots - T), 0)
+        n = min(T, len(ids) - begin)
+        chunk = np.zeros(T, np.int32)
+        chunk[:n] = ids[begin:begin + n]
+        return chunk, n, begin
+
+    @_locked
+    def prefill(self, items: list[tuple[int, list[int]]], T: int, exact_rows: bool, all_logits: bool = False):
+        """The next chunk, T rows padded, of each (row, ids) in one forward (ids[pos:] of each row).
+        exact_rows: T is an exact bucket (its rows have a cold prefill's bits), so a row holding ids'
+        exact state before the chunk holds it after. Returns the logits [P, V] after each chunk's last
+        real token ([P, T, V] for every row with all_logits), on the device."""
+        chunks = [self.next_chunk(row, ids, T) for row, ids in items]
+        tokens = np.stack([c for c, _, _ in chunks])
+        lengths = np.array([n for _, n, _ in chunks], np.int32)
+        rows = np.array([row for row, _ in items], np.int32)
+        logits, kv = programs.prefill_rows(self.engine.params, tokens, lengths, self._kv([b for _, _, b in chunks]),
+                                           rows, self.engine.cfg, all_logits=all_logits)
+        self._took(kv.k, kv.v)
+        for (row, ids), (_, n, begin) in zip(items, chunks):
+            held = self.marks[row]
+            exact = exact_rows and len(held) >= begin and held[:begin] == tuple(ids[:begin])
+            self.marks[row] = tuple(ids[:begin + n]) if exact else ()
+            self.pos[row] = begin + n
+            self.touched[row] = max(self.touched[row], begin + T)
+        return logits
+
+    def fill(self, row: int, ids: list[int], exact: bool = True):
+        """Prefill ids[pos:] into `row`, a chunk at a time (the engine's buckets: exact ones, or the fast
+        path's); returns the logits [1, V] after the last."""
+        logits = None
+        while logits is None or self.pos[row] < len(ids):
+            T = self.engine.chunk_rows(len(ids) - self.pos[row], exact=exact)
+            logits = self.prefill([(row, ids)], T, exact_rows=T in self.engine.buckets(True))
+        return logits
+
+    @_locked
+    def decode(self, rows: list[int], tokens: np.ndarray, sampling: dict) -> dict:
+        """One decode step of `rows` (the pad row for padding entries) with their last tokens [W] and
+        sampling arrays (batch.row_settings). Returns the step's output on the host."""
+        out, kv = programs.decode_step(self.engine.params, tokens, self._kv([self.pos[r] for r in rows]),
+                                       np.asarray(rows, np.int32), sampling, self.engine.cfg)
+        self._took(kv.k, kv.v)
+        for r in rows:
+            if r != self.pad:
+                self.pos[r] += 1
+                self.touched[r] = max(self.touched[r], self.pos[r])
+        return jax.device_get(out)
+
+    @_locked
+    def verify(self, rows: list[int], tokens: np.ndarray, lengths: np.ndarray, sampling: dict) -> dict:
+        """One verify step (batch.verify_step) of `rows`: tokens [W, T] (each row's last token and its
+        drafts), lengths [W]. Returns its output on the host; each row's position moves past what it
+        accepted."""
+        out, kv = programs.verify_step(self.engine.params, tokens, lengths, self._kv([self.pos[r] for r in rows]),
+                                       np.asarray(rows, np.int32), sampling, self.engine.cfg)
+        self._took(kv.k, kv.v)
+        out = jax.device_get(out)
+        for i, r in enumerate(rows):
+            if r != self.pad:
+                self.touched[r] = max(self.touched[r], self.pos[r] + tokens.shape[1])
+                self.pos[r] += int(out["count"][i])
+        return out
+
+    @_locked
+    def greedy_drafts(self, row: int, tokens: np.ndarray, length: int, k: int) -> list[int]:
+        """A draft model's k greedy tokens after feeding tokens [1, P] (the first `length` real) at the
+        row's position (batch.greedy_drafts); the row's position then counts the drafts but the last."""
+        drafts, kv = programs.greedy_drafts(self.engine.params, tokens, np.int32(length), self._kv([self.pos[row]]),
+                                            np.array([row], np.int32), self.engine.cfg, k=k)
+        self._took(kv.k, kv.v)
+        self.pos[row] += length + k - 1
+        self.touched[row] = max(self.touched[row], self.pos[row] + 1)
+        return jax.device_get(drafts).tolist()
+
+    @_locked
+    def fork(self, source: int, dest: int) -> None:
+        """Row `dest` (taken) gets the state of `source`: its positions copied, its mark."""
+        n = self.pos[source]
+        self._took(*programs.copy_row(self.k, self.v, np.int32(source), np.int32(dest), np.int32(n),
+                                      kernel=self.kernel))
+        self.pos[dest], self.marks[dest] = n, self.marks[source]
+        self.touched[dest] = max(self.touched[dest], n)
+
+    @_locked
+    def restore(self, row: int, parts, start: int, stop: int, tokens=None) -> None:
+        """Positions [start, stop) of a stored prefix into `row` (it holds the positions before start):
+        `parts` are the prefix's host segments {"k", "v"} [L, 1, K, n_i, H], in order from position 0,
+        copied a block of BLOCK slots at a time through staging buffers. `tokens`: the tokens whose
+        exact state the prefix is (an exact cache's entry), marked on the row."""
+        first = start // BLOCK * BLOCK  # blocks begin at multiples of BLOCK: a whole block fits the row
+        kb, vb = self._staging_buffers()
+        offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
+        for b0 in range(first, stop, BLOCK):
+            b1 = min(b0 + BLOCK, stop)
+            for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
+                lo, hi = max(b0, p0), min(b1, p1)
+                if lo < hi:
+                    kb[:, :, :, lo - b0:hi - b0] = part["k"][:, :, :, lo - p0:hi - p0]
+                    vb[:, :, :, lo - b0:hi - b0] = part["v"][:, :, :, lo - p0:hi - p0]
+            kb[:, :, :, b1 - b0:] = 0  # finite: masked slots must never hold NaN
+            vb[:, :, :, b1 - b0:] = 0
+            place = (lambda a: jax.device_put(a, may_alias=True)) if self.host else jax.device_put
+            k, v = programs.write_slots(self.k, self.v, place(kb), place(vb), np.int32(row), np.int32(b0),
+                                        kernel=self.kernel)
+            self._took(*jax.block_until_ready((k, v)))  # read before the staging buffers are refilled
+        self.pos[row] = stop
+        self.touched[row] = max(self.touched[row], -(-stop // BLOCK) * BLOCK)
+        self.marks[row] = tuple(tokens[:stop]) if tokens is not None and len(tokens) >= stop else ()
+
+    def _staging_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two host blocks [L, 1, K, BLOCK, H] in 64-byte aligned memory (a device_put may then alias them)."""
+        if self._staging is None:
+            L, _, K, _, H = self.shape
+            shape, nbytes = (L, 1, K, BLOCK, H), L * K * BLOCK * H * self.dtype.itemsize
+
+            def aligned():
+                raw = np.empty(nbytes + 64, np.uint8)
+                offset = (-raw.ctypes.data) % 64
+                return raw[offset:offset + nbytes].view(self.dtype).reshape(shape)
+            self._staging = (aligned(), aligned())
+        return self._staging
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the host staging blocks restores copy through (kept between restores)."""
+        return 0 if self._staging is None else sum(a.nbytes for a in self._staging)
+
+    @_locked
+    def segment(self, row: int, start: int, stop: int) -> dict:
+        """Positions [start, stop) of `row` as read-only host arrays {"k", "v"} [L, 1, K, stop - start, H]
+        (a copy: what the prefix store keeps)."""
+        L, _, K, _, H = self.shape
+        out = {name: np.empty((L, 1, K, stop - start, H), self.dtype) for name in ("k", "v")}
+        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK):
+            blocks = jax.device_get(programs.read_slots(self.k, self.v, np.int32(row), np.int32(b0)))
+            lo, hi = max(b0, start), min(b0 + BLOCK, stop)
+            for name, block in zip(("k", "v"), blocks):
+                out[name][:, :, :, lo - start:hi - start] = block[:, :, :, lo - b0:hi - b0]
+        for a in out.values():
+            a.flags.writeable = False
+        return out
+
+    def view(self, row: int) -> RowView:
+        return RowView(self, row)
+
+    def logits_chunks(self, row: int, ids: list[int], T: int):
+        """Every position's logits of `ids` prefilled into `row` from position 0 in exact chunks of T rows:
+        yields (first position, logits [n, V] NumPy) per chunk (scoring: the whole [len, V] is never held)."""
+        self.pos[row], self.marks[row] = 0, ()
+        while self.pos[row] < len(ids):
+            begin = self.next_chunk(row, ids, T)[2]
+            n = min(T, len(ids) - begin)
+            logits = self.prefill([(row, ids)], T, exact_rows=True, all_logits=True)
+            yield begin, np.asarray(logits)[0, :n]  # sliced on the host: a device slice is a program of its own
+
+    # ---- memory ---------------------------------------------------------------------------------
+    @_locked
+    def release(self, rows) -> int:
+        """Hand the pages of these free rows back to the OS (they read as zeros; their marks go).
+        Returns the bytes handed back (0 where the arena is not this process's memory). A row's kv heads
+        are contiguous in each layer, and so are neighbouring rows: the ranges are merged, so that only
+        the pages a released range shares with a row still held stay."""
+        rows = sorted(r for r in rows if self.touched[r])
+        if not rows or not self.host:
+            return 0
+        jax.block_until_ready((self.k, self.v))  # no program may be writing them meanwhile
+        L, R, K, S, H = self.shape
+        block = K * S * H * self.dtype.itemsize  # row r of layer l: [(l R + r) block, + block)
+        ranges = []
+        for base in self._base:
+            for layer in range(L):
+                for r in rows:
+                    start = base + (layer * R + r) * block
+                    if ranges and ranges[-1][1] == start:
+                        ranges[-1][1] = start + block
+                    else:
+                        ranges.append([start, start + block])
+        for r in rows:
+            self.touched[r], self.marks[r], self.pos[r] = 0, (), 0
+        return sum(host_memory.give_back(start, end - start) for start, end in ranges)
+
+    @_locked
+    def release_free(self, keep_slots: int = 0) -> int:
+        """Release free rows, least recently used first, until those left hold at most `keep_slots`
+        slots written. Returns the bytes handed back."""
+        held = sum(self.touched[r] for r in self._free)
+        victims = []
+        for r in self._free:
+            if held <= keep_slots:
+                break
+            if self.touched[r]:
+                victims.append(r)
+                held -= self.touched[r]
+        return self.release(victims)
+
+    def slots_held(self, free: bool | None = None) -> int:
+        """Slots written (touched) by the rows: all of them, the free ones (True), the taken ones (False)."""
+        free_rows = set(self._free)
+        return sum(t for r, t in enumerate(self.touched) if free is None or (r in free_rows) == free)
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes k and v span (allocated whole; backed only where written, on CPU)."""
+        return 2 * int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def resident_bytes(self) -> int:
+        """The arena's memory now: its resident pages (mincore) where it is this process's memory, else
+        all of it (device memory allocated whole)."""
+        if not self.host:
+            return self.span_bytes
+        nbytes = self.span_bytes // 2
+        return sum(host_memory.resident_in(base, nbytes) or 0 for base in self._base)
+
+    def check_in_place(self) -> bool:
+        """Whether the arena is still the buffers it was allocated as (every program updated it in place)."""
+        return not self.host or (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) == self._base
+
+
+class Lease:
+    """The rows one user of an arena (a scheduler) took: `take` and `give` as the arena's, and `close`
+    hands back whatever is still held (a scheduler abandoned mid-run, or replaced after a failure)."""
+
+    def __init__(self, arena: KVArena):
+        self.arena, self.rows = arena, set()
+
+    def take(self, prefix=None) -> tuple[int, int]:
+        row, held = self.arena.take(prefix)
+        self.rows.add(row)
+        return row, held
+
+    def give(self, row: int) -> None:
+        self.rows.discard(row)
+        self.arena.give(row)
+
+    def close(self) -> None:
+        while self.rows:
+            self.arena.give(self.rows.pop())
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """How many leading elements the tuples a and b share (slices compared in C, halving)."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the answer is <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RowView:
+    """One row of the arena as the prefix cache reads a prompt's state: `segment(start, stop)`, `pos`."""
+
+    def __init__(self, arena: KVArena, row: int):
+        self.arena, self.row = arena, row
+
+    @property
+    def pos(self) -> int:
+        return self.arena.pos[self.row]
+
+    def segment(self, start: int, stop: int) -> dict:
+        return self.arena.segment(self.row, start, stop)
