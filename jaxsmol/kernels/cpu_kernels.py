@@ -20,10 +20,11 @@
   head)'s keys and values in place, up to that query's own position. Each query row is computed on its own in
   position order, so its bits do not depend on the chunk or batch carrying it (a decode step's single row
   takes a different, split path: T == 1 differs from T >= 2).
-- `load_prefix`, `write_slots`, `copy_row` (cpu_prefix.cc): copies of a snapshot's prefix into a cache, of a
-  staged block into a row of the KV arena, of a row's slots into another, split between the threads (XLA's
-  dynamic-update-slice copies on one); `reserve`: the KV arena allocated without touching its pages (XLA
-  writes every byte it allocates), so that only the positions written take memory (runtime/kv_arena.py).
+- `load_prefix`, `write_slots`, `read_slots`, `copy_row` (cpu_prefix.cc): copies of a snapshot's prefix into a
+  cache, of a staged block into a row of the KV arena and of a row's slots out of it, of a row's slots into
+  another, split between the threads (XLA's dynamic-update-slice copies on one), none touching a slot past
+  the positions asked; `reserve`: the KV arena allocated without touching its pages (XLA writes every byte
+  it allocates), so that only the positions written take memory (runtime/kv_arena.py).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
 (`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and
@@ -71,7 +72,8 @@ TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMat
            "jaxsmol_matmul_q8_0_int8": "JaxsmolMatmulQ8_0Int8", "jaxsmol_matmul_q4_1_int8": "JaxsmolMatmulQ4_1Int8",
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
            "jaxsmol_load_prefix": "JaxsmolLoadPrefix", "jaxsmol_write_slots": "JaxsmolWriteSlots",
-           "jaxsmol_copy_row": "JaxsmolCopyRow", "jaxsmol_reserve": "JaxsmolReserve"}
+           "jaxsmol_copy_row": "JaxsmolCopyRow", "jaxsmol_read_slots": "JaxsmolReadSlots",
+           "jaxsmol_reserve": "JaxsmolReserve"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
@@ -384,12 +386,20 @@ def load_prefix(cache: jax.Array, prefix: jax.Array) -> jax.Array:
     return call(cache, prefix)
 
 
-def write_slots(cache: jax.Array, block: jax.Array, row: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [L, R, K, S, H] with block [L, 1, K, P, H] (same dtype) written into row `row` at slots
-    start..start + P - 1, in place where the cache is donated."""
+def write_slots(cache: jax.Array, block: jax.Array, row: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
+    """cache [L, R, K, S, H] with the first n slots of block [L, 1, K, P, H] (same dtype) written into row
+    `row` from slot `start` (start + P <= S), in place where the cache is donated."""
     call = jax.ffi.ffi_call("jaxsmol_write_slots", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={0: 0})
-    return call(cache, block, jnp.stack([row, start]).astype(jnp.int32))
+    return call(cache, block, jnp.stack([row, start, n]).astype(jnp.int32))
+
+
+def read_slots(cache: jax.Array, row: jax.Array, start: jax.Array, n: jax.Array, size: int) -> jax.Array:
+    """Slots start..start + n - 1 of row `row` of cache [L, R, K, S, H] as a block [L, 1, K, size, H], zeros
+    past them; no slot past them is read."""
+    L, _, K, _, H = cache.shape
+    call = jax.ffi.ffi_call("jaxsmol_read_slots", jax.ShapeDtypeStruct((L, 1, K, size, H), cache.dtype))
+    return call(cache, jnp.stack([row, start, n]).astype(jnp.int32))
 
 
 def copy_row(cache: jax.Array, source: jax.Array, dest: jax.Array, n: jax.Array) -> jax.Array:

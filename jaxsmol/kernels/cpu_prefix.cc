@@ -3,6 +3,7 @@
 // - LoadPrefix: Engine.restore's snapshot prefix written into a one-sequence cache, in place.
 // - WriteSlots: a staged block of a host snapshot written into one row of the KV arena at a position
 //   (jaxsmol/runtime/kv_arena.py: a restore is a few such blocks).
+// - ReadSlots: a block of a row read out, no slot past the positions asked (a save into the prefix cache).
 // - CopyRow: the first n slots of one arena row copied into another (a prompt's forks).
 // - Reserve: the arena itself, [L, R, K, S, H] allocated and not touched: its whole pages are handed back
 //   to the OS (they read as zeros and take no memory until a program writes them), so the arena's
@@ -46,27 +47,53 @@ ffi::Error LoadPrefix(ffi::ThreadPool pool, ffi::AnyBuffer cache, ffi::AnyBuffer
 
 using Where = ffi::Buffer<ffi::S32, 1>;
 
-// out = cache [L, R, K, S, H] (aliased) with block [L, 1, K, P, H] written into row at[0], slots
-// at[1]..at[1] + P - 1 (at[1] + P <= S).
+// out = cache [L, R, K, S, H] (aliased) with the first at[2] <= P slots of block [L, 1, K, P, H] written
+// into row at[0] from slot at[1] (at[1] + P <= S): the block's padding past them is not written, so a
+// restore backs no page past the prefix it copies.
 ffi::Error WriteSlots(ffi::ThreadPool pool, ffi::AnyBuffer cache, ffi::AnyBuffer block, Where at,
                       ffi::Result<ffi::AnyBuffer> out) {
   const auto cd = cache.dimensions(), bd = block.dimensions();
   const int32_t* w = at.typed_data();
   if (cd.size() != 5 || bd.size() != 5 || block.element_type() != cache.element_type() || bd[0] != cd[0] ||
-      bd[1] != 1 || bd[2] != cd[2] || bd[4] != cd[4] || at.dimensions()[0] != 2 ||
+      bd[1] != 1 || bd[2] != cd[2] || bd[4] != cd[4] || at.dimensions()[0] != 3 ||
       out->untyped_data() != cache.untyped_data())
     return ffi::Error::InvalidArgument("write slots: needs cache [L, R, K, S, H] (aliased to the result), a block "
-                                       "[L, 1, K, P, H] of its dtype and (row, start)");
-  if (w[0] < 0 || w[0] >= cd[1] || w[1] < 0 || w[1] + bd[3] > cd[3])
+                                       "[L, 1, K, P, H] of its dtype and (row, start, slots)");
+  if (w[0] < 0 || w[0] >= cd[1] || w[1] < 0 || w[1] + bd[3] > cd[3] || w[2] < 0 || w[2] > bd[3])
     return ffi::Error::InvalidArgument("write slots: the block does not fit the row at that position");
   const int64_t L = cd[0], R = cd[1], K = cd[2], S = cd[3], P = bd[3];
-  const size_t slot = cache.size_bytes() / (L * R * K * S), piece = P * slot;
+  const size_t slot = cache.size_bytes() / (L * R * K * S), piece = w[2] * slot;
   char* const dst = static_cast<char*>(out->untyped_data());
   const char* const src = static_cast<const char*>(block.untyped_data());
   const int64_t row = w[0], start = w[1];
   CopyPieces(pool, L * K, [=](int64_t i) {  // i = l K + k: slab (l, row, k) of the cache, (l, 0, k) of the block
     const int64_t l = i / K, k = i % K;
-    std::memcpy(dst + (((l * R + row) * K + k) * S + start) * slot, src + i * piece, piece);
+    std::memcpy(dst + (((l * R + row) * K + k) * S + start) * slot, src + i * P * slot, piece);
+  });
+  return ffi::Error::Success();
+}
+
+// out = block [L, 1, K, P, H]: slots at[1]..at[1] + at[2] - 1 of row at[0] of cache [L, R, K, S, H], zeros
+// past them (at[2] <= P): a save reads no slot past the positions it stores (a read of a page never
+// written maps the OS's zero page, which the arena's count of its resident pages would take for KV).
+ffi::Error ReadSlots(ffi::ThreadPool pool, ffi::AnyBuffer cache, Where at, ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions(), od = out->dimensions();
+  const int32_t* w = at.typed_data();
+  if (cd.size() != 5 || od.size() != 5 || out->element_type() != cache.element_type() || od[0] != cd[0] ||
+      od[1] != 1 || od[2] != cd[2] || od[4] != cd[4] || at.dimensions()[0] != 3)
+    return ffi::Error::InvalidArgument("read slots: needs cache [L, R, K, S, H], a result [L, 1, K, P, H] of its "
+                                       "dtype and (row, start, slots)");
+  if (w[0] < 0 || w[0] >= cd[1] || w[1] < 0 || w[2] < 0 || w[2] > od[3] || w[1] + w[2] > cd[3])
+    return ffi::Error::InvalidArgument("read slots: the slots are outside the row");
+  const int64_t L = cd[0], R = cd[1], K = cd[2], S = cd[3], P = od[3];
+  const size_t slot = cache.size_bytes() / (L * R * K * S), piece = w[2] * slot;
+  const char* const src = static_cast<const char*>(cache.untyped_data());
+  char* const dst = static_cast<char*>(out->untyped_data());
+  const int64_t row = w[0], start = w[1];
+  CopyPieces(pool, L * K, [=](int64_t i) {
+    const int64_t l = i / K, k = i % K;
+    std::memcpy(dst + i * P * slot, src + (((l * R + row) * K + k) * S + start) * slot, piece);
+    std::memset(dst + i * P * slot + piece, 0, (P * slot) - piece);
   });
   return ffi::Error::Success();
 }
@@ -131,6 +158,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolWriteSlots, WriteSlots,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Where>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolReadSlots, ReadSlots,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Where>()
                                   .Ret<ffi::AnyBuffer>());

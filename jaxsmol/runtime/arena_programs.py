@@ -68,6 +68,6 @@ class ArenaShapes:
         cache, scalar = jax.ShapeDtypeStruct(self.shape, self.dtype), _ints()
         L, _, K, _, H = self.shape
         block = jax.ShapeDtypeStruct((L, 1, K, BLOCK, H), self.dtype)
-        return [(programs.write_slots, (cache, cache, block, block, scalar, scalar), {"kernel": self.kernel}),
+        return [(programs.write_slots, (cache, cache, block, block, scalar, scalar, scalar), {"kernel": self.kernel}),
                 (programs.copy_row, (cache, cache, scalar, scalar, scalar), {"kernel": self.kernel}),
-                (programs.read_slots, (cache, cache, scalar, scalar), {})]
+                (programs.read_slots, (cache, cache, scalar, scalar, scalar), {"kernel": self.kernel})]

@@ -137,13 +137,14 @@ def sample_first(logits: jax.Array, sampling: dict) -> dict:
 
 
 def write_slots(k: jax.Array, v: jax.Array, kb: jax.Array, vb: jax.Array, row: jax.Array, start: jax.Array,
-                kernel: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The arena's k, v with a block kb, vb [L, 1, K, P, H] written into row `row` at slots
-    start..start + P - 1 (kernel: by the CPU kernel, on both threads; else XLA's dynamic-update-slice)."""
+                n: jax.Array, kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The arena's k, v with the first n slots of a block kb, vb [L, 1, K, P, H] written into row `row`
+    from slot `start` (kernel: by the CPU kernel, on both threads, the n slots alone; else XLA's
+    dynamic-update-slice, the whole block: its padding is zeros)."""
     def write(cache, block):
         block = block.astype(cache.dtype)
         if kernel:
-            return cpu_kernels.write_slots(cache, block, row, start)
+            return cpu_kernels.write_slots(cache, block, row, start, n)
         return lax.dynamic_update_slice(cache, block, (0, row, 0, start, 0))
 
     return write(k, kb), write(v, vb)
@@ -166,9 +167,13 @@ def copy_row(k: jax.Array, v: jax.Array, source: jax.Array, dest: jax.Array, n: 
     return copy(k), copy(v)
 
 
-def read_slots(k: jax.Array, v: jax.Array, row: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Slots start..start + BLOCK - 1 of arena row `row`: (k, v) [L, 1, K, BLOCK, H]."""
+def read_slots(k: jax.Array, v: jax.Array, row: jax.Array, start: jax.Array, n: jax.Array,
+               kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Slots start..start + BLOCK - 1 of arena row `row`: (k, v) [L, 1, K, BLOCK, H], of which the first n
+    are wanted (kernel: the CPU kernel reads those alone, zeros past them; else XLA's dynamic slice)."""
     L, _, K, _, H = k.shape
+    if kernel:
+        return tuple(cpu_kernels.read_slots(a, row, start, n, BLOCK) for a in (k, v))
     return tuple(lax.dynamic_slice(a, (0, row, 0, start, 0), (L, 1, K, BLOCK, H)) for a in (k, v))
 
 

@@ -139,12 +139,14 @@ class KVArena:
         return len(self._free)
 
     @_locked
-    def take(self, prefix=None) -> tuple[int, int]:
+    def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
         """A free row for a new sequence -> (row, how many positions of `prefix` it already holds
         exactly). With `prefix` (the exact tokens to be restored), the free row sharing its longest
         beginning with them, if any; else one whose pages are backed already (holding nothing reusable
         first, then the least recently used: memory is reused, not grown), else an untouched one.
-        JaxsmolError when none is free."""
+        `expect`: the positions the sequence is granted; a row's pages past them (an earlier, longer
+        sequence's) go back to the OS, so that a row holds what its sequence may use, not the most any
+        sequence wrote in it. JaxsmolError when none is free."""
         if not self._free:
             raise JaxsmolError("no free row in the KV arena")
         held, row = 0, None
@@ -158,7 +160,24 @@ class KVArena:
         self.taken_holding += held > 0
         self.marks[row] = prefix[:held] if held else ()
         self.pos[row] = held
+        if expect is not None and self.touched[row] > max(expect, held) + BLOCK:
+            self._trim(row, max(expect, held))
         return row, held
+
+    def _trim(self, row: int, keep: int) -> None:
+        """Hand back the pages of `row` past its first `keep` slots (each kv head's slab of each layer)."""
+        if not self.host:
+            return
+        jax.block_until_ready((self.k, self.v))  # no program may be writing them meanwhile
+        L, R, K, S, H = self.shape
+        slab, itemsize = S * H * self.dtype.itemsize, self.dtype.itemsize
+        for base in self._base:
+            for layer in range(L):
+                for kh in range(K):
+                    start = base + ((layer * R + row) * K + kh) * slab
+                    host_memory.give_back(start + keep * H * itemsize, slab - keep * H * itemsize)
+        self.touched[row] = keep
+        self.marks[row] = self.marks[row][:keep]
 
     @_locked
     def give(self, row: int) -> None:
@@ -174,9 +193,9 @@ class KVArena:
         return lease
 
     @contextlib.contextmanager
-    def borrowed(self):
-        """A row for the duration of a with-block (scoring)."""
-        row, _ = self.take()
+    def borrowed(self, expect: int | None = None):
+        """A row for the duration of a with-block (scoring), `expect` positions of it used (see take)."""
+        row, _ = self.take(expect=expect)
         try:
             yield row
         finally:
@@ -269,12 +288,13 @@ class KVArena:
         return jax.device_get(drafts).tolist()
 
     @_locked
-    def fork(self, source: int, dest: int) -> None:
-        """Row `dest` (taken) gets the state of `source`: its positions copied, its mark."""
-        n = self.pos[source]
+    def fork(self, source: int, dest: int, n: int | None = None) -> None:
+        """Row `dest` (taken) gets the first n positions of `source` (default: all it wrote) and its mark
+        as far as they go."""
+        n = self.pos[source] if n is None else n
         self._took(*programs.copy_row(self.k, self.v, np.int32(source), np.int32(dest), np.int32(n),
                                       kernel=self.kernel))
-        self.pos[dest], self.marks[dest] = n, self.marks[source]
+        self.pos[dest], self.marks[dest] = n, self.marks[source][:n]
         self.touched[dest] = max(self.touched[dest], n)
 
     @_locked
@@ -297,10 +317,10 @@ class KVArena:
             vb[:, :, :, b1 - b0:] = 0
             place = (lambda a: jax.device_put(a, may_alias=True)) if self.host else jax.device_put
             k, v = programs.write_slots(self.k, self.v, place(kb), place(vb), np.int32(row), np.int32(b0),
-                                        kernel=self.kernel)
+                                        np.int32(b1 - b0), kernel=self.kernel)
             self._took(*jax.block_until_ready((k, v)))  # read before the staging buffers are refilled
         self.pos[row] = stop
-        self.touched[row] = max(self.touched[row], -(-stop // BLOCK) * BLOCK)
+        self.touched[row] = max(self.touched[row], stop if self.kernel else -(-stop // BLOCK) * BLOCK)
         self.marks[row] = tuple(tokens[:stop]) if tokens is not None and len(tokens) >= stop else ()
 
     def _staging_buffers(self) -> tuple[np.ndarray, np.ndarray]:
@@ -326,10 +346,12 @@ class KVArena:
         """Positions [start, stop) of `row` as read-only host arrays {"k", "v"} [L, 1, K, stop - start, H]
         (a copy: what the prefix store keeps)."""
         L, _, K, _, H = self.shape
-        out = {name: np.empty((L, 1, K, stop - start, H), self.dtype) for name in ("k", "v")}
+        # pages of their own where large: stored and evicted by the prefix cache, they would fragment malloc's heap
+        out = {name: host_memory.empty((L, 1, K, stop - start, H), self.dtype) for name in ("k", "v")}
         for b0 in range(start // BLOCK * BLOCK, stop, BLOCK):
-            blocks = jax.device_get(programs.read_slots(self.k, self.v, np.int32(row), np.int32(b0)))
             lo, hi = max(b0, start), min(b0 + BLOCK, stop)
+            blocks = jax.device_get(programs.read_slots(self.k, self.v, np.int32(row), np.int32(b0), np.int32(hi - b0),
+                                                        kernel=self.kernel))
             for name, block in zip(("k", "v"), blocks):
                 out[name][:, :, :, lo - start:hi - start] = block[:, :, :, lo - b0:hi - b0]
         for a in out.values():
@@ -419,8 +441,8 @@ class Lease:
     def __init__(self, arena: KVArena):
         self.arena, self.rows = arena, set()
 
-    def take(self, prefix=None) -> tuple[int, int]:
-        row, held = self.arena.take(prefix)
+    def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
+        row, held = self.arena.take(prefix, expect)
         self.rows.add(row)
         return row, held
 

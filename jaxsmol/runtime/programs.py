@@ -48,7 +48,7 @@ greedy_drafts = _program("greedy_drafts", batch.greedy_drafts, ("cfg", "k"), ("k
 sample_first = _program("sample_first", batch.sample_first)
 write_slots = _program("write_slots", batch.write_slots, ("kernel",), ("k", "v"))
 copy_row = _program("copy_row", batch.copy_row, ("kernel",), ("k", "v"))
-read_slots = _program("read_slots", batch.read_slots)
+read_slots = _program("read_slots", batch.read_slots, ("kernel",))
 reserve = _program("reserve", batch.reserve, ("shape", "dtype", "kernel"))
 
 ALL = {p.name: p for p in (forward, load_prefix, prefill_rows, decode_step, verify_step, greedy_drafts, sample_first,

@@ -71,7 +71,7 @@ def score(engine, ids, top_k: int = 0) -> list[TokenScore]:
     ids = engine.check_prompt(ids)
     out = [TokenScore(ids[0], None, None)]
     arena = engine.arena()
-    with arena.borrowed() as row:
+    with arena.borrowed(len(ids)) as row:
         for begin, logits in arena.logits_chunks(row, ids, SCORE_ROWS):  # row p predicts ids[p + 1]
             first = len(out) - 1  # a chunk moved back at the arena's end repeats positions already scored
             for start in range(first - begin, min(len(logits), len(ids) - 1 - begin), _ROWS):
