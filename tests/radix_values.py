@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxsmol.system import host_memory
+
 from jaxsmol.cache.store.radix import RadixStore
 
 ROW = 3  # values per position per leaf
@@ -83,4 +85,4 @@ def assert_owned(store: RadixStore):
     """Every stored array owns its memory: no view keeps a larger base alive behind the count."""
     for node in all_nodes(store):
         for leaf in jax.tree.leaves((node.segment, node.payload)):
-            assert not isinstance(leaf, np.ndarray) or leaf.base is None, node.tokens
+            assert not isinstance(leaf, np.ndarray) or host_memory.owns(leaf), node.tokens

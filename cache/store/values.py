@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxsmol.system import host_memory
+
 
 def common_prefix_len(a, b, start: int = 0) -> int:
     """How many leading items of `a` equal the items of `b` from index `start` on (the one
@@ -35,9 +37,9 @@ def tree_bytes(tree) -> int:
 def _own(a):
     """`a` if it owns its memory, else a copy with the same read-only flag: a view would keep its
     whole base alive while only the view's bytes are counted."""
-    if not isinstance(a, np.ndarray) or a.base is None:
+    if not isinstance(a, np.ndarray) or host_memory.owns(a):
         return a
-    out = np.array(a)  # np.array copies: a C-contiguous array that owns its buffer
+    out = host_memory.copy(a)  # a C-contiguous array that owns its buffer (a large one: pages of its own)
     out.flags.writeable = a.flags.writeable
     return out
 

@@ -159,6 +159,31 @@ def release_freed() -> bool:
 
 
 MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 15  # sys/mman.h (Linux)
+# Arrays at least this large get pages of their own (`empty`): the prefix cache's snapshots, stored and
+# evicted all the time in many sizes, fragmented malloc's heap by ~100 MB every few long prompts
+PAGES_FROM = 1 << 20
+
+
+def empty(shape, dtype) -> np.ndarray:
+    """An array, not initialized; one of PAGES_FROM bytes or more in pages of its own (an anonymous
+    mapping, returned to the OS when the array goes), so that large blocks stored and freed all the time
+    never fragment malloc's heap."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < PAGES_FROM:
+        return np.empty(shape, dtype)
+    return np.ndarray(shape, dtype, buffer=mmap.mmap(-1, nbytes))
+
+
+def owns(a: np.ndarray) -> bool:
+    """Whether the array owns its memory (malloc's, or pages of its own from `empty`), not a view."""
+    return a.base is None or isinstance(a.base, mmap.mmap)
+
+
+def copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of `a` that owns its memory (`empty`'s: pages of its own when large)."""
+    out = empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
 
 
 def give_back(address: int, nbytes: int) -> int:
