@@ -30,9 +30,11 @@ class AnswerPrefill:
                 if arena.free_rows < 2:
                     return False  # a row left for a scoring: later
                 n = len(self.save.lookup.prompt)
-                self.row, held = lease.take(cache.exact_state(tokens[:n]))
-                if held < n:
-                    arena.restore(self.row, self.save.parts, held, n, cache.exact_state(tokens))
+                self.row, held = lease.take(cache.exact_state(tokens[:n]), len(tokens))
+                if held < n and not cache.answer_prefix(self.save, held, lambda parts, have, stop: arena.restore(
+                        self.row, parts, have, stop, cache.exact_state(tokens))):
+                    self.drop(cache, lease)  # its prompt was evicted meanwhile: the next turn runs colder
+                    return True
             T = engine.chunk_rows(len(tokens) - arena.pos[self.row], max_rows)
             logits = arena.prefill([(self.row, tokens)], T, exact_rows=T in engine.buckets(True))
             if arena.pos[self.row] < len(tokens):

@@ -286,26 +286,39 @@ class PrefixCache:
                 and bool(output_ids))
 
     def begin_answer(self, lk: Lookup, output_ids) -> AnswerSave | None:
-        """Pin the stored prompt that prompt + answer extends, for `finish_answer`.
-
-        The answer's state is recomputed with prefill-shaped chunks from the stored prompt, so that
-        it has the bits a cold prefill of the next turn would compute (see the module docstring).
-        None if the prompt was evicted meanwhile (nothing to extend)."""
+        """An answer to store for the next turn (`finish_answer`): prompt + answer, whose answer's state
+        is recomputed with prefill-shaped chunks from the prompt's, so that it has the bits a cold
+        prefill of the next turn would compute (see the module docstring). Nothing is held while it
+        waits (a waiting answer holding its prompt's entries kept them past the budget: 64 of them at
+        most). None if the prompt was evicted meanwhile (nothing to extend), the answer is stored, or
+        prompt + answer is more than the cache can hold."""
         tokens = list(lk.prompt) + list(output_ids)
-        match = self.store.lookup(lk.ns, tokens, gather=False, count=False)
-        if match.length < len(lk.prompt) or match.length == len(tokens):
-            self.store.release(match)  # evicted meanwhile, or already stored: nothing to do
+        if len(tokens) > self.capacity_tokens:
             return None
-        return AnswerSave(lk, tokens, match, self.store.parts(match, match.reused))
+        stored = self.store.peek(lk.ns, tokens)
+        if stored < len(lk.prompt) or stored == len(tokens):
+            return None
+        return AnswerSave(lk, tokens)
+
+    def answer_prefix(self, save: AnswerSave, have: int, write) -> bool:
+        """Hand the stored prompt's positions from `have` on to `write(parts, have, n)` (a restore into an
+        arena row), holding its entries only meanwhile; False if they were evicted since."""
+        n = len(save.lookup.prompt)
+        match = self.store.match(save.lookup.ns, save.tokens[:n])
+        if match.length < n:
+            return False
+        self.store.acquire(match)
+        try:
+            write(self.store.parts(match, n), have, n)
+        finally:
+            self.store.release(match)
+        return True
 
     def finish_answer(self, save: AnswerSave, kv, logits) -> None:
-        """Store prompt + answer from `kv` holding all of it (None: give up), and unpin."""
-        try:
-            if kv is not None:
-                added = self.store.insert(save.lookup.ns, save.tokens, kv.segment,
-                                          payload=np.array(np.asarray(logits)[0]))
-                save.lookup.report.saved += added
-                self.stats.saves += 1
-        finally:
-            self.store.release(save.match)
-            self.sync()
+        """Store prompt + answer from `kv` holding all of it (None: give up)."""
+        if kv is not None:
+            added = self.store.insert(save.lookup.ns, save.tokens, kv.segment,
+                                      payload=np.array(np.asarray(logits)[0]))
+            save.lookup.report.saved += added
+            self.stats.saves += 1
+        self.sync()

@@ -72,9 +72,7 @@ class Lookup:
 
 @dataclasses.dataclass
 class AnswerSave:
-    """A prompt + answer to store: `tokens`, from `parts` (the stored prompt's host segments, in order,
-    held by `match`: views, read when its first chunk restores them)."""
+    """A prompt + answer to store: `tokens`, from the stored prompt's state (read from the store, or a
+    row holding it, at its first chunk)."""
     lookup: Lookup
     tokens: list[int]
-    match: Match
-    parts: list

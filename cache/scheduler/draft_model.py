@@ -93,7 +93,7 @@ class DraftModel:
         lk = self.cache.lookup(lookup.prompt, max_tokens, salt=salt, bypass=lookup.ns is None)
         n, reused, row = len(lk.prompt), lk.report.reused, None
         try:
-            row, _ = self.arena.take()
+            row, _ = self.arena.take(expect=n + max_tokens)
             if reused:
                 self.arena.restore(row, lk.parts, 0, reused)
             self.cache.release(lk)

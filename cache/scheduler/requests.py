@@ -120,10 +120,11 @@ class Request:
         return sum(sp.max_tokens > 1 for sp in self.samplings)
 
     def reservation(self, slots: int) -> int:
-        """The KV positions it reserves when admitted: for each choice that decodes, its row's first
-        grant (row_reservation), at least the prompt's row while it is prefilled; at most `slots` a row."""
+        """The KV positions it is granted when admitted: its prompt's row, with the first grant of a
+        choice that decodes in it (row_reservation); its other choices fork later, each with a grant of
+        its own (the scheduler's forks). At most `slots`."""
         rows = [self.row_reservation(i, slots) for i, sp in enumerate(self.samplings) if sp.max_tokens > 1]
-        return sum(rows) if rows else min(slots, len(self.prompt_ids) + 1)
+        return max(rows) if rows else min(slots, len(self.prompt_ids) + 1)
 
     def row_reservation(self, i: int, slots: int) -> int:
         """The positions choice i's row is granted first: its prompt and up to GROW_SLOTS tokens (a row

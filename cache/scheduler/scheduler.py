@@ -12,7 +12,8 @@ choices fork into rows of their own, and a step names the rows it runs. Each `st
   2. prefill: their prompts' next chunks, exact (a prompt state has a cold prefill's bits), chunks
      of one length side by side in one forward (see `_prefill_newcomers`); or else one chunk of an
      answer being stored for the next turn. A complete prompt is stored, its first tokens are
-     sampled and each choice that goes on decodes in a row (the prompt's, and copies of it);
+     sampled, and its first choice that goes on decodes in the prompt's row; the others fork from it
+     (its prompt's positions copied into a row of their own) as their KV grants fit the budget;
   3. decode: one step of every live row (forward at each row's position, then each row's own
      sampling; or, where rows drafted tokens and it pays, a verify step of their drafts:
      cache/scheduler/speculation.py), then the host side of every row (its TokenStream).
@@ -93,6 +94,7 @@ class Scheduler:
         self.pending: collections.deque[Request] = collections.deque()
         self.prefills: list[Prefill] = []  # admitted, prompt not yet complete (admission order)
         self.live: list[Row] = []  # the decode rows, in the order they came
+        self.forks: list[Row] = []  # choices whose prompt is done, waiting for a row and the KV to fork into
         self.saves = AnswerQueue(cache, self.arena, self.lease)  # answers being stored for the next turn
         self.stats = SchedulerStats()
         if isinstance(draft, Engine):
@@ -104,7 +106,7 @@ class Scheduler:
         self.verify_programs = VerifyPrograms(self.arena)
         self._idle_since: float | None = None
         self._trimmed = time.monotonic()
-        weakref.finalize(self, _abandon, self.live, self.lease)
+        weakref.finalize(self, _abandon, self.live, self.forks, self.lease)
 
     # ---- the public surface ------------------------------------------------------------------------
     @property
@@ -132,17 +134,23 @@ class Scheduler:
 
     @property
     def free_rows(self) -> int:
-        """Decode rows neither live nor held by a prompt being prefilled."""
-        return self.max_batch - self.live_rows - sum(p.request.decode_rows for p in self.prefills)
+        """Decode rows neither live, nor waiting to fork, nor held by a prompt being prefilled."""
+        return (self.max_batch - self.live_rows - len(self.forks)
+                - sum(p.request.decode_rows for p in self.prefills))
 
     @property
     def has_work(self) -> bool:
-        return bool(self.pending or self.prefills or self.saves or self.live_rows)
+        return bool(self.pending or self.prefills or self.saves or self.live_rows or self.forks)
+
+    @property
+    def granted_slots(self) -> int:
+        """Positions granted to the rows that hold KV: each live row's, each prompt being prefilled's."""
+        return sum(r.reserved for r in self.live) + sum(p.request.reservation(self.arena.slots) for p in self.prefills)
 
     @property
     def reserved_slots(self) -> int:
-        """Positions reserved by the requests in flight: each live row's, each prompt being prefilled's."""
-        return sum(r.reserved for r in self.live) + sum(p.request.reservation(self.arena.slots) for p in self.prefills)
+        """granted_slots, and the first grant of each choice waiting to fork (admission leaves them room)."""
+        return self.granted_slots + sum(r.reserved for r in self.forks)
 
     @property
     def kv_bytes_held(self) -> int:
@@ -160,7 +168,7 @@ class Scheduler:
     def figures(self) -> dict:
         """What /metrics shows of the batch (see cli/server/metrics.py)."""
         return {"rows": self.live_rows, "width": self.stats.width, "pending": len(self.pending),
-                "kv_bytes": self.kv_bytes_held, "kv_reserved_bytes": self.reserved_slots * self.kv_bytes_per_token,
+                "kv_bytes": self.kv_bytes_held, "kv_reserved_bytes": self.granted_slots * self.kv_bytes_per_token,
                 "steps": self.stats.steps, "decoded_tokens": self.stats.decoded_tokens, "stalled": self.stats.stalled,
                 "prefilled_tokens": self.stats.prefilled_tokens,
                 "speculation": {k: tuple(v) for k, v in self.stats.by_source.items()},
@@ -206,6 +214,9 @@ class Scheduler:
             self._abort_prefill(p, None)
         for r in list(self.live):
             self._free_row(r)
+        for r in self.forks:
+            r.release()
+        self.forks.clear()
         self.saves.close()
 
     def _prefill_newcomers(self) -> bool:
@@ -267,7 +278,8 @@ class Scheduler:
             return False
         need = self.reserved_slots + req.reservation(self.arena.slots)
         if self.live_rows + len(self.prefills):
-            forks = sum(max(0, p.request.decode_rows - 1) for p in self.prefills)  # rows taken at their end
+            # rows the prompts being prefilled fork into at their end, and the choices waiting to fork
+            forks = sum(max(0, p.request.decode_rows - 1) for p in self.prefills) + len(self.forks)
             if self.arena.free_rows - forks - SPARE_ROWS < max(1, req.decode_rows):
                 return False
             if need * self.kv_bytes_per_token > self.kv_bytes:
@@ -298,7 +310,7 @@ class Scheduler:
                 self.cache.pins.check(lk)  # before any work: a prompt that cannot be pinned is refused
             if reused < n or req.decode_rows:  # a row to prefill or decode in (an exact full hit without
                 exact = self.cache.exact_state(lk.prompt[:reused])  # decode rows needs none)
-                row, held = self.lease.take(exact if reused else None)
+                row, held = self.lease.take(exact if reused else None, req.reservation(self.arena.slots))
                 if held < reused:
                     self.arena.restore(row, lk.parts, held, reused, exact)
         except BaseException:
@@ -343,8 +355,8 @@ class Scheduler:
 
     def _prompt_done(self, p: Prefill, logits: np.ndarray) -> None:
         """p's prompt is in its row and `logits` [1, V] (on the host) follow it: store it, sample each
-        choice's first token, and give every choice that goes on a decode row (the prompt's row, and
-        copies of it)."""
+        choice's first token, and give every choice that goes on a decode row: the first the prompt's,
+        the others a fork of it each, as their KV grants fit (`_start_forks`)."""
         req, lk = p.request, p.lookup
         prefill_s = time.perf_counter() - p.started
         out = first_tokens(logits, req.samplings, p.constraints, self.engine.cfg.vocab_size, self.first_widths)
@@ -380,12 +392,14 @@ class Scheduler:
             else:
                 going_on.append(row)
         self.prefills.remove(p)
-        for i, row in enumerate(going_on):  # the first continues in the prompt's row, the others in copies
-            row.slot = p.row if i == 0 else self.lease.take()[0]
-            if i:
-                self.arena.fork(p.row, row.slot)
-            self.live.append(row)
-        if not going_on and p.row is not None:
+        if going_on:  # the first continues in the prompt's row, the others fork from it when their KV fits
+            going_on[0].slot = p.row
+            self.live.append(going_on[0])
+            for row in going_on[1:]:
+                row.source = going_on[0]
+                self.forks.append(row)
+            self._start_forks()
+        elif p.row is not None:
             self.lease.give(p.row)
 
     def _pin(self, req: Request, lk) -> JaxsmolError | None:
@@ -403,6 +417,7 @@ class Scheduler:
         then each row's host side (its tokens' stream, stop strings, events). (Dispatching the next
         step before reading this one, as vLLM's async scheduling does, gave no steady gain on two
         cores: docs/design.md, the scheduler.)"""
+        self._start_forks()
         live = self._granted()
         W = self.max_batch if self.batch_invariant else self.settings.width_for(len(live))
         plan = self.speculator.plan(live, W, self.arena.slots, lambda t: self.verify_programs.ready(W, t)) if (
@@ -439,7 +454,7 @@ class Scheduler:
         (a verify step's too), granted GROW_SLOTS more where it does not and the budget has room; the
         rows of the oldest request always (see the module docstring). The others sit this step out."""
         ahead = VERIFY_ROWS[-1] if self.speculator else 1
-        budget, reserved = self.kv_bytes // self.kv_bytes_per_token, self.reserved_slots
+        budget, reserved = self.kv_bytes // self.kv_bytes_per_token, self.granted_slots
         oldest, going = self.live[0].request, []
         for r in self.live:
             need = min(r.final, r.position + ahead)
@@ -453,20 +468,47 @@ class Scheduler:
             going.append(r)
         return going
 
+    def _start_forks(self) -> None:
+        """Fork the waiting choices, in order, while their first grants fit the KV budget: each into a row
+        of its own, its prompt's positions copied from a row of its request (a request's n choices then
+        hold the budget's worth at a time, not n rows at once)."""
+        budget = self.kv_bytes // self.kv_bytes_per_token
+        others = self.granted_slots
+        while self.forks and others + self.forks[0].reserved <= budget and self.arena.free_rows > 1:
+            row = self.forks.pop(0)
+            row.slot = self.lease.take(expect=row.reserved)[0]
+            self.arena.fork(row.source.slot, row.slot, len(row.lookup.prompt))
+            row.source = None
+            self.live.append(row)
+            others += row.reserved
+
     def _free_row(self, row: Row) -> None:
-        """A decode row leaves: its arena row goes back (holding its prompt's exact state), its drafter's too."""
+        """A decode row leaves: its arena row goes back (holding its prompt's exact state), its drafter's
+        too; or, where choices of its request wait to fork from it, the first of them takes the row
+        over as it is (its prompt's positions are the prompt's state: no copy)."""
         self.live.remove(row)
         row.release()
-        self.lease.give(row.slot)
+        heirs = [f for f in self.forks if f.source is row]
+        if not heirs:
+            self.lease.give(row.slot)
+            return
+        heir = heirs[0]
+        self.forks.remove(heir)
+        heir.slot, heir.source = row.slot, None
+        self.arena.pos[heir.slot] = len(heir.lookup.prompt)
+        self.live.append(heir)
+        for f in heirs[1:]:
+            f.source = heir
 
     def _recover(self) -> None:
         """After a program failed: the arena's buffers may be gone with it; every row in flight fails
         and the arena starts afresh (the prefix cache keeps its entries)."""
         if not self.arena.lost:
             return
-        for r in list(self.live):
+        for r in list(self.live) + self.forks:
             r.request.sink.error(JaxsmolError("the KV arena was lost to a failed step"))
-        self.live = []
+        self.live.clear()
+        self.forks.clear()
         for p in list(self.prefills):
             self.prefills.remove(p)
             self.cache.release(p.lookup)
@@ -483,15 +525,18 @@ class Scheduler:
                 self.saves.add(save)
 
     def _drop_cancelled(self) -> None:
+        for r in [r for r in self.forks if r.request.sink.cancelled()]:
+            self.forks.remove(r)
+            r.release()
         for r in [r for r in self.live if r.request.sink.cancelled()]:
             self._free_row(r)
         for p in [p for p in self.prefills if p.request.sink.cancelled()]:
             self._abort_prefill(p, None)
 
 
-def _abandon(live: list[Row], lease) -> None:
+def _abandon(live: list[Row], forks: list[Row], lease) -> None:
     """A scheduler dropped with rows in flight (a library call abandoned): its drafters' rows and its
     arena rows go back."""
-    for r in live:
+    for r in live + forks:
         r.release()
     lease.close()

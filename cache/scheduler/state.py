@@ -47,6 +47,7 @@ class Row:
     reserved: int = 0  # KV positions granted to it (its prompt, then GROW_SLOTS at a time: the scheduler's _grant)
     final: int = 0  # the most it can take: its prompt and its max_tokens
     slot: int = -1  # its row in the KV arena, once it decodes
+    source: Row | None = None  # while it waits to fork: the row of its request it forks from
 
     @property
     def position(self) -> int:
