@@ -236,6 +236,23 @@ def test_lru_evicts_least_recently_used_leaves_first():
     assert s.bytes_held <= s.budget_bytes
 
 
+def test_room_is_made_before_a_new_segment_is_read():
+    keys = [(k, 1, 2, 3, 4) for k in range(10, 14)]  # four disjoint 5-token keys
+    s = RadixStore(budget_bytes=3 * 5 * BYTES_PER_POS)  # room for three
+    for k in keys[:3]:
+        put(s, "ns", k)
+    held_when_read = []
+
+    def value_of(start, stop):
+        held_when_read.append(s.bytes_held)
+        return value(keys[3], start, stop)
+
+    s.insert("ns", keys[3], value_of)
+    # the oldest entry went before the new one was read: the budget held throughout, the new segment counted
+    assert held_when_read == [2 * 5 * BYTES_PER_POS] and s.evictions == 1
+    assert s.match("ns", keys[0]).length == 0 and s.match("ns", keys[3]).length == 5
+
+
 def test_lru_evicts_leaves_not_shared_trunks():
     trunk = tuple(range(100, 110))
     s = RadixStore(budget_bytes=(10 + 3 * 2) * BYTES_PER_POS)

@@ -61,6 +61,7 @@ class RadixStore(PinnedKeys):
         self._heap: list = []  # (last_used, push order, node) of leaves; stale entries skipped when popped
         self._order = itertools.count()
         self._nodes = 0  # nodes below the roots: the heap is rebuilt when its stale entries outnumber them
+        self._position_bytes = 0  # a stored position's bytes, learnt from the last insert: room made ahead
 
     # ---- helpers ---------------------------------------------------------------------------
     def _slice(self, value, start, stop):
@@ -253,8 +254,10 @@ class RadixStore(PinnedKeys):
             path.append(child)
             node, depth = child, depth + n
         added = len(tokens) - depth
-        if added:
+        if added:  # room first: the new segment is read while the entries it evicts would still be held
+            self._evict(protect=set(map(id, path)), room=added * self._position_bytes)
             leaf = Node(tokens[depth:], owned(value_of(depth, len(tokens))), node)
+            self._position_bytes = leaf.nbytes // added
             node.children[tokens[depth]] = leaf
             self._nodes += 1
             self.bytes_held += leaf.nbytes
@@ -315,10 +318,11 @@ class RadixStore(PinnedKeys):
                 yield node
             stack.extend(node.children.values())
 
-    def _evict(self, protect=frozenset()) -> None:
-        """Evict least-recently-used leaves while over budget; leased, pinned or protected ones wait."""
+    def _evict(self, protect=frozenset(), room: int = 0) -> None:
+        """Evict least-recently-used leaves while over budget (with `room` bytes more held); leased,
+        pinned or protected ones wait."""
         waiting = []  # live candidates that cannot go now: pushed back after
-        while self.bytes_held - self.pinned_bytes > self.budget_bytes and self._heap:
+        while self.bytes_held + room - self.pinned_bytes > self.budget_bytes and self._heap:
             used, _, victim = heapq.heappop(self._heap)
             parent = victim.parent
             if (parent is None or parent.children.get(victim.tokens[0]) is not victim or victim.children
