@@ -15,8 +15,8 @@ from jaxsmol.cache.store.radix import RadixStore
 class ScanningStore(RadixStore):
     """The reference: each victim found by scanning every leaf for the least recently used."""
 
-    def _evict(self, protect=frozenset()) -> None:
-        while self.bytes_held - self.pinned_bytes > self.budget_bytes:
+    def _evict(self, protect=frozenset(), room: int = 0) -> None:
+        while self.bytes_held + room - self.pinned_bytes > self.budget_bytes:
             candidates = [n for n in self._leaves() if n.leases == 0 and n.pins == 0 and id(n) not in protect]
             if not candidates:
                 return

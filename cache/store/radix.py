@@ -256,6 +256,7 @@ class RadixStore(PinnedKeys):
         added = len(tokens) - depth
         if added:  # room first: the new segment is read while the entries it evicts would still be held
             self._evict(protect=set(map(id, path)), room=added * self._position_bytes)
+            node = node if path else self._root(namespace)  # an emptied root is dropped: insert under a live one
             leaf = Node(tokens[depth:], owned(value_of(depth, len(tokens))), node)
             self._position_bytes = leaf.nbytes // added
             node.children[tokens[depth]] = leaf

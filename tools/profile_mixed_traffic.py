@@ -1,13 +1,16 @@
 """Traffic whose fields vary as real clients' do, against a running daemon, and what it did to the daemon.
 
-Usage: python tools/mixed_traffic.py URL [--pid PID] [--requests 200] [--leavers 64] [--clients 8]
-       [--seed 0] [--plain] [--itl] [--idle 60]
+python tools/profile_mixed_traffic.py URL [--pid PID] [--requests 200] [--leavers 64] [--clients 8]
+    [--seed 0] [--words-seed S] [--plain] [--itl] [--idle 60]
 
 Sends --requests bodies over --clients threads, each picking its own route (completions or chat), prompt
 length (3-1500 tokens of text), n, max_tokens, temperature, top_k, top_p, seed, stop strings, logprobs /
 top_logprobs, echo, prompt_logprobs, a JSON schema, and stream; then --leavers streams that leave after
-three chunks. --plain sends plain bodies instead (a prompt, max_tokens, temperature). --itl also runs one
-long greedy stream beside the traffic and prints its inter-token latencies (p50, p99, max). Prints
+three chunks. --plain sends plain bodies instead (a prompt and max_tokens of the same lengths, a
+temperature). --words-seed draws the prompts' words apart from the fields: two runs with one --seed and
+two --words-seed send the same field combinations with other prompts (a daemon that compiled for new
+combinations stalls in the first alone). --itl also runs one long greedy stream beside the traffic and
+prints its inter-token latencies (p50, p99, max). Prints
 /metrics' programs and memory gauges, and the resident set and its peak read from /proc/PID/status
 (--pid: the daemon's process), before, after the requests, after the leavers and after --idle seconds idle. Each
 phase's 5xx count too. A maintainer's measurement (docs/performance.md), not a test.
@@ -29,6 +32,8 @@ WORDS = ("the of and a to in is you that it he was for on are as with his they a
          "by word but not what all were we when your can said there use an each which she do how their if will "
          "up other about out many then them these so some her would make like him into time has look two more "
          "write go see number no way could people my than first water been call who its now find long down day").split()
+LENGTHS = (3, 5, 10, 30, 60, 120, 250, 400, 700, 1000, 1500)  # words of a prompt
+MAX_TOKENS = (1, 2, 5, 16, 32, 64)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 GAUGES = ("programs", "programs_after_ready", "resident_bytes", "unaccounted_bytes", "cache_bytes", "batch_kv_bytes",
@@ -39,10 +44,10 @@ def text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def varied(rng: random.Random) -> tuple[str, dict]:
+def varied(rng: random.Random, words_rng: random.Random) -> tuple[str, dict]:
     """A (route, body) with every field drawn as a client might send it."""
     chat = rng.random() < 0.5
-    body = {"max_tokens": rng.choice([1, 2, 5, 16, 32, 64]), "temperature": rng.choice([0, 0.5, 1.0, 1.3])}
+    body = {"max_tokens": rng.choice(MAX_TOKENS), "temperature": rng.choice([0, 0.5, 1.0, 1.3])}
     if rng.random() < 0.3:
         body["top_k"] = rng.choice([1, 5, 40, 200])
     if rng.random() < 0.3:
@@ -58,13 +63,13 @@ def varied(rng: random.Random) -> tuple[str, dict]:
     stream = rng.random() < 0.4
     if stream:
         body["stream"] = True
-    words = rng.choice([3, 5, 10, 30, 60, 120, 250, 400, 700, 1000, 1500])
+    words = rng.choice(LENGTHS)
     if chat:
-        body["messages"] = [{"role": "user", "content": text(rng, words)}]
+        body["messages"] = [{"role": "user", "content": text(words_rng, words)}]
         if rng.random() < 0.4:
             body.update(logprobs=True, top_logprobs=rng.choice([0, 1, 3, 5, 20]))
         return "/v1/chat/completions", body
-    body["prompt"] = text(rng, words)
+    body["prompt"] = text(words_rng, words)
     if rng.random() < 0.4:
         body["logprobs"] = rng.choice([0, 1, 2, 5])
     if rng.random() < 0.2 and not stream:
@@ -74,8 +79,10 @@ def varied(rng: random.Random) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-def plain(rng: random.Random) -> tuple[str, dict]:
-    return "/v1/completions", {"prompt": text(rng, rng.choice([10, 60, 250])), "max_tokens": 32, "temperature": 0.8}
+def plain(rng: random.Random, words_rng: random.Random) -> tuple[str, dict]:
+    """The same prompt lengths and answer lengths as `varied`, no other field."""
+    return "/v1/completions", {"prompt": text(words_rng, rng.choice(LENGTHS)), "max_tokens": rng.choice(MAX_TOKENS),
+                               "temperature": 0.8}
 
 
 def send(url: str, route: str, body: dict, leave_after: int | None = None) -> int:
@@ -131,12 +138,15 @@ def main() -> None:
     p.add_argument("--leavers", type=int, default=64)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--words-seed", type=int, help="the prompts' words drawn apart from the fields (default: --seed): "
+                   "the same field combinations again with other prompts")
     p.add_argument("--plain", action="store_true")
     p.add_argument("--itl", action="store_true")
     p.add_argument("--idle", type=float, default=0)
     args = p.parse_args()
     url, rng = args.url.rstrip("/"), random.Random(args.seed)
-    bodies = [(plain if args.plain else varied)(rng) for _ in range(args.requests)]
+    words_rng = rng if args.words_seed is None else random.Random(args.words_seed)
+    bodies = [(plain if args.plain else varied)(rng, words_rng) for _ in range(args.requests)]
     show("before", snapshot(url, args.pid))
     gaps, stop = [], threading.Event()
     streamer = threading.Thread(target=itl_stream, args=(url, stop, gaps), daemon=True) if args.itl else None
