@@ -159,3 +159,41 @@ def test_load_prefix_refuses_a_prefix_of_another_dtype():
     cache = jnp.zeros((2, 1, 2, 64, 16), jnp.bfloat16)
     with pytest.raises(Exception, match="of its dtype"):
         jax.block_until_ready(cpu_kernels.load_prefix(cache, jnp.ones((2, 1, 2, 8, 16), jnp.float32)))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 17)])
+def test_write_rows_writes_a_chunk_into_one_layer_exactly(B, T):
+    """The forward's cache write on a bfloat16 cache with the kernels (XLA:CPU widens its own update-slice
+    to float32, the whole cache at every layer): row b of the chunk at cache row rows[b], slots pos[b]..,
+    layer `layer`; every other slot as it was."""
+    rng = np.random.default_rng(B * 100 + T)
+    L, R, K, S, H = 3, 5, 2, 64, 16
+    cache = np.asarray(jnp.asarray(rng.standard_normal((L, R, K, S, H)), jnp.bfloat16))
+    new = np.asarray(jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16))
+    rows, pos, layer = rng.permutation(R)[:B].astype(np.int32), rng.integers(0, S - T, B).astype(np.int32), 1
+    want = cache.copy()
+    for b in range(B):
+        want[layer, rows[b], :, pos[b]:pos[b] + T] = new[b].transpose(1, 0, 2)
+    write = jax.jit(cpu_kernels.write_rows, donate_argnums=0)
+    got = np.asarray(write(jnp.array(cache, copy=True), jnp.asarray(new), jnp.int32(layer), jnp.asarray(pos),
+                           jnp.asarray(rows)))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    with pytest.raises(Exception, match="outside the cache"):
+        jax.block_until_ready(write(jnp.array(cache, copy=True), jnp.asarray(new), jnp.int32(layer),
+                                    jnp.full(B, S - T + 1, jnp.int32), jnp.asarray(rows)))
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_the_forwards_bfloat16_write_is_xlas_update_slice(per_row):
+    """The forward's write (model._write) with the kernels (write_rows) and without (XLA's update-slice):
+    the same cache bits, per-row positions and rows (the arena) or one position (a lone sequence)."""
+    rng = np.random.default_rng(7)
+    cache = jnp.asarray(rng.standard_normal((3, 4, 2, 64, 16)), jnp.bfloat16)
+    B, T = (3, 2) if per_row else (4, 5)
+    new = jnp.asarray(rng.standard_normal((B, T, 2, 16)), jnp.bfloat16)
+    pos, rows = (jnp.asarray([5, 0, 40], jnp.int32), jnp.asarray([3, 1, 0], jnp.int32)) if per_row else (
+        jnp.int32(9), None)
+    got = [jax.jit(lambda c, n, p, r, on=on: model._write(c, n, jnp.int32(2), p, r, kernels=on))(cache, new, pos, rows)
+           for on in (True, False)]
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), np.asarray(got[1]).view(np.uint16))
+    assert not np.array_equal(np.asarray(got[0]).view(np.uint16), np.asarray(cache).view(np.uint16))

@@ -23,8 +23,10 @@
 - `load_prefix`, `write_slots`, `read_slots`, `copy_row` (cpu_prefix.cc): copies of a snapshot's prefix into a
   cache, of a staged block into a row of the KV arena and of a row's slots out of it, of a row's slots into
   another, split between the threads (XLA's dynamic-update-slice copies on one), none touching a slot past
-  the positions asked; `reserve`: the KV arena allocated without touching its pages (XLA writes every byte
-  it allocates), so that only the positions written take memory (runtime/kv_arena.py).
+  the positions asked; `write_rows`: a chunk's keys or values into one layer of a bfloat16 cache, in
+  place (XLA:CPU widens its update-slice to float32, the whole cache there and back); `reserve`: the KV
+  arena allocated without touching its pages (XLA writes every byte it allocates), so that only the
+  positions written take memory (runtime/kv_arena.py).
 
 The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
 (`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and
@@ -73,7 +75,7 @@ TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMat
            "jaxsmol_attention": "JaxsmolAttention", "jaxsmol_attention_bf16": "JaxsmolAttentionBf16",
            "jaxsmol_load_prefix": "JaxsmolLoadPrefix", "jaxsmol_write_slots": "JaxsmolWriteSlots",
            "jaxsmol_copy_row": "JaxsmolCopyRow", "jaxsmol_read_slots": "JaxsmolReadSlots",
-           "jaxsmol_reserve": "JaxsmolReserve"}
+           "jaxsmol_write_rows": "JaxsmolWriteRows", "jaxsmol_reserve": "JaxsmolReserve"}
 PANEL = 32  # columns per panel of a packed weight: a matmul's N must be a multiple
 HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
@@ -400,6 +402,15 @@ def read_slots(cache: jax.Array, row: jax.Array, start: jax.Array, n: jax.Array,
     L, _, K, _, H = cache.shape
     call = jax.ffi.ffi_call("jaxsmol_read_slots", jax.ShapeDtypeStruct((L, 1, K, size, H), cache.dtype))
     return call(cache, jnp.stack([row, start, n]).astype(jnp.int32))
+
+
+def write_rows(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
+    """cache [L, R, K, S, H] with new [B, T, K, H] (same dtype) written into layer `layer`, row b of new
+    into cache row rows[b] at slots pos[b].. (cpu_prefix.cc), in place: XLA:CPU's own update-slice
+    widens a bfloat16 cache to float32 and back, whole, at every write."""
+    call = jax.ffi.ffi_call("jaxsmol_write_rows", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, new, rows.astype(jnp.int32), pos.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
 
 
 def copy_row(cache: jax.Array, source: jax.Array, dest: jax.Array, n: jax.Array) -> jax.Array:

@@ -5,6 +5,9 @@
 //   (jaxsmol/runtime/kv_arena.py: a restore is a few such blocks).
 // - ReadSlots: a block of a row read out, no slot past the positions asked (a save into the prefix cache).
 // - CopyRow: the first n slots of one arena row copied into another (a prompt's forks).
+// - WriteRows: a chunk's new keys or values written into one layer of a bfloat16 cache, in place (XLA:CPU
+//   widens a bfloat16 dynamic-update-slice to float32: the whole cache converted there and back at every
+//   layer of every step, seconds a step on a daemon's arena).
 // - Reserve: the arena itself, [L, R, K, S, H] allocated and not touched: its whole pages are handed back
 //   to the OS (they read as zeros and take no memory until a program writes them), so the arena's
 //   resident memory is the positions its rows have written, not R x S.
@@ -119,6 +122,38 @@ ffi::Error CopyRow(ffi::ThreadPool pool, ffi::AnyBuffer cache, Where at, ffi::Re
   return ffi::Error::Success();
 }
 
+// out = cache [L, R, K, S, H] (aliased) with new [B, T, K, H] written into layer `layer`: row b of new
+// into cache row rows[b], slots pos[b]..pos[b] + T - 1. A chunk's few rows: one thread, a memcpy per slot.
+using Index = ffi::Buffer<ffi::S32, 0>;
+
+ffi::Error WriteRows(ffi::AnyBuffer cache, ffi::AnyBuffer fresh, Where rows, Where pos, Index layer,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions(), nd = fresh.dimensions();
+  if (cd.size() != 5 || nd.size() != 4 || fresh.element_type() != cache.element_type() || nd[2] != cd[2] ||
+      nd[3] != cd[4] || rows.dimensions()[0] != nd[0] || pos.dimensions()[0] != nd[0] ||
+      out->untyped_data() != cache.untyped_data())
+    return ffi::Error::InvalidArgument("write rows: needs cache [L, R, K, S, H] (aliased to the result), new "
+                                       "[B, T, K, H] of its dtype, rows [B] and positions [B]");
+  const int64_t L = cd[0], R = cd[1], K = cd[2], S = cd[3], B = nd[0], T = nd[1];
+  const int64_t l = *layer.typed_data();
+  const size_t slot = cache.size_bytes() / (L * R * K * S);  // bytes of one slot: H elements
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("write rows: the layer is outside the cache");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = rows.typed_data()[b], p = pos.typed_data()[b];
+    if (r < 0 || r >= R || p < 0 || p + T > S)
+      return ffi::Error::InvalidArgument("write rows: a row or its slots are outside the cache");
+  }
+  char* const dst = static_cast<char*>(out->untyped_data());
+  const char* const src = static_cast<const char*>(fresh.untyped_data());
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = rows.typed_data()[b], p = pos.typed_data()[b];
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(dst + (((l * R + r) * K + k) * S + p + t) * slot, src + ((b * T + t) * K + k) * slot, slot);
+  }
+  return ffi::Error::Success();
+}
+
 // Zeros [p, p + bytes) touching as little of it as the OS allows: the partial pages at its ends are
 // written, the whole pages between are handed back (MADV_DONTNEED: they then read as zeros and are
 // backed by memory only once written), and kept off transparent huge pages, which would back a whole
@@ -174,6 +209,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolCopyRow, CopyRow,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Where>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolWriteRows, WriteRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Where>()
+                                  .Arg<Where>()
+                                  .Arg<Index>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsmolReserve, Reserve, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -171,9 +171,13 @@ def _attention_tile(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax
 
 
 def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array,
-           rows: jax.Array | None = None) -> jax.Array:
+           rows: jax.Array | None = None, kernels: bool = False) -> jax.Array:
     """cache [L, R, K, S, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos
-    is [B]), row b of new into cache row rows[b] (None: row b)."""
+    is [B]), row b of new into cache row rows[b] (None: row b). A bfloat16 cache with the kernels: by
+    cpu_kernels.write_rows (XLA:CPU widens a bfloat16 update-slice, the whole cache, at every layer)."""
+    if kernels and cache.dtype == jnp.bfloat16:
+        at = jnp.arange(new.shape[0], dtype=jnp.int32) if rows is None else rows
+        return cpu_kernels.write_rows(cache, new, layer, jnp.broadcast_to(pos, (new.shape[0],)), at)
     new = new.transpose(0, 2, 1, 3)  # [B, K, T, H]
     if pos.ndim == 0 and rows is None:
         return lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, pos, 0))
@@ -208,8 +212,8 @@ def decoder_layer(w: LayerParams, x: jax.Array, k_all: jax.Array, v_all: jax.Arr
         v = mm(h, w.wv).reshape(B, T, K, H)
     qk = apply_rope(qk, sin, cos)  # [B, T, K * G + K, H]
     q, k = qk[:, :, :K * G] * (H ** -0.5), qk[:, :, K * G:]
-    k_all = _write(k_all, k.astype(k_all.dtype), layer, pos, rows)
-    v_all = _write(v_all, v.astype(v_all.dtype), layer, pos, rows)
+    k_all = _write(k_all, k.astype(k_all.dtype), layer, pos, rows, cfg.cpu_kernels)
+    v_all = _write(v_all, v.astype(v_all.dtype), layer, pos, rows, cfg.cpu_kernels)
     a = attend(q.reshape(B, T, K, G, H), k_all, v_all, layer, pos, cfg, as_steps, rows).reshape(B, T, K * G * H)
     x = x + mm(a.astype(dt), w.wo, jnp.float32)
     h = rms_norm(x, _layer_of(w.mlp_norm, layer), cfg.rms_norm_eps, cfg.cpu_kernels).astype(dt)
