@@ -141,6 +141,41 @@ def test_worker_reports_bad_input_on_the_job(tiny_engine, run_job):
     assert isinstance(events[-1], JobEnd)
 
 
+def test_a_long_prompts_scores_run_a_chunk_between_the_batchs_steps(tiny_engine, worker_loop, monkeypatch):
+    """A request asking for a 300-token prompt's log-probabilities is scored a chunk per worker round:
+    a stream decoding meanwhile gets a step between every two chunks (scored at once, the scoring
+    held it for all of them); the scores are the ones `score` gives."""
+    from jaxsmol.cache.prefix_cache import PrefixCache
+    from jaxsmol.cache.scheduler.scheduler import Scheduler
+    from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, TokenEvent
+    from jaxsmol.cli.server.prompt_scores import PromptScores
+    from jaxsmol.runtime.engine import SCORE_ROWS
+
+    order = []
+    advance, step = PromptScores.advance, Scheduler.step
+    monkeypatch.setattr(PromptScores, "advance", lambda self: (order.append("chunk"), advance(self))[1])
+    monkeypatch.setattr(Scheduler, "step", lambda self: (order.append("step"), step(self))[1])
+    loop, start_worker = worker_loop
+    worker = start_worker(PrefixCache(tiny_engine, mode="off"))
+    long = [(7 * i) % 250 + 3 for i in range(300)]
+    stream = Job(choices=[ChoiceSpec(0, list(range(3, 20)), SamplingParams(max_tokens=400, temperature=0.0,
+                                                                            ignore_eos=True))],
+                 salt=None, bypass=False, loop=loop)
+    scored = Job(choices=[ChoiceSpec(0, long, SamplingParams(max_tokens=1), prompt_logprobs=3)],
+                 salt=None, bypass=False, loop=loop)
+    worker.submit(stream)
+    asyncio.run_coroutine_threadsafe(stream.events.get(), loop).result(60)  # it decodes
+    worker.submit(scored)
+    events = asyncio.run_coroutine_threadsafe(_events_until_end(scored), loop).result(120)
+    stream.cancelled.set()
+    chunks = [i for i, what in enumerate(order) if what == "chunk"]
+    assert len(chunks) == -(-len(long) // SCORE_ROWS)
+    assert all(order[a + 1] == "step" for a in chunks[:-1])  # the stream stepped between every two chunks
+    result = next(e.result for e in events if isinstance(e, ChoiceDone))
+    assert result.prompt_logprobs[1:] == [s.as_dict() for s in score(tiny_engine, long, 3)[1:]]
+    assert not any(isinstance(e, TokenEvent) and e.index != 0 for e in events)
+
+
 # ---- the real model against transformers ---------------------------------------------------------------
 @pytest.mark.real
 def test_scores_match_hf_reference(real_engine):

@@ -11,6 +11,7 @@ failure is reported on the job's own channel.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -21,8 +22,7 @@ from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.scheduler import Scheduler
 from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
-from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.scoring import score
+from jaxsmol.cli.server.prompt_scores import PromptScores
 from jaxsmol.runtime.stream import Step
 
 
@@ -88,16 +88,17 @@ class Worker(threading.Thread):
         self.scheduler = Scheduler(cache, self.draft, **self._settings)
         self.max_queue = max_queue
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.scoring: collections.deque[tuple[Job, PromptScores]] = collections.deque()  # before they are submitted
         self.lock = threading.Lock()  # held while the model or the cache is in use (flush waits for it)
         self.stopping = threading.Event()
 
     @property
     def busy(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.scoring)
 
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull when max_queue requests already wait, here or in the scheduler."""
-        if self.jobs.qsize() + len(self.scheduler.pending) >= self.max_queue:
+        if self.jobs.qsize() + len(self.scoring) + len(self.scheduler.pending) >= self.max_queue:
             raise QueueFull
         try:
             self.jobs.put_nowait(job)
@@ -110,13 +111,18 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            self._take_jobs(wait=not self.scheduler.has_work)
+            self._take_jobs(wait=not self.busy)
+            if self.scoring:
+                with self.lock:
+                    self._score_chunk()
             if self.scheduler.has_work:
                 try:
                     with self.lock:
                         self.scheduler.step()
                 except BaseException as e:  # never let a failure take the worker down
                     self._fail_all(e)
+            elif self.scoring:
+                continue
             elif self.stopping.is_set() and self.jobs.empty():
                 return
             elif self.jobs.empty():
@@ -143,17 +149,19 @@ class Worker(threading.Thread):
                 job.emit(JobEnd())
 
     def _start(self, job: Job) -> None:
-        """Group the job's choices by prompt (n samples of one prompt are forks) and submit them."""
+        """Submit the job (_submit), once the prompt scores its choices ask for are in (_score_chunk)."""
         if job.cancelled.is_set():  # its client left while it waited
             self.metrics.cancelled += 1
             job.emit(JobEnd())
             return
-        try:
-            prompt_lp = self._prompt_logprobs(job.choices)
-        except JaxsmolError as e:
-            job.emit(JobError(e))
-            job.emit(JobEnd())
-            return
+        scores = PromptScores(self.cache.engine, job.choices)
+        if scores.done:
+            self._submit(job, {})
+        else:  # scored a chunk per round first (_score_chunk)
+            self.scoring.append((job, scores))
+
+    def _submit(self, job: Job, prompt_lp: dict) -> None:
+        """Group the job's choices by prompt (n samples of one prompt are forks) and submit them."""
         groups: dict[tuple, list[ChoiceSpec]] = {}
         for spec in job.choices:
             groups.setdefault(tuple(spec.prompt_ids), []).append(spec)
@@ -163,21 +171,39 @@ class Worker(threading.Thread):
                                           indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass,
                                           pin=job.pin))
 
-    def _prompt_logprobs(self, choices: list[ChoiceSpec]) -> dict:
-        """ChoiceSpec.index -> prompt log-probabilities (jaxsmol/runtime/scoring.py: one cold forward per
-        distinct prompt, exact whatever the cache holds), for the choices that ask."""
-        scores, out = {}, {}
-        for spec in choices:
-            if spec.prompt_logprobs is None:
-                continue
-            key = (tuple(spec.prompt_ids), spec.prompt_logprobs)
-            if key not in scores:
-                scores[key] = [s.as_dict() for s in score(self.cache.engine, spec.prompt_ids, spec.prompt_logprobs)]
-            out[spec.index] = scores[key]
-        return out
+    def _score_chunk(self) -> None:
+        """One chunk of the first waiting job's prompt scores; the job is submitted once they are in, or
+        ends with the error a scoring raised (or its client left meanwhile)."""
+        job, scores = self.scoring[0]
+        if job.cancelled.is_set():
+            self._end_scoring(None)
+            self.metrics.cancelled += 1
+            return
+        try:
+            scores.advance()
+            if scores.done:
+                self.scoring.popleft()
+                self._submit(job, scores.result)
+        except BaseException as e:  # a refused prompt or top k, or a failed forward: this job's error alone
+            if self.scheduler.arena.lost:  # ... unless the forward took the arena with it
+                self._fail_all(e)
+            elif self.scoring and self.scoring[0][0] is job:
+                self._end_scoring(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            else:
+                job.emit(JobError(e if isinstance(e, Exception) else RuntimeError(repr(e))))
+                job.emit(JobEnd())
+
+    def _end_scoring(self, error: Exception | None) -> None:
+        job, scores = self.scoring.popleft()
+        scores.close()
+        if error is not None:
+            job.emit(JobError(error))
+        job.emit(JobEnd())
 
     def _fail_all(self, error: BaseException) -> None:
         """A step failed outside any one request: tell every request in flight, start afresh."""
+        while self.scoring:
+            self._end_scoring(error if isinstance(error, Exception) else RuntimeError(repr(error)))
         s = self.scheduler
         sinks = [r.request.sink for r in s.rows if r is not None] + [r.sink for r in s.pending]
         sinks += [p.request.sink for p in s.prefills]

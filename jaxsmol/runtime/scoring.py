@@ -64,6 +64,18 @@ def score(engine, ids, top_k: int = 0) -> list[TokenScore]:
     Returns len(ids) TokenScores: position 0 has logprob None and top None; position p > 0 has
     log P(ids[p] | ids[:p]) and the top_k most likely tokens at p (an empty tuple for top_k 0).
     """
+    steps = score_steps(engine, ids, top_k)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def score_steps(engine, ids, top_k: int = 0):
+    """`score` a chunk at a time: a generator that yields after each chunk of SCORE_ROWS positions and
+    returns the scores (a daemon runs its other requests' steps between the chunks of a long prompt's
+    scoring). Its arena row is held until it returns or is closed."""
     from jaxsmol.runtime.engine import SCORE_ROWS
 
     if not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
@@ -80,4 +92,6 @@ def score(engine, ids, top_k: int = 0) -> list[TokenScore]:
                 for r, (row_, top) in enumerate(zip(rows, tops)):
                     token = ids[begin + start + r + 1]
                     out.append(TokenScore(token, float(row_[token]), top, rank=int((row_ > row_[token]).sum()) + 1))
+            if len(out) < len(ids):
+                yield
     return out
