@@ -97,10 +97,10 @@ def test_two_callers_at_once_compile_once(engine, store):
     """Replicas started together share the store: one child compiles, the other caller waits its turn
     and finds every program stored."""
     calls, results = _calls(engine), []
-    before = compile_apart.children
+    before = compile_apart.rounds
     threads = [threading.Thread(target=lambda: results.append(compile_apart.compile_in_child(calls))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == [len(calls), len(calls)] and compile_apart.children - before == 1
+    assert results == [len(calls), len(calls)] and compile_apart.rounds - before == 1

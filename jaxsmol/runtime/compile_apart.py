@@ -4,11 +4,12 @@ The command line keeps one malloc arena for all threads (system/host_memory.py: 
 buffers come from one heap that is kept, not faulted in afresh). XLA's compiler runs threads of its
 own, and under one arena they wait on its lock: the daemon's programs compiled in 46.5 s there
 against 31.3 s under glibc's default arenas (2 cores). So a process that keeps one arena, or any
-process with many programs to compile, hands them to a child started for the purpose: it compiles
-each into the program store (program_store.py) and exits, and its compiler's heap goes with it;
-the caller then loads each executable (~10 ms). The child gets the calls' shapes alone (weights as
-ShapeDtypeStructs), pickled on its stdin; it is the same interpreter with the same environment, so
-it computes the same store folder, or says it did not and the caller compiles in process.
+process with many programs to compile, hands them to children started for the purpose, one per core
+with a share each: each compiles its share into the program store (program_store.py) and exits, and
+its compiler's heap goes with it; the caller then loads each executable (~10 ms). A child gets its
+calls' shapes alone (weights as ShapeDtypeStructs), pickled on its stdin; it is the same interpreter
+with the same environment, so it computes the same store folder, or says it did not and the caller
+compiles in process.
 
 Processes sharing a store take turns (a lock file in its folder): replicas started together on one
 machine compile each program once, and the others load it. Run as `python -m
@@ -18,6 +19,7 @@ jaxsmol.runtime.compile_apart` (by `compile_in_child` only).
 from __future__ import annotations
 
 import fcntl
+import os
 import pickle
 import subprocess
 import sys
@@ -29,7 +31,7 @@ import jax
 from jaxsmol.runtime import program_store
 
 MIN_CALLS = 6  # fewer than this many missing programs compile in process (a child costs ~2.5 s to start)
-children = 0  # compile children this process started
+rounds = 0  # times this process had children compile (one round: a child per core)
 
 
 def shapes_of(tree):
@@ -76,22 +78,29 @@ def compile_in_child(calls: list, stop: threading.Event | None = None, least: in
 
 
 def _run_child(calls: list, folder, stop: threading.Event | None) -> bool:
-    """One child compiling `calls` into `folder`; whether it ran to its end."""
-    global children
-    shapes = [(p.name, p.module, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in calls]
-    payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder), "calls": shapes})
-    children += 1
-    child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-    done = threading.Thread(target=child.communicate, args=(payload,), daemon=True)
-    done.start()
-    while done.is_alive():
-        done.join(0.2)
+    """Children compiling `calls` into `folder`, one per core the process may use (two cores: 35
+    programs in ~half the time of one child), every child a share of each kind of program; whether
+    they all ran to their end."""
+    global rounds
+    rounds += 1
+    n = max(1, min(len(os.sched_getaffinity(0)), len(calls) // MIN_CALLS))
+    started = []
+    for share in (calls[i::n] for i in range(n)):
+        shapes = [(p.name, p.module, shapes_of(args), shapes_of(kwargs)) for p, args, kwargs in share]
+        payload = pickle.dumps({"root": str(program_store.root()), "folder": str(folder), "calls": shapes})
+        child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+        done = threading.Thread(target=child.communicate, args=(payload,), daemon=True)
+        done.start()
+        started.append((child, done))
+    while any(done.is_alive() for _, done in started):
+        started[0][1].join(0.2)
         if stop is not None and stop.is_set():
-            child.kill()
-            done.join()
+            for child, done in started:
+                child.kill()
+                done.join()
             return False
-    return child.returncode == 0
+    return all(child.returncode == 0 for child, _ in started)
 
 
 def _main() -> int:

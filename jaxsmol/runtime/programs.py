@@ -58,9 +58,9 @@ ALL = {p.name: p for p in (forward, load_prefix, prefill_rows, decode_step, veri
 def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Event | None = None) -> int:
     """Make ready the executables of `calls`, each (program, args, kwargs) as the program will be
     called (arguments may be ShapeDtypeStructs): loaded from the program store, else compiled and
-    stored (program_store.py). Where many are missing from the store, a child process compiles
-    them there first (compile_apart.py: XLA's compiler is ~1.5x faster outside the command line's
-    single malloc arena, and its heap leaves with the child). One after another in process: XLA's
+    stored (program_store.py). Where many are missing from the store, children (one per core, each a
+    share) compile them there first (compile_apart.py: XLA's compiler is ~1.5x faster outside the
+    command line's single malloc arena, and its heap leaves with the children). One after another in process: XLA's
     compiler runs threads of its own. `stop` (an Event) is checked before each. Returns how many."""
     calls = list(calls)
     missing = [c for c in calls if c[0].missing(*c[1], **c[2])]
