@@ -34,10 +34,10 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                    help="cancel a request whose client has not read its output for S seconds (default 30)")
     s.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="decode rows: requests (and choices) decoded together in one step (default 16)")
-    s.add_argument("--kv-cache-bytes", type=int, default=192 << 20, metavar="BYTES",
+    s.add_argument("--kv-cache-bytes", type=int, default=160 << 20, metavar="BYTES",
                    help="the KV memory requests in flight may be granted, each row its prompt and 128 tokens at a "
-                        "time as it grows: a request that does not fit waits, a row sits steps out (default 192 "
-                        "MiB: 4,370 positions of the bundled 135M's float32 KV; one request alone is always "
+                        "time as it grows: a request that does not fit waits, a row sits steps out (default 160 "
+                        "MiB: 3,640 positions of the bundled 135M's float32 KV; one request alone is always "
                         "admitted); the KV arena's resident memory stays within it")
     s.add_argument("--batch-invariant", action="store_true",
                    help="decode always at the full --max-batch width, so a request's tokens and logprobs "

@@ -40,7 +40,7 @@ def widths_for(max_batch: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     max_batch: int = 16  # decode rows
-    kv_bytes: int = 192 << 20  # the KV the requests in flight may be granted (scheduler.py: memory)
+    kv_bytes: int = 160 << 20  # the KV the requests in flight may be granted (scheduler.py: memory)
     batch_invariant: bool = False  # decode always at max_batch rows (see cache/scheduler/scheduler.py)
     chunk_rows: int = 48  # prefill rows per step while others decode (a long prompt: 32 of them)
     admission: str = "lpm"  # one of ADMISSION_ORDERS
