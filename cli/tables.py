@@ -49,12 +49,16 @@ def format_probe(result: dict) -> str:
     else:
         title = f"cache probe (mode {result['mode']}, predict {result['max_tokens']})"
     rows = [[label, show(cold[key]), show(warm[key])] for label, key, show in _PROBE_ROWS if key in cold]
-    # a bypassed warm run reused nothing: its lower time is the cold run's one-time costs, not the cache
-    why = " (no reuse: the prompt bypassed the cache; the cold run paid the process's first-run costs)" \
-        if warm.get("bypass") else ""
+    why = " (no reuse: the prompt bypassed the cache, so both runs do the same work)" if warm.get("bypass") else ""
     lines = [format_table(["", "cold", "warm"], rows, title=title, numbers=False, rule=False),
              f"identical outputs: {'yes' if result['identical'] else 'NO'}; "
              f"time-to-first-token speedup: {result['ttft_speedup']:.1f}x{why}"]
+    if result.get("first_run_s") is not None:
+        lines.append(f"first run, before the probe: {result['first_run_s'] * 1e3:.0f} ms (other tokens, cold then "
+                     "warm: one-time costs kept out of the cold run)")
+    if not warm.get("bypass") and result["ttft_speedup"] < 2:  # the cache saved less than half the prompt's time
+        lines.append(f"a {warm['prompt_tokens']}-token prompt leaves the cache little to save (the warm run still "
+                     "computes a chunk); a long prefix shows it: jaxsmol cacheprobe --text ...")
     pc = result.get("prompt_cache")
     if pc:
         used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"

@@ -31,15 +31,33 @@ def test_lab_probe_reuses_prompt_n_minus_1():
 
 
 def test_lab_probe_table_and_one_token_bypass():
+    """The table, its first-run line (the one-time costs paid before the cold run, by a request of other
+    tokens) and, for a 4-token prompt, why the cache saves little; a one-token prompt bypasses the cache."""
     r = run("aitest", "--cacheprobe", "--predict", 1, 0, 1, 2, 3)
     assert r.returncode == 0, r.stderr
     assert "tokens reused        0" in r.stdout and "identical outputs: yes" in r.stdout
+    assert "first run, before the probe: " in r.stdout
     r = run("aitest", "--cacheprobe", "--predict", 1, 7, "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for run_ in ("cold", "warm"):
         assert out[run_]["bypass"] == "prompt has at most one token"
         assert out[run_]["tokens_reused"] == 0
+    assert out["first_run_s"] > 0
+
+
+def test_the_probe_table_says_why_a_short_prompt_gains_little():
+    from jaxsmol.cli.tables import format_probe
+
+    run_ = {"prompt_tokens": 4, "tokens_reused": 0, "tokens_prefilled": 4, "bypass": None, "exact_hit": False,
+            "ttft_s": 0.0087, "total_s": 0.0098, "output_ids": [198], "text": "\n", "snapshot_bytes": 1}
+    result = {"mode": "single", "max_tokens": 1, "cold": run_, "identical": True, "first_run_s": 0.187,
+              "warm": dict(run_, tokens_reused=3, tokens_prefilled=1)}
+    short = format_probe(dict(result, ttft_speedup=1.0)).splitlines()
+    assert short[-2] == "first run, before the probe: 187 ms (other tokens, cold then warm: one-time costs kept out " \
+                        "of the cold run)"
+    assert short[-1].startswith("a 4-token prompt leaves the cache little to save") and "--text" in short[-1]
+    assert not format_probe(dict(result, ttft_speedup=23.0)).splitlines()[-1].startswith("a 4-token")
 
 
 def test_cacheprobe_then_shares_only_a_prefix_radix():
