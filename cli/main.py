@@ -333,8 +333,19 @@ def _add_cache(sub) -> None:
     add_cache_parser(sub)
 
 
+def installed_version() -> str:
+    """The installed distribution's version (pyproject.toml), or "unknown" for a checkout not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxsmol")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxsmol", description="A JAX inference engine for SmolLM with a prefix cache.")
+    parser.add_argument("--version", action="version", version=f"jaxsmol {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for add in (_add_generate, _add_tokenize, _add_cacheprobe, _add_serve, _add_cluster, _add_cache, _add_score,
                 _add_bench, _add_import_gguf, _add_quantize, _add_info):

@@ -134,3 +134,11 @@ def test_import_gguf_refuses_a_non_gguf_file(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and "model.gguf" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"jaxsmol {version('jaxsmol')}"
