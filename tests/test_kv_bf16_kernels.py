@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_copies, cpu_kernels
 from jaxsmol.model import forward as model
 from jaxsmol.model.kv import KVCache
 from jaxsmol.runtime import programs
@@ -142,7 +142,7 @@ def test_load_prefix_writes_a_bfloat16_prefix_exactly(P, shape):
     prefix = np.asarray(jnp.asarray(rng.standard_normal((L, B, K, P, H)), jnp.bfloat16))
     want = cache.copy()
     want[:, :, :, :P] = prefix
-    load = jax.jit(cpu_kernels.load_prefix, donate_argnums=0)
+    load = jax.jit(cpu_copies.load_prefix, donate_argnums=0)
     got = np.asarray(load(jnp.array(cache, copy=True), jnp.asarray(prefix)))
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -158,7 +158,7 @@ def test_load_prefix_writes_a_bfloat16_prefix_exactly(P, shape):
 def test_load_prefix_refuses_a_prefix_of_another_dtype():
     cache = jnp.zeros((2, 1, 2, 64, 16), jnp.bfloat16)
     with pytest.raises(Exception, match="of its dtype"):
-        jax.block_until_ready(cpu_kernels.load_prefix(cache, jnp.ones((2, 1, 2, 8, 16), jnp.float32)))
+        jax.block_until_ready(cpu_copies.load_prefix(cache, jnp.ones((2, 1, 2, 8, 16), jnp.float32)))
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 17)])
@@ -174,7 +174,7 @@ def test_write_rows_writes_a_chunk_into_one_layer_exactly(B, T):
     want = cache.copy()
     for b in range(B):
         want[layer, rows[b], :, pos[b]:pos[b] + T] = new[b].transpose(1, 0, 2)
-    write = jax.jit(cpu_kernels.write_rows, donate_argnums=0)
+    write = jax.jit(cpu_copies.write_rows, donate_argnums=0)
     got = np.asarray(write(jnp.array(cache, copy=True), jnp.asarray(new), jnp.int32(layer), jnp.asarray(pos),
                            jnp.asarray(rows)))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -31,7 +31,7 @@ from jaxsmol.model.config import Config
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.params import LayerParams, Params
 from jaxsmol.model.rope import apply_rope, rope_tables
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_copies, cpu_kernels
 from jaxsmol.kernels.formats import QuantizedMatrix, columns, dequantize
 
 ATTN_BLOCK = 256  # C; every cache capacity is a multiple of it
@@ -174,10 +174,10 @@ def _write(cache: jax.Array, new: jax.Array, layer: jax.Array, pos: jax.Array,
            rows: jax.Array | None = None, kernels: bool = False) -> jax.Array:
     """cache [L, R, K, S, H] with new [B, T, K, H] written at layer `layer`, slots pos.. (per row if pos
     is [B]), row b of new into cache row rows[b] (None: row b). A bfloat16 cache with the kernels: by
-    cpu_kernels.write_rows (XLA:CPU widens a bfloat16 update-slice, the whole cache, at every layer)."""
+    cpu_copies.write_rows (XLA:CPU widens a bfloat16 update-slice, the whole cache, at every layer)."""
     if kernels and cache.dtype == jnp.bfloat16:
         at = jnp.arange(new.shape[0], dtype=jnp.int32) if rows is None else rows
-        return cpu_kernels.write_rows(cache, new, layer, jnp.broadcast_to(pos, (new.shape[0],)), at)
+        return cpu_copies.write_rows(cache, new, layer, jnp.broadcast_to(pos, (new.shape[0],)), at)
     new = new.transpose(0, 2, 1, 3)  # [B, K, T, H]
     if pos.ndim == 0 and rows is None:
         return lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, pos, 0))

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_copies
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.sharding import kv_sharding
@@ -117,10 +117,10 @@ def aligned_host_prefix(a: np.ndarray, n: int, multiple: int, alloc=None) -> np.
 
 def load_prefix(kv: KVCache, k: jax.Array, v: jax.Array, length: jax.Array, kernel: bool = False) -> KVCache:
     """kv with k, v [L, B, K, P, H] written at slot 0 and pos = length (slots past it are stale).
-    kernel: by the CPU kernel (cpu_kernels.load_prefix: both threads), else XLA's dynamic-update-slice."""
+    kernel: by the CPU kernel (cpu_copies.load_prefix: both threads), else XLA's dynamic-update-slice."""
     def write(cache, prefix):
         prefix = prefix.astype(cache.dtype)
-        return (cpu_kernels.load_prefix(cache, prefix) if kernel
+        return (cpu_copies.load_prefix(cache, prefix) if kernel
                 else jax.lax.dynamic_update_slice(cache, prefix, (0,) * 5))
 
     return KVCache(k=write(kv.k, k), v=write(kv.v, v), pos=length.astype(jnp.int32))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import cpu_copies
 from jaxsmol.model.config import Config
 from jaxsmol.model.forward import ATTN_BLOCK, forward
 from jaxsmol.model.kv import KVCache
@@ -144,7 +144,7 @@ def write_slots(k: jax.Array, v: jax.Array, kb: jax.Array, vb: jax.Array, row: j
     def write(cache, block):
         block = block.astype(cache.dtype)
         if kernel:
-            return cpu_kernels.write_slots(cache, block, row, start, n)
+            return cpu_copies.write_slots(cache, block, row, start, n)
         return lax.dynamic_update_slice(cache, block, (0, row, 0, start, 0))
 
     return write(k, kb), write(v, vb)
@@ -156,7 +156,7 @@ def copy_row(k: jax.Array, v: jax.Array, source: jax.Array, dest: jax.Array, n: 
     slots past n untouched (kernel: by the CPU kernel; else XLA's, BLOCK slots at a time)."""
     def copy(cache):
         if kernel:
-            return cpu_kernels.copy_row(cache, source, dest, n)
+            return cpu_copies.copy_row(cache, source, dest, n)
         L, _, K, _, H = cache.shape
 
         def block(i, c):
@@ -173,13 +173,13 @@ def read_slots(k: jax.Array, v: jax.Array, row: jax.Array, start: jax.Array, n: 
     are wanted (kernel: the CPU kernel reads those alone, zeros past them; else XLA's dynamic slice)."""
     L, _, K, _, H = k.shape
     if kernel:
-        return tuple(cpu_kernels.read_slots(a, row, start, n, BLOCK) for a in (k, v))
+        return tuple(cpu_copies.read_slots(a, row, start, n, BLOCK) for a in (k, v))
     return tuple(lax.dynamic_slice(a, (0, row, 0, start, 0), (L, 1, K, BLOCK, H)) for a in (k, v))
 
 
 def reserve(shape: tuple[int, ...], dtype, kernel: bool = False) -> jax.Array:
     """Zeros of `shape` for the arena: with the CPU kernel, not touched (memory only where written)."""
-    return cpu_kernels.reserve(shape, dtype) if kernel else jnp.zeros(shape, dtype)
+    return cpu_copies.reserve(shape, dtype) if kernel else jnp.zeros(shape, dtype)
 
 
 @functools.cache
