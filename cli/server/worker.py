@@ -181,29 +181,28 @@ class Worker(threading.Thread):
             return
         try:
             scores.advance()
-            if scores.done:
-                self.scoring.popleft()
-                self._submit(job, scores.result)
         except BaseException as e:  # a refused prompt or top k, or a failed forward: this job's error alone
             if self.scheduler.arena.lost:  # ... unless the forward took the arena with it
                 self._fail_all(e)
-            elif self.scoring and self.scoring[0][0] is job:
-                self._end_scoring(e if isinstance(e, Exception) else RuntimeError(repr(e)))
             else:
-                job.emit(JobError(e if isinstance(e, Exception) else RuntimeError(repr(e))))
-                job.emit(JobEnd())
+                self._end_scoring(e)
+            return
+        if scores.done:
+            self.scoring.popleft()
+            self._submit(job, scores.result)
 
-    def _end_scoring(self, error: Exception | None) -> None:
+    def _end_scoring(self, error: BaseException | None) -> None:
+        """End the first waiting job's scoring (its arena row given back), with `error` where one cut it short."""
         job, scores = self.scoring.popleft()
         scores.close()
         if error is not None:
-            job.emit(JobError(error))
+            job.emit(JobError(error if isinstance(error, Exception) else RuntimeError(repr(error))))
         job.emit(JobEnd())
 
     def _fail_all(self, error: BaseException) -> None:
         """A step failed outside any one request: tell every request in flight, start afresh."""
         while self.scoring:
-            self._end_scoring(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+            self._end_scoring(error)
         s = self.scheduler
         sinks = [r.request.sink for r in s.rows if r is not None] + [r.sink for r in s.pending]
         sinks += [p.request.sink for p in s.prefills]
