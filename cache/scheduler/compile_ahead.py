@@ -30,7 +30,7 @@ from jaxsmol.model.config import Config
 from jaxsmol.model.params import abstract_params
 from jaxsmol.runtime import compile_apart, programs
 from jaxsmol.runtime.arena_programs import ArenaShapes
-from jaxsmol.runtime.kv_arena import arena_shape, rows_for
+from jaxsmol.runtime.arena_size import arena_shape, rows_for
 from jaxsmol.runtime.chunks import chunk_length, prefill_buckets, tight_plan
 from jaxsmol.runtime.engine import SCORE_ROWS
 from jaxsmol.system.host_memory import release_freed

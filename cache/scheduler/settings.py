@@ -99,5 +99,5 @@ class BatchSettings:
 def arena_rows(max_batch: int) -> int:
     """The arena rows a scheduler of `max_batch` decode rows asks for: those, a row for each prompt being
     prefilled whose choices take no decode row, and SPARE_ROWS (the engine's arena has at least
-    kv_arena.DEFAULT_ROWS, as many as fit the machine)."""
+    arena_size.DEFAULT_ROWS, as many as fit the machine)."""
     return max_batch + PREFILLS_AT_ONCE + SPARE_ROWS

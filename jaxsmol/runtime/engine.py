@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.runtime.buffers import StagingBuffers
-from jaxsmol.runtime.kv_arena import DEFAULT_ROWS, KVArena, rows_for
+from jaxsmol.runtime.arena_size import DEFAULT_ROWS, rows_for
+from jaxsmol.runtime.kv_arena import KVArena
 from jaxsmol.runtime.compile_cache import enable_compilation_cache
 from jaxsmol.model.config import Config
 from jaxsmol.errors import JaxsmolError

@@ -34,41 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.model.kv import KVCache
 from jaxsmol.model.sharding import kv_sharding
 from jaxsmol.runtime import programs
+from jaxsmol.runtime.arena_handles import Lease, RowView
+from jaxsmol.runtime.arena_size import arena_shape
 from jaxsmol.runtime.batch import BLOCK
 from jaxsmol.system import host_memory
-
-
-# The rows an engine's arena has by default: a scheduler of 16 decode rows (the daemon's default
-# --max-batch), 8 prompts being prefilled, 2 spare (cache/scheduler/scheduler.py arena_rows). One size
-# for the library's calls and the daemon's, so that they run (and store) the same programs.
-DEFAULT_ROWS = 26
-# The share of the machine's memory (RAM and swap; a device's, elsewhere) one of k, v may span: an
-# allocation larger than the machine is refused by the OS however little of it is ever written.
-SPAN_SHARE = 0.8
-
-
-def arena_shape(cfg, ctx: int, rows: int) -> tuple[int, ...]:
-    """k's and v's shape for `rows` rows (plus the pad row) of a `ctx` context: [L, rows + 1, K, S, H]."""
-    return cfg.n_layers, rows + 1, cfg.n_kv_heads, -(-ctx // ATTN_BLOCK) * ATTN_BLOCK, cfg.head_dim
-
-
-def rows_that_fit(cfg, ctx: int, dtype, device=None) -> int:
-    """The most rows an arena of this context may have (SPAN_SHARE of the memory it lives in)."""
-    _, _, K, S, H = arena_shape(cfg, ctx, 1)
-    row = cfg.n_layers * K * S * H * np.dtype(dtype).itemsize
-    stats = device.memory_stats() if device is not None and device.platform != "cpu" else None
-    total = (stats or {}).get("bytes_limit") or host_memory.total_bytes()
-    return max(1, int(SPAN_SHARE * total) // row - 1) if total else DEFAULT_ROWS
-
-
-def rows_for(cfg, ctx: int, dtype, asked: int, device=None) -> int:
-    """The rows an engine's arena gets when `asked` for so many: at least DEFAULT_ROWS, at most what
-    fits (rows_that_fit)."""
-    return min(max(asked, DEFAULT_ROWS), rows_that_fit(cfg, ctx, dtype, device))
 
 
 def _locked(method):
@@ -434,27 +406,6 @@ class KVArena:
         return not self.host or (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) == self._base
 
 
-class Lease:
-    """The rows one user of an arena (a scheduler) took: `take` and `give` as the arena's, and `close`
-    hands back whatever is still held (a scheduler abandoned mid-run, or replaced after a failure)."""
-
-    def __init__(self, arena: KVArena):
-        self.arena, self.rows = arena, set()
-
-    def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
-        row, held = self.arena.take(prefix, expect)
-        self.rows.add(row)
-        return row, held
-
-    def give(self, row: int) -> None:
-        self.rows.discard(row)
-        self.arena.give(row)
-
-    def close(self) -> None:
-        while self.rows:
-            self.arena.give(self.rows.pop())
-
-
 def _common(a: tuple, b: tuple) -> int:
     """How many leading elements the tuples a and b share (slices compared in C, halving)."""
     lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the answer is <= hi
@@ -465,17 +416,3 @@ def _common(a: tuple, b: tuple) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-class RowView:
-    """One row of the arena as the prefix cache reads a prompt's state: `segment(start, stop)`, `pos`."""
-
-    def __init__(self, arena: KVArena, row: int):
-        self.arena, self.row = arena, row
-
-    @property
-    def pos(self) -> int:
-        return self.arena.pos[self.row]
-
-    def segment(self, start: int, stop: int) -> dict:
-        return self.arena.segment(self.row, start, stop)
