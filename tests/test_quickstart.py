@@ -32,11 +32,13 @@ def test_the_quick_start_has_two_commands_and_ci_reads_them():
     assert len(block) == 2, block
     assert [readme_command(1), readme_command(2)] == block
     assert block[0].endswith("aitest --cacheprobe --predict 1 0 1 2 3")
+    assert "pip install -e . &&" in block[0] and "[test]" not in block[0]  # the probe needs the runtime only
     assert block[1].endswith("&& pytest")
 
 
 def test_ci_runs_the_readme_test_command_itself():
     ci = (ROOT / ".ci" / "run").read_text()
+    assert "tests/test_quickstart.py checks both" in (ROOT / ".ci" / "readme-command").read_text()
     assert 'test_command="$(.ci/readme-command 2)"' in ci
     assert '$test_command"' in ci.split('test_command="$(.ci/readme-command 2)"', 1)[1]
     assert "python -m pytest -p no:cacheprovider --durations" not in ci  # no second, private test command
