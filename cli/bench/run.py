@@ -46,8 +46,8 @@ def _meta(args, engine, plan, sections, load0) -> dict:
     import jax
 
     return {
-        "model": str(engine.model_dir), "dtype": args.dtype, "weights": engine.cfg.quant or args.dtype,
-        "ctx": engine.ctx, "quick": bool(args.quick),
+        "model": engine.name, "model_path": str(engine.source), "dtype": args.dtype,
+        "weights": engine.cfg.quant or args.dtype, "ctx": engine.ctx, "quick": bool(args.quick),
         "seed": args.seed, "jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "machine": platform.machine(), "loadavg_start": load0,
         "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "peer_name": getattr(args, "peer_name", None),

@@ -43,6 +43,7 @@ from jaxsmol.model.forward import ATTN_BLOCK
 from jaxsmol.model.params import Params, load_params, params_from_hf
 from jaxsmol.runtime.load_options import MATMULS, with_matmul, with_quantization  # noqa: F401 (MATMULS: the API's)
 from jaxsmol.checkpoint.gguf_weights import GGUFFile
+from jaxsmol.checkpoint.model_name import model_name
 from jaxsmol.model.sharding import describe, kv_sharding, shard_params
 
 # Rows of a scoring chunk (every position's logits): exact on XLA's matmul (>= 64) too, and its logits
@@ -119,8 +120,10 @@ class Engine:
     """A loaded model. Stateless between requests: every request gets its own immutable caches."""
 
     def __init__(self, cfg: Config, params: Params, tokenizer=None, ctx: int | None = None, model_dir=None,
-                 mesh=None):
-        """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward."""
+                 mesh=None, source=None):
+        """With `mesh` (sharding.make_mesh), params and caches are sharded over it; same forward.
+        source: what was loaded (a GGUF file, or a directory), when not `model_dir` itself: it names the
+        model (`name`)."""
         if cfg.quant and mesh is not None:
             raise JaxsmolError("quantized weights run on one device: no mesh")
         cfg = cpu_kernels.configure(cfg, params.embed.dtype, mesh)
@@ -135,6 +138,7 @@ class Engine:
         self.cfg, self.params, self.tokenizer, self.mesh = cfg, params, tokenizer, mesh
         self.ctx = context_length(cfg, ctx)
         self.model_dir = Path(model_dir) if model_dir else None
+        self.source = Path(source) if source else self.model_dir
         self._fingerprint = None
         self.staging = StagingBuffers()  # a restore's host buffers, kept between calls (buffers.py)
         self._arena: KVArena | None = None
@@ -161,7 +165,7 @@ class Engine:
         if model_dir is None:
             from jaxsmol.checkpoint.default_model import default_model_source, runs_natively
             model_dir = default_model_source(not float_weights and runs_natively(dtype, quantize, mesh), progress)
-        gguf = None
+        gguf, source = None, model_dir
         if Path(model_dir).is_file():  # a GGUF file: its matrices as they are (gguf_weights.py)
             gguf = GGUFFile(Path(model_dir), progress, requantize=quantize is not None or float_weights)
             model_dir, quantize = gguf.model_dir, quantize or gguf.format
@@ -184,9 +188,14 @@ class Engine:
             params = params_from_hf(cfg, gguf.tensors(cfg))
         else:
             params = load_params(model_dir, cfg, getattr(jnp, dtype))
-        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh)
+        return cls(cfg, params, tokenizer, ctx=ctx, model_dir=model_dir, mesh=mesh, source=source)
 
     # ---- identity -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The model's name, as the daemon serves it (checkpoint/model_name.py)."""
+        return model_name(self.source)
+
     @property
     def fingerprint(self) -> str:
         """A hash of config, dtype and every weight byte, of the code that computes the states, plus
