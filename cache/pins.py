@@ -120,7 +120,6 @@ class Pins:
             try:
                 snap = cache.disk.load(e)
             except SnapshotError as err:
-                cache.stats.disk_refused += 1
                 warnings.append(f"pinned entry {e.key} not loaded: {err}")
                 continue
             cache.add_snapshot(snap)

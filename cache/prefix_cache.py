@@ -31,6 +31,7 @@ Requests run through the scheduler (cache/scheduler/), the library's one at a ti
 
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 
@@ -62,6 +63,8 @@ class PrefixCache:
         self.stats = CacheStats()
         self.pins = Pins(self, pinned_bytes)
         self.disk = disk if mode != "off" else None
+        if self.disk is not None:
+            self.stats.disk_refused = self.disk.refused  # counted where the files are read
         if self.disk is not None and mode == "radix":
             self.store.on_evict = self._spill
         if mode != "off":  # hash the weights now, not inside the first request's time to first token
@@ -210,8 +213,7 @@ class PrefixCache:
             return match
         try:
             snap = self.disk.load(entry, prompt)
-        except SnapshotError:
-            self.stats.disk_refused += 1
+        except SnapshotError:  # the store deleted it, saying why
             return match
         self.store.release(match)
         self.add_snapshot(snap, salt=ns[1])
@@ -254,11 +256,9 @@ class PrefixCache:
             total += e.nbytes
         loaded = 0
         for e in reversed(chosen):  # oldest first, so the newest end up most recently used
-            try:
+            with contextlib.suppress(SnapshotError):  # a refused file: the store deleted it, saying why
                 self.add_snapshot(self.disk.load(e))
                 loaded += 1
-            except SnapshotError:
-                self.stats.disk_refused += 1
         self.stats.disk_loads += loaded
         self.sync()
         return loaded + self.pins.restored

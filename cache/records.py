@@ -30,12 +30,12 @@ class CacheStats:
     evictions: int = 0
     disk_loads: int = 0  # entries brought back from the disk tier
     disk_writes: int = 0  # entries written to the disk tier
-    disk_refused: int = 0  # disk entries that failed verification (dropped)
+    disk_refused: Counter = dataclasses.field(default_factory=Counter)  # disk files refused (deleted), by reason
     disk_bytes: int = 0  # bytes held by the disk tier
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["bypasses"] = dict(self.bypasses)
+        d["bypasses"], d["disk_refused"] = dict(self.bypasses), dict(self.disk_refused)
         return d
 
 

@@ -204,7 +204,7 @@ def test_dims_and_dtypes_are_checked_against_the_engine(tiny_engine, saved, tmp_
     store = DiskStore(tmp_path, ident)  # the directory scan skips it rather than failing
     assert [name for name, _ in store.skipped] == [odd.name] and list(store.entries) == [path.name]
     cache = PrefixCache(tiny_engine, disk=store)
-    assert cache.warm_from_disk() == 0 and cache.stats.disk_refused == 1
+    assert cache.warm_from_disk() == 0 and cache.stats.disk_refused == {"corrupted": 1}
 
 
 def test_size_cap_is_checked_before_reading(tiny_engine, tmp_path):

@@ -88,6 +88,30 @@ def test_disk_budget_keeps_the_newest(tiny_engine, tmp_path):
     assert not DiskStore(tmp_path, ident, budget_bytes=100).put(snaps[0])  # never fits
 
 
+def test_a_file_refused_for_its_checksum_is_logged_deleted_and_counted(tiny_engine, tmp_path, caplog):
+    """The daemon warms from a directory holding a file whose data was damaged: it is deleted with a
+    warning naming it and why, and /metrics counts it by reason."""
+    from fastapi.testclient import TestClient
+
+    from jaxsmol.cli.server.serve import create_app
+
+    store = DiskStore(tmp_path, snapshot.identity(tiny_engine))
+    k = np.ones((2, 1, 2, 50, 16), np.float32)
+    assert store.put(Snapshot(tuple(toks(50, 20)), k, k))
+    (path,) = tmp_path.glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-1000] ^= 1  # a bit of the keys' bytes: the header still reads
+    path.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="jaxsmol.cache"), \
+            TestClient(create_app(tiny_engine, model_name="tiny", cache_dir=tmp_path)) as client:
+        text = client.get("/metrics").text
+    assert 'jaxsmol_cache_disk_refused_total{reason="checksum"} 1.0' in text
+    assert 'jaxsmol_cache_disk_refused_total{reason="corrupted"} 0.0' in text
+    assert not path.exists()
+    (warning,) = [r for r in caplog.records if r.name == "jaxsmol.cache"]
+    assert warning.levelname == "WARNING" and str(path) in warning.getMessage() and "checksum" in warning.getMessage()
+
+
 # ---- real model, separate processes ---------------------------------------------------------------------
 def _cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", *map(str, args)], capture_output=True, text=True,

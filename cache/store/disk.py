@@ -17,9 +17,11 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from jaxsmol.cache.store.values import common_prefix_len
@@ -33,6 +35,7 @@ __all__ = ["DiskStore", "PromptCacheReport", "Snapshot", "SnapshotError", "ident
 
 SUFFIX = ".safetensors"
 _ENTRY_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))  # DiskStore's files; it touches no other
+LOGGER = logging.getLogger("jaxsmol.cache")
 
 
 # ---- --prompt-cache FILE: one snapshot a file ---------------------------------------------------------
@@ -106,7 +109,9 @@ class DiskStore:
     The index (salt, tokens, size of every usable file) is read from the headers when opened. Only
     files named like its own (`<32 hex digits>.safetensors`) are considered; of those, files of another
     model, tokenizer or format version are left alone and not counted (another daemon may share the
-    directory), and unreadable ones are deleted. `skipped` lists both, with reasons.
+    directory), and `skipped` lists them with reasons. A file refused when read (its checksum, its
+    data), or found damaged when indexed, is deleted: a warning names it and why, and `refused`
+    counts it by reason (SnapshotError.reason).
     """
 
     def __init__(self, directory, ident: dict, budget_bytes: int = 4 << 30):
@@ -120,6 +125,7 @@ class DiskStore:
         self.ident, self.budget_bytes = ident, int(budget_bytes)
         self.entries: dict[str, DiskEntry] = {}
         self.skipped: list[tuple[str, str]] = []
+        self.refused: Counter = Counter()  # SnapshotError.reason -> files deleted
         self.writes = 0
         now = time.time()
         for p in sorted(self.dir.iterdir()):
@@ -143,10 +149,10 @@ class DiskStore:
             entry = DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
                               tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime, m.get("pinned") is True)
         except SnapshotError as e:
-            self.skipped.append((p.name, str(e)))
-            if "truncated or corrupted" in str(e) or "not a jaxsmol" in str(e):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+            if e.reason == "corrupted":
+                self._refuse(p, e)
+            else:
+                self.skipped.append((p.name, str(e)))
             return
         except (KeyError, TypeError, ValueError) as e:  # a well-formed header with a malformed manifest
             self.skipped.append((p.name, f"malformed manifest ({type(e).__name__}: {e})"))
@@ -177,6 +183,16 @@ class DiskStore:
         e = self.entries.pop(name)
         with contextlib.suppress(OSError):
             e.path.unlink()
+
+    def _refuse(self, path: Path, error: SnapshotError) -> None:
+        """Delete a file that failed its checks (out of the index too), saying so."""
+        if path.name in self.entries:
+            self._drop(path.name)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self.refused[error.reason] += 1
+        LOGGER.warning("disk tier: removed %s (%s): %s", path, error.reason, error)
 
     def put(self, snap: Snapshot) -> bool:
         """Store `snap` (evicting the least recently used unpinned files to make room; a pinned one
@@ -225,11 +241,11 @@ class DiskStore:
         return best, best_key[0]
 
     def load(self, entry: DiskEntry, prompt=None) -> Snapshot:
-        """Read and verify an entry; a refused one leaves the index (and, if corrupted, the disk)."""
+        """Read and verify an entry; a refused one leaves the index and the disk (_refuse)."""
         try:
             snap = load_snapshot(entry.path, self.ident, prompt)
-        except SnapshotError:
-            self._drop(entry.path.name)
+        except SnapshotError as e:
+            self._refuse(entry.path, e)
             raise
         self._touch(entry)
         return snap

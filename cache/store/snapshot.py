@@ -53,7 +53,13 @@ _STORABLE = {"float64", "float32", "float16", "int64", "uint64", "int32", "uint3
 
 
 class SnapshotError(JaxsmolError):
-    """A snapshot file that must not be used; the message says why."""
+    """A snapshot file that must not be used; the message says why, `reason` in one word: "checksum"
+    (its bytes do not add up), "corrupted" (truncated, malformed, not a snapshot), "unreadable" (the OS
+    would not read it) or "mismatch" (intact, of another model, format or shape)."""
+
+    def __init__(self, message: str, reason: str = "mismatch"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def identity(engine) -> dict:
@@ -190,17 +196,17 @@ def read_manifest(path, ident: dict | None = None) -> dict:
         with safe_open(path, framework="np") as f:
             meta = f.metadata() or {}
     except FileNotFoundError:
-        raise SnapshotError(f"{path} does not exist") from None
+        raise SnapshotError(f"{path} does not exist", "unreadable") from None
     except OSError as e:
-        raise SnapshotError(f"{path} cannot be read ({e.strerror or e})") from None
+        raise SnapshotError(f"{path} cannot be read ({e.strerror or e})", "unreadable") from None
     except Exception as e:  # SafetensorError: truncated, not safetensors, bad header
-        raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
+        raise SnapshotError(f"{path} is truncated or corrupted ({e})", "corrupted") from None
     try:
         manifest = json.loads(meta[MANIFEST_KEY])
     except (KeyError, ValueError):
         manifest = None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise SnapshotError(f"{path} is not a jaxsmol prefix snapshot")
+        raise SnapshotError(f"{path} is not a jaxsmol prefix snapshot", "corrupted")
     if manifest.get("version") != FORMAT_VERSION:
         raise SnapshotError(f"{path} has snapshot format version {manifest.get('version')!r}; "
                             f"this jaxsmol reads version {FORMAT_VERSION}")
@@ -230,7 +236,7 @@ def _check_size(path: Path, ident: dict) -> None:
     try:
         size = path.stat().st_size
     except OSError as e:
-        raise SnapshotError(f"{path} cannot be read ({e.strerror or e})") from None
+        raise SnapshotError(f"{path} cannot be read ({e.strerror or e})", "unreadable") from None
     if cap is not None and size > cap:
         raise SnapshotError(f"{path} is {size} bytes, more than this engine could have written ({cap}: "
                             f"its context of {ident['ctx']} tokens, {MAX_LOGITS_ROWS} logits rows, the header)")
@@ -281,9 +287,9 @@ def _read_verified(path: Path) -> tuple[dict, dict]:
         with safe_open(path, framework="np") as f:
             stored = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:
-        raise SnapshotError(f"{path} is truncated or corrupted ({e})") from None
+        raise SnapshotError(f"{path} is truncated or corrupted ({e})", "corrupted") from None
     if manifest.get("checksum") != checksum(manifest, stored):
-        raise SnapshotError(f"{path} is corrupted (checksum mismatch)")
+        raise SnapshotError(f"{path} is corrupted (checksum mismatch)", "checksum")
     return manifest, stored
 
 
@@ -307,7 +313,7 @@ def load_snapshot(path, ident: dict, prompt=None) -> Snapshot:
         if snap.length != manifest["length"] or not all(0 < n <= snap.length for n in lengths):
             raise ValueError("length or logits_at do not match the tokens")
     except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotError(f"{path} is malformed ({type(e).__name__}: {e})") from None
+        raise SnapshotError(f"{path} is malformed ({type(e).__name__}: {e})", "corrupted") from None
     _check_dims(path, snap, ident)
     if prompt is not None and common_prefix_len(snap.tokens, prompt) == 0:
         raise SnapshotError(f"{path} does not match the prompt: its {snap.length} tokens share no prefix with it")

@@ -10,6 +10,7 @@ cache's stats, the queue) is read when /metrics is rendered.
 from __future__ import annotations
 
 import threading
+from collections import Counter as Tally
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -59,6 +60,9 @@ MEMORY_GAUGES = (
 BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled by decode steps."),
                   ("stalled", "Decode steps a row sat out: its next KV grant did not fit --kv-cache-bytes."),
                   ("prefilled_tokens", "Prompt positions computed by the scheduler."))
+READ_PHASES = ("headers", "body")  # where a request's read timed out (cli/server/limits.py)
+# the reasons a disk-tier file is refused (cache/store/snapshot.py SnapshotError.reason)
+DISK_REFUSALS = ("checksum", "corrupted", "unreadable", "mismatch")
 # (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
 # Extension reads by default, aliases of the queue, the rows in use and the decode KV in use
 VLLM_ALIASES = (
@@ -70,13 +74,15 @@ VLLM_ALIASES = (
 
 
 class Metrics:
-    """The daemon's metrics. `cancelled` and `rejected_queue_full` are plain counts that the worker
-    and the handlers increment; `render` gives the Prometheus text format."""
+    """The daemon's metrics. `cancelled`, `rejected_queue_full` and `read_timeouts` are plain counts
+    that the worker, the handlers and the HTTP protocol increment; `render` gives the Prometheus text
+    format."""
 
     def __init__(self, routes: Iterable[str] = ROUTES):
         self.routes = frozenset(routes)
         self.cancelled = 0
         self.rejected_queue_full = 0
+        self.read_timeouts: Tally = Tally()  # READ_PHASES -> connections closed
         self.registry = CollectorRegistry()
         self._requests = Counter("jaxsmol_requests", "HTTP requests by endpoint and status.",
                                  ["endpoint", "status"], registry=self.registry)
@@ -95,6 +101,10 @@ class Metrics:
 
     def request(self, path: str, status: int) -> None:
         self._requests.labels(self.endpoint(path), str(int(status))).inc()
+
+    def read_timed_out(self, phase: str) -> None:
+        """A request's headers or body did not arrive within --read-timeout: its connection was closed."""
+        self.read_timeouts[phase] += 1
 
     def observe(self, prompt_tokens: int, completion_tokens: int, ttft_s: float) -> None:
         """Count a finished choice."""
@@ -146,6 +156,8 @@ class _ScrapeTime:
                                   value=m.cancelled)
         yield CounterMetricFamily("jaxsmol_rejected", "Requests refused with 503 (queue full).",
                                   value=m.rejected_queue_full)
+        yield _by_label("jaxsmol_read_timeouts", "Connections closed because a request's headers or body did not "
+                        "arrive within --read-timeout, by phase.", "phase", m.read_timeouts, READ_PHASES)
         if self.values is None:
             return
         stats, queue_depth, batch, pool_bytes, memory, load = self.values
@@ -170,12 +182,19 @@ class _ScrapeTime:
             yield from _speculation(batch["speculation"])
         for key, help_ in CACHE_COUNTERS:
             yield CounterMetricFamily(f"jaxsmol_cache_{key}", help_, value=stats[key])
-        bypasses = CounterMetricFamily("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.",
-                                       labels=["reason"])
-        for reason, n in sorted(stats["bypasses"].items()):
-            bypasses.add_metric([reason], n)
-        yield bypasses
+        yield _by_label("jaxsmol_cache_bypasses", "Requests that bypassed the cache, by reason.", "reason",
+                        stats["bypasses"])
+        yield _by_label("jaxsmol_cache_disk_refused", "Disk-tier files refused when read, and deleted, by reason "
+                        "(--cache-dir).", "reason", stats["disk_refused"], DISK_REFUSALS)
         yield GaugeMetricFamily("jaxsmol_cache_bytes", "Bytes held by the prefix cache.", value=stats["bytes_held"])
         yield GaugeMetricFamily("jaxsmol_cache_pinned_bytes", "Bytes of pinned prefixes (part of jaxsmol_cache_bytes; "
                                 "bounded by --pinned-bytes).", value=stats.get("pinned_bytes", 0))
         yield GaugeMetricFamily("jaxsmol_cache_disk_bytes", "Bytes held by the disk tier.", value=stats["disk_bytes"])
+
+
+def _by_label(name: str, help_: str, label: str, counts: dict, always: Iterable[str] = ()) -> CounterMetricFamily:
+    """A counter family with one sample per label value counted, and those `always` shown (0 or not)."""
+    family = CounterMetricFamily(name, help_, labels=[label])
+    for value in sorted(set(always) | set(counts)):
+        family.add_metric([value], counts.get(value, 0))
+    return family
