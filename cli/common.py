@@ -8,12 +8,27 @@ import json
 import os
 import sys
 
+from jaxsmol.system import progress
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad option is one line on stderr and exit status 2 (no usage dump)."""
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "quiet", False):
+            from jaxsmol.system import progress
+
+            progress.set_quiet()
+        return parsed
+
+
+def add_quiet_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (they show only on a terminal, "
+                   "for waits over 2 s: the kernels' compile, a model's import, programs compiled)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default): int8 where the CPU kernels run")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads and MLP columns)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel devices (the batch)")
+    add_quiet_arg(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -53,7 +69,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
 
 
 def add_speculate_args(p: argparse.ArgumentParser) -> None:
-    from jaxsmol.cache.scheduler.speculation import SPECULATE_MODES, VERIFY_ROWS
+    from jaxsmol.cache.scheduler.speculation_modes import SPECULATE_MODES, VERIFY_ROWS
 
     p.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                    help="draft tokens and verify them in one step, the output unchanged bit for bit: ngram = "
@@ -112,9 +128,10 @@ def load_engine(args, on_config=None):
     if args.tp * args.dp > 1 or args.tp < 1 or args.dp < 1:
         from jaxsmol.model.sharding import make_mesh
         mesh = make_mesh(tp=args.tp, dp=args.dp)
-    return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, quantize=getattr(args, "quantize", None),
-                       kv_dtype=getattr(args, "kv_dtype", None), matmul=getattr(args, "matmul", "auto"),
-                       progress=sys.stderr.isatty(), mesh=mesh, on_config=on_config)
+    with progress.Wait(f"loading {args.model or 'the bundled model'}"):
+        return Engine.load(args.model, ctx=args.ctx, dtype=args.dtype, quantize=getattr(args, "quantize", None),
+                           kv_dtype=getattr(args, "kv_dtype", None), matmul=getattr(args, "matmul", "auto"),
+                           progress=progress.shown(), mesh=mesh, on_config=on_config)
 
 
 def check_speculate(args) -> None:
@@ -138,7 +155,7 @@ def load_draft(args, engine):
     try:
         draft = Engine.load(args.draft_model, ctx=engine.ctx, dtype=args.dtype,
                             kv_dtype=getattr(args, "kv_dtype", None), matmul=getattr(args, "matmul", "auto"),
-                            progress=sys.stderr.isatty())
+                            progress=progress.shown())
         check_pair(draft, engine)
     except JaxsmolError as e:
         raise JaxsmolError(f"--draft-model {args.draft_model}: {e}") from None

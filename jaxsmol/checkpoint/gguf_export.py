@@ -32,6 +32,7 @@ from jaxsmol.kernels import formats
 from jaxsmol.model.config import Config
 from jaxsmol.model.params import Checkpoint, expected_shapes
 from jaxsmol.system.durable import fsync_dir
+from jaxsmol.system.progress import Wait
 
 TYPES = ("q8_0", "q4_1", "f32")
 _GGML = {"q8_0": "Q8_0", "q4_1": "Q4_1", "f32": "F32"}  # gguf.GGMLQuantizationType names
@@ -195,7 +196,6 @@ def _add_tensor_infos(w, plan, shapes: dict) -> None:
 def _write(path: Path, ckpt: Checkpoint, cfg: Config, qtype: str, name: str, tok: dict, progress: bool) -> None:
     """Header, metadata and tensor infos, then each tensor read, converted and written in turn; fsynced."""
     import gguf
-    from tqdm import tqdm
 
     plan = tensor_plan(cfg, qtype)
     w = gguf.GGUFWriter(path, "llama")
@@ -205,8 +205,10 @@ def _write(path: Path, ckpt: Checkpoint, cfg: Config, qtype: str, name: str, tok
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, hf_name, kind, heads in tqdm(plan, desc=f"writing {qtype} GGUF", unit="tensor", disable=not progress):
-            w.write_tensor_data(tensor_data(ckpt[hf_name], kind, heads))
+        with Wait(f"writing {path.name} ({qtype})", total=len(plan), show=progress) as wait:
+            for _, hf_name, kind, heads in plan:
+                wait.advance()
+                w.write_tensor_data(tensor_data(ckpt[hf_name], kind, heads))
         for f in w.fout:
             f.flush()
             os.fsync(f.fileno())

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxsmol.system.durable import fsync_dir
+from jaxsmol.system.progress import Wait
 from jaxsmol.errors import JaxsmolError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types registered as added tokens
@@ -188,12 +189,11 @@ def dequantize(t, cfg: dict) -> np.ndarray:
     return np.ascontiguousarray(w)
 
 
-def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_only: bool = False) -> None:
+def _write_safetensors(reader, cfg: dict, path: Path, wait: Wait, floats_only: bool = False) -> None:
     """Stream float32 tensors to a safetensors file one at a time (the header is known from shapes up front),
-    so peak memory is one tensor rather than the whole model. floats_only: only the tensors the file
-    stores as F32, F16 or BF16 (a file run as it is reads the others from itself: gguf_weights.py)."""
-    from tqdm import tqdm
-
+    so peak memory is one tensor rather than the whole model, advancing `wait` a tensor at a time. floats_only:
+    only the tensors the file stores as F32, F16 or BF16 (a file run as it is reads the others from itself:
+    gguf_weights.py)."""
     expected = _expected_shapes(cfg)
     tensors = [(t, hf_name(t.name)) for t in reader.tensors]
     found = {name for _, name in tensors}
@@ -209,9 +209,11 @@ def _write_safetensors(reader, cfg: dict, path: Path, progress: bool, floats_onl
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(path, "wb") as f:
+    wait.total = len(tensors)
+    with open(path, "wb") as f, wait:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for t, name in tqdm(tensors, desc="importing GGUF", unit="tensor", disable=not progress):
+        for t, name in tensors:
+            wait.advance()
             w = dequantize(t, cfg)
             if w.shape != expected[name]:
                 raise JaxsmolError(f"tensor {t.name} has shape {w.shape}, expected {expected[name]}")
@@ -318,7 +320,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = 
                                                                           "pad_token_id")})
         _write_json(tmp / "tokenizer.json", tokenizer)
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(tok, cfg))
-        _write_safetensors(reader, cfg, tmp / "model.safetensors", progress, floats_only)
+        what = f"importing {gguf_path.name} into {out_dir} (once)"
+        _write_safetensors(reader, cfg, tmp / "model.safetensors", Wait(what, show=progress), floats_only)
         fsync_dir(tmp)
         try:
             os.rename(tmp, out_dir)  # atomic; fails if another process completed out_dir meanwhile

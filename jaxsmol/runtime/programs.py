@@ -19,6 +19,7 @@ import jax
 
 from jaxsmol.runtime import batch, compile_apart
 from jaxsmol.runtime.program_store import Program
+from jaxsmol.system.progress import Wait
 from jaxsmol.model import forward as model, kv
 
 
@@ -64,15 +65,16 @@ def compile_all(calls: Iterable[tuple[Program, tuple, dict]], stop: threading.Ev
     compiler runs threads of its own. `stop` (an Event) is checked before each. Returns how many."""
     calls = list(calls)
     missing = [c for c in calls if c[0].missing(*c[1], **c[2])]
-    if len(missing) >= compile_apart.MIN_CALLS:
-        compile_apart.compile_in_child(missing, stop)
-    n = 0
-    for program, args, kwargs in calls:
-        if stop is not None and stop.is_set():
-            break
-        program.prepare(*args, **kwargs)
-        n += 1
-    return n
+    what = f"compiling {len(missing)} of {len(calls)} programs (once: later runs load them)"
+    with Wait(what, total=len(calls), show=bool(missing)) as wait:
+        if len(missing) >= compile_apart.MIN_CALLS:
+            compile_apart.compile_in_child(missing, stop)
+        for program, args, kwargs in calls:
+            if stop is not None and stop.is_set():
+                break
+            program.prepare(*args, **kwargs)
+            wait.advance()
+    return wait.done
 
 
 def compiled_count(name: str = "forward") -> int:
