@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 import jaxsmol
 from jaxsmol.errors import JaxsmolError
 
@@ -144,6 +142,8 @@ class Replica(Process):
 
     def ready(self) -> bool:
         """/health answers 200: listening and warmed up (503 "warming" before)."""
+        import httpx  # here, not above: `jaxsmol --help` loads no HTTP client
+
         try:
             return httpx.get(self.url + "/health", timeout=5).status_code == 200
         except httpx.HTTPError:
@@ -179,6 +179,8 @@ class Router(Process):
 
     def ready(self) -> bool:
         """Its /readiness counts every worker healthy (it registers each once its /health answers 200)."""
+        import httpx
+
         try:
             r = httpx.get(self.url + "/readiness", timeout=5)
             return r.status_code == 200 and r.json().get("healthy_workers") == self.workers

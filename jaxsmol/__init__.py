@@ -21,15 +21,23 @@ commands and the daemon); nothing above imports them. Requests (the library's, t
 the daemon's) run through jaxsmol.cache's scheduler.
 """
 
-from jaxsmol.errors import JaxsmolError
-from jaxsmol.model.config import Config
-from jaxsmol.model.kv import KVCache
-from jaxsmol.model.sharding import make_mesh
-from jaxsmol.runtime.compile_cache import enable_compilation_cache
-from jaxsmol.runtime.engine import Engine
-from jaxsmol.runtime.sampling import SamplingParams
-from jaxsmol.runtime.scoring import score
-from jaxsmol.runtime.structured import canonical_spec
-
 __all__ = ["Config", "Engine", "JaxsmolError", "KVCache", "SamplingParams", "canonical_spec",
            "enable_compilation_cache", "make_mesh", "score"]
+# The public names, imported when first asked for: `import jaxsmol` (and the command line's `--help`,
+# `info`, `cache ls`) loads no jax until a name that needs it is used.
+_PUBLIC = {"Config": "jaxsmol.model.config", "Engine": "jaxsmol.runtime.engine", "JaxsmolError": "jaxsmol.errors",
+           "KVCache": "jaxsmol.model.kv", "SamplingParams": "jaxsmol.runtime.sampling",
+           "canonical_spec": "jaxsmol.runtime.structured", "enable_compilation_cache": "jaxsmol.runtime.compile_cache",
+           "make_mesh": "jaxsmol.model.sharding", "score": "jaxsmol.runtime.scoring"}
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jaxsmol' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxsmol.cache.scheduler.speculation import SPECULATE_MODES, VERIFY_ROWS
+from jaxsmol.cache.scheduler.speculation_modes import SPECULATE_MODES, VERIFY_ROWS
 from jaxsmol.runtime.chunks import IDLE_STEP_ROWS, PREFILL_BUCKETS  # noqa: F401 (IDLE_STEP_ROWS: the settings')
 from jaxsmol.errors import JaxsmolError
 

@@ -22,21 +22,14 @@ import weakref
 
 import numpy as np
 
+from jaxsmol.cache.scheduler.speculation_modes import SPECULATE_MODES, VERIFY_ROWS  # noqa: F401 (the API's)
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.batch import free_mask, row_settings
 from jaxsmol.runtime.sampling import SamplingParams
 
-# ngram: drafts from the request's own tokens; cache: from those and from what the prefix cache stored after
-# its prompt; draft: from a draft model (draft_model.py); auto: draft where a draft model is given, else cache
-# where the CPU kernels run (a verify step's exactness needs them), none elsewhere
-SPECULATE_MODES = ("auto", "none", "ngram", "cache", "draft")
 # where drafts come from: the prefix cache, the row's own tokens, a draft model, the grammar (forced)
 SOURCES = ("cache", "ngram", "draft", "grammar")
 NGRAM_SIZES = (4, 3)  # the longest n-gram found is used (2-grams drafted more and were accepted less)
-# a verify step's positions per row (its program shapes), padded up to one of these. Not 2 as well: a
-# row's 1 draft verified in 4 positions costs about what 2 do (a step of few rows streams the weights
-# whatever its rows), and 5 more programs were 4.5 s of a daemon's 30 s warm-up
-VERIFY_ROWS = (4, 8)
 FORCED_CHANCE = 0.99  # a token the grammar forces: another tokenization of its text is still possible
 DECAY = 0.9  # the weight a row's earlier drafts keep at each of its drafts (see Speculator.chance)
 SOURCE_DECAY = 0.99  # the weight a source's earlier verify steps keep at each of its verify steps

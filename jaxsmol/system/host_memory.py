@@ -22,8 +22,10 @@ import dataclasses
 import functools
 import mmap
 import sys
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where used: the command line's --help and info load none
+    import numpy as np
 
 M_ARENA_MAX = -8  # a mallopt parameter (malloc.h)
 
@@ -168,6 +170,8 @@ def empty(shape, dtype) -> np.ndarray:
     """An array, not initialized; one of PAGES_FROM bytes or more in pages of its own (an anonymous
     mapping, returned to the OS when the array goes), so that large blocks stored and freed all the time
     never fragment malloc's heap."""
+    import numpy as np
+
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if nbytes < PAGES_FROM:
         return np.empty(shape, dtype)
@@ -181,6 +185,8 @@ def owns(a: np.ndarray) -> bool:
 
 def copy(a: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of `a` that owns its memory (`empty`'s: pages of its own when large)."""
+    import numpy as np
+
     out = empty(a.shape, a.dtype)
     np.copyto(out, a)
     return out
@@ -208,6 +214,8 @@ def give_back(address: int, nbytes: int) -> int:
 def resident_in(address: int, nbytes: int) -> int | None:
     """Bytes of [address, address + nbytes) that are resident (mincore), whole pages; None where that
     cannot be read."""
+    import numpy as np
+
     page = mmap.PAGESIZE
     first = address // page * page
     pages = -(-(address + nbytes - first) // page)
