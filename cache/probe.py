@@ -14,8 +14,8 @@ from jaxsmol.runtime.engine import Engine
 from jaxsmol.runtime.sampling import SamplingParams
 
 
-def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
-    r = generate(cache, prompt, sp, bypass=bypass)
+def _run(cache: PrefixCache, prompt, sp, speculate: str) -> dict:
+    r = generate(cache, prompt, sp, speculate=speculate)
     report, t = r.report, r.timings
     return {
         "prompt_ids": list(prompt), "prompt_tokens": len(prompt), "tokens_reused": report.reused,
@@ -25,21 +25,21 @@ def _run(cache: PrefixCache, prompt, sp, bypass=False) -> dict:
     }
 
 
-def _first_run(engine: Engine, prompt, sp, mode: str, budget_bytes: int) -> float:
+def _first_run(engine: Engine, prompt, sp, mode: str, budget_bytes: int, speculate: str) -> float:
     """Seconds of a request of other tokens, cold then warm, on a cache of its own: the process's
     first-run costs (programs loaded or compiled, buffers and pages first touched) paid before the probe,
     so that its cold run against its warm run measures the cache alone."""
     other = [(t + 1) % engine.cfg.vocab_size for t in prompt]
     scratch = PrefixCache(engine, mode=mode, budget_bytes=budget_bytes)
     t0 = time.perf_counter()
-    generate(scratch, other, sp)
-    generate(scratch, other, sp)
+    generate(scratch, other, sp, speculate=speculate)
+    generate(scratch, other, sp, speculate=speculate)
     return time.perf_counter() - t0
 
 
 def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "single",
               then_ids=None, budget_bytes: int = 2 << 30, warmup: bool = True, prompt_cache=None,
-              **sampling) -> dict:
+              speculate: str = "auto", **sampling) -> dict:
     """Cold run on an empty cache, then a warm run of the same prompt (or of `then_ids`).
 
     With `then_ids`, the warm prompt differs, so its output is compared with an uncached run of
@@ -49,7 +49,7 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "s
 
     With `prompt_cache` (a file path), the cache starts from the snapshot saved there (so the first run
     may reuse it: that is its point), the outputs are compared with an uncached run, and the state of
-    the second prompt (and its answer) is saved back to the file.
+    the second prompt (and its answer) is saved back to the file. `speculate`: every run's mode (generate's).
     """
     sp = SamplingParams(max_tokens=max_tokens, **sampling)
     prompt = engine.check_prompt(prompt_ids, max_tokens)
@@ -58,15 +58,15 @@ def run_probe(engine: Engine, prompt_ids, max_tokens: int = 1, *, mode: str = "s
     if warmup:
         t0 = time.perf_counter()
         engine.warmup(max(len(prompt), len(second)))
-        first_run_s = time.perf_counter() - t0 + _first_run(engine, prompt, sp, mode, budget_bytes)
+        first_run_s = time.perf_counter() - t0 + _first_run(engine, prompt, sp, mode, budget_bytes, speculate)
     cache = PrefixCache(engine, mode=mode, budget_bytes=budget_bytes)
     pc = load_prompt_cache(cache, prompt_cache, prompt) if prompt_cache else None
-    cold = _run(cache, prompt, sp)
-    warm = _run(cache, second, sp)
+    cold = _run(cache, prompt, sp, speculate)
+    warm = _run(cache, second, sp, speculate)
     if second is prompt and not cold["tokens_reused"]:
         reference = cold
     else:
-        reference = _run(PrefixCache(engine, mode="off"), second, sp)
+        reference = _run(PrefixCache(engine, mode="off"), second, sp, speculate)
     if pc is not None:
         save_prompt_cache(cache, prompt_cache, second + warm["output_ids"], pc)
     identical = (warm["output_ids"] == reference["output_ids"]

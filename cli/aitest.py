@@ -39,6 +39,8 @@ def main(argv=None) -> int:
         p.error(f"--predict must be >= 0, got {args.predict}")
     if args.url and args.prompt_cache:
         p.error("--prompt-cache runs the model in this process; it does not go with --url")
+    if args.url and args.speculate != "auto":
+        p.error("--speculate sets this process's runs; with --url the daemon's own --speculate applies")
     if args.url:
         from jaxsmol.cli.client import complete, remote_probe
 
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
         from jaxsmol.cache.probe import run_probe
 
         result = run_probe(engine, args.ids, args.predict, mode=args.cache_mode, then_ids=args.then,
+                           speculate=args.speculate,
                            budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))
         warn_refused(result)
         print(json.dumps(result) if args.json else format_probe(result))

@@ -6,12 +6,14 @@ import json
 import sys
 import time
 
-from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_sampling_args,
-                                add_speculate_args, add_structured_args, check_speculate, close_prompt_cache,
+from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_quiet_arg,
+                                add_sampling_args, add_speculate_args, add_structured_args, check_speculate, close_prompt_cache,
                                 load_draft, load_engine,
                                 open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, structured_spec,
                                 user_errors)
+from jaxsmol.cache.scheduler.speculation_modes import SPECULATE_MODES
 from jaxsmol.cli.tables import format_probe
+from jaxsmol.system import progress
 
 
 def _generate(args) -> int:
@@ -73,7 +75,7 @@ def _tokenize(args) -> int:
     from jaxsmol.checkpoint.default_model import default_model_dir
     from jaxsmol.checkpoint.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(args.model or default_model_dir(progress=sys.stderr.isatty(), lean=True))
+    tok = Tokenizer.load(args.model or default_model_dir(progress=progress.shown(), lean=True))
     text = tok.apply_chat_template([{"role": "user", "content": args.text}]) if args.chat else args.text
     ids = tok.encode(text)
     if args.json:
@@ -86,7 +88,7 @@ def _tokenize(args) -> int:
 def _import_gguf(args) -> int:
     from jaxsmol.checkpoint.gguf_import import import_gguf
 
-    out = import_gguf(args.file, args.outdir, progress=sys.stderr.isatty())
+    out = import_gguf(args.file, args.outdir, progress=progress.shown())
     print(f"imported {args.file} -> {out}")
     return 0
 
@@ -95,7 +97,7 @@ def _quantize(args) -> int:
     from jaxsmol.checkpoint.gguf_export import export_gguf
 
     t0 = time.perf_counter()
-    out = export_gguf(args.model, args.out, args.type, force=args.force, progress=sys.stderr.isatty())
+    out = export_gguf(args.model, args.out, args.type, force=args.force, progress=progress.shown())
     print(f"wrote {out} ({args.type}, {out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -106,7 +108,8 @@ def _cacheprobe(args) -> int:
     engine = load_engine(args)
     ids = prompt_ids(args, engine)
     result = run_probe(engine, ids, args.predict, mode=args.cache_mode, then_ids=args.then,
-                       budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, **sampling_kwargs(args))
+                       budget_bytes=args.cache_bytes, prompt_cache=args.prompt_cache, speculate=args.speculate,
+                       **sampling_kwargs(args))
     warn_refused(result)
     if args.json:
         print(json.dumps(result))
@@ -192,6 +195,9 @@ def add_probe_args(p, default_mode: str) -> None:
                         "off: every request cold")
     p.add_argument("--cache-bytes", type=int, default=2 << 30, help="prefix cache budget in bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--speculate", default="auto", choices=[m for m in SPECULATE_MODES if m != "draft"],
+                   help="how the runs speculate (see `jaxsmol generate --help`; the outputs are the same bits "
+                        "either way): auto (default), none, ngram, cache")
     add_prompt_cache_arg(p)
 
 
@@ -219,6 +225,7 @@ def _add_tokenize(sub) -> None:
     t.add_argument("--chat", action="store_true", help="wrap the text in the model's chat template (a user turn)")
     t.add_argument("--json", action="store_true", help="print the ids as a JSON list")
     t.add_argument("--model", metavar="DIR", help="a checkpoint directory (default: the bundled model)")
+    add_quiet_arg(t)
     t.set_defaults(func=_tokenize)
 
 
@@ -311,6 +318,7 @@ def _add_import_gguf(sub) -> None:
     i = sub.add_parser("import-gguf", help="import a Llama-architecture GGUF into a Hugging Face directory")
     i.add_argument("file", help="the GGUF file (any type gguf-py dequantizes; the directory holds float32)")
     i.add_argument("outdir", help="the directory to write (must not exist, or be empty)")
+    add_quiet_arg(i)
     i.set_defaults(func=_import_gguf)
 
 
@@ -324,6 +332,7 @@ def _add_quantize(sub) -> None:
                    help="q8_0 or q4_1: the layers' matrices quantized as --quantize does (the token table at "
                         "Q8_0, the norms F32); f32: every tensor float32 (default q8_0)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    add_quiet_arg(q)
     q.set_defaults(func=_quantize)
 
 
@@ -355,9 +364,9 @@ def build_parser() -> ArgumentParser:
 
 @user_errors
 def main(argv=None) -> int:
-    from jaxsmol.system.host_memory import one_malloc_arena
-
     args = build_parser().parse_args(argv)
+    from jaxsmol.system.host_memory import one_malloc_arena  # after parsing: --help needs none of it
+
     one_malloc_arena()  # one high-water mark for all threads (see jaxsmol/system/host_memory.py)
     return args.func(args)
 

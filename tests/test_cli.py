@@ -61,7 +61,9 @@ def test_the_probe_table_says_why_a_short_prompt_gains_little():
 
 
 def test_cacheprobe_then_shares_only_a_prefix_radix():
-    r = run("cacheprobe", 1, 2, 3, 4, 5, 6, 7, 8, "--then", 1, 2, 3, 4, 9, 9, "--predict", 3, "--json")
+    """(--speculate before the ids: an option the probe takes, not an id.)"""
+    r = run("cacheprobe", "--speculate", "none", 1, 2, 3, 4, 5, 6, 7, 8, "--then", 1, 2, 3, 4, 9, 9, "--predict", 3,
+            "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["mode"] == "radix"
@@ -110,6 +112,8 @@ def test_tokenize():
     (("aitest", "--predict", -1, 1, 2), "--predict must be >= 0"),
     (("aitest", "--cacheprobe", "--predict", 1, -5), "outside [0, 49152)"),
     (("generate", "--bogus"), "unrecognized arguments"),
+    (("cacheprobe", "--speculate", "draft", 1, 2), "argument --speculate: invalid choice: 'draft'"),
+    (("aitest", "--url", "http://127.0.0.1:9", "--speculate", "none", 1, 2), "the daemon's own --speculate"),
     (("serve", "--max-batch", 0), "--max-batch must be in [1, 256], got 0"),
     (("serve", "--prefill-chunk", 100), "--prefill-chunk must be one of 32, 48, 64, 128, 256, 512, got 100"),
 ])
