@@ -7,12 +7,11 @@ import sys
 import time
 
 from jaxsmol.cli.common import (ArgumentParser, Precompile, add_model_args, add_prompt_cache_arg, add_quiet_arg,
-                                add_sampling_args, add_speculate_args, add_structured_args, check_speculate, close_prompt_cache,
-                                load_draft, load_engine,
-                                open_prompt_cache, prompt_ids, warn_refused, sampling_kwargs, structured_spec,
-                                user_errors)
+                                add_sampling_args, add_speculate_args, add_structured_args, check_speculate,
+                                close_prompt_cache, load_draft, load_engine, open_prompt_cache, prompt_ids,
+                                sampling_kwargs, structured_spec, user_errors, warn_refused)
 from jaxsmol.cache.scheduler.speculation_modes import SPECULATE_MODES
-from jaxsmol.cli.tables import format_probe
+from jaxsmol.cli.tables import format_probe, format_scores
 from jaxsmol.system import progress
 
 
@@ -172,10 +171,7 @@ def _score(args) -> int:
                                            for s in scores],
                           "sum_logprob": total}))
         return 0
-    for pos, s in enumerate(scores):
-        lp = "-" if s.logprob is None else f"{s.logprob:.4f}"
-        top = "" if not s.top else "  top: " + ", ".join(f"{json.dumps(tok.decode([i]))} {v:.3f}" for i, v in s.top)
-        print(f"{pos:>5}  {s.token:>6}  {lp:>9}  {json.dumps(tok.decode([s.token]))}{top}")
+    print(format_scores(scores, tok.decode))
     print(f"sum of log-probabilities: {total:.4f} over {len(scores) - 1} scored tokens")
     return 0
 

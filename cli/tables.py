@@ -6,15 +6,17 @@ import json
 
 
 def format_table(header: list, rows: list[list], *, title: str | None = None, numbers: bool = True,
-                 rule: bool = True) -> str:
+                 rule: bool = True, align: str | None = None) -> str:
     """Columns joined by two spaces. The first column is left-aligned; the others are right-aligned
-    (numbers=True) or left-aligned; `rule` draws dashes under the header. No trailing spaces."""
+    (numbers=True) or left-aligned; `align` ("l"/"r" a column) says it column by column instead. `rule`
+    draws dashes under the header. No trailing spaces."""
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    align = align or "l" + ("r" if numbers else "l") * (len(header) - 1)
     lines = [] if title is None else [title]
     for k, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if i and numbers else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append("  ".join(c.rjust(w) if a == "r" else c.ljust(w)
+                               for c, w, a in zip(r, widths, align)).rstrip())
         if k == 0 and rule:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -64,3 +66,17 @@ def format_probe(result: dict) -> str:
         used = f"refused ({pc['refused']})" if pc["refused"] else f"{pc['loaded']} tokens loaded"
         lines.append(f"prompt cache {pc['file']}: {used}; {pc['saved']} tokens saved")
     return "\n".join(lines)
+
+
+def format_scores(scores, decode) -> str:
+    """`jaxsmol score`'s table: each position's token, log P(token | tokens before it), its rank in the
+    vocabulary there (1: the most likely) and, where asked (--top-k), the most likely tokens. The first
+    token has no score: nothing comes before it."""
+    with_top = any(s.top for s in scores)
+    rows = []
+    for pos, s in enumerate(scores):
+        row = [pos, s.token, "-" if s.logprob is None else f"{s.logprob:.4f}", "-" if s.rank is None else s.rank,
+               json.dumps(decode([s.token]))]
+        rows.append(row + [", ".join(f"{json.dumps(decode([i]))} {v:.3f}" for i, v in s.top or ())] * with_top)
+    header = ["pos", "id", "logprob", "rank", "token"] + ["most likely there"] * with_top
+    return format_table(header, rows, align="rrrrll")

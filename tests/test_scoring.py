@@ -208,8 +208,12 @@ def test_score_cli(tiny_model_dir):  # the command's behaviour, on the two-layer
     out = json.loads(p.stdout)
     assert out["ids"] == [504, 3575, 282, 4649, 314] and out["token_logprobs"][0] is None
     assert len(out["top_logprobs"][1]) == 2 and out["sum_logprob"] == pytest.approx(sum(out["token_logprobs"][1:]))
-    p = run("The capital of France is")
+    p = run("The capital of France is", "--top-k", "2")
     assert p.returncode == 0 and "sum of log-probabilities" in p.stdout, p.stderr
+    header, rule, first, second = p.stdout.splitlines()[:4]
+    assert header.split() == ["pos", "id", "logprob", "rank", "token", "most", "likely", "there"]
+    assert set(rule) == {"-", " "} and first.split()[2:4] == ["-", "-"]  # the first token: nothing before it
+    assert second.split()[0] == "1" and float(second.split()[2]) <= 0 and int(second.split()[3]) >= 1
     for bad in (["--ids", "1", "999999"], ["hi", "--top-k", "99"], []):
         p = run(*bad)
         assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.splitlines()) == 1, p.stderr
