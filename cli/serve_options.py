@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from jaxsmol.cli.common import ArgumentParser, add_model_args, add_speculate_args
+from jaxsmol.errors import JaxsmolError
 
 
 def add_serve_options(s: argparse.ArgumentParser) -> None:
@@ -32,6 +33,16 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                    help="connections served at once; more get 503 (default: no limit)")
     s.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
                    help="cancel a request whose client has not read its output for S seconds (default 30)")
+    s.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 and close the connection of a request whose headers have not arrived whole "
+                        "S seconds after its first byte (or after the connection opened), or whose body has sent "
+                        "nothing for S seconds (default 30)")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in /v1/models, /health and responses (default: SmolLM2-135M-Instruct "
+                        "for the bundled model, a GGUF file's name without .gguf, a checkpoint directory's name)")
+    s.add_argument("--no-access-log", action="store_true",
+                   help="print no line per request on stderr (by default: client, method, path, status, tokens, "
+                        "time to first token, total time, tenant; /health and /ready are not logged)")
     s.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="decode rows: requests (and choices) decoded together in one step (default 16)")
     s.add_argument("--kv-cache-bytes", type=int, default=160 << 20, metavar="BYTES",
@@ -62,6 +73,15 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                    help="the same as --warmup none")
     add_speculate_args(s)
     add_model_args(s)
+
+
+def daemon_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of cli/server/serve.py `serve` that --read-timeout, --served-model-name and
+    --no-access-log give; a JaxsmolError for a value out of range."""
+    if not args.read_timeout > 0:
+        raise JaxsmolError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
+    return {"read_timeout_s": args.read_timeout, "model_name": args.served_model_name,
+            "access_log": not args.no_access_log}
 
 
 def serve_argv(args: argparse.Namespace) -> list[str]:

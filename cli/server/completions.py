@@ -20,6 +20,7 @@ from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.api import responses as R
 from jaxsmol.cache.scheduler.requests import ChoiceResult
 from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.cli.server.access_log import AccessRecord, record
 from jaxsmol.cli.server.tenants import Tenant, cache_salt
 from jaxsmol.cli.server.worker import QueueFull, Worker
 from jaxsmol.errors import JaxsmolError
@@ -32,10 +33,14 @@ CLIENT_CHECK_S, IDLE_CHECK_S = 0.05, 0.25
 
 @dataclasses.dataclass
 class EventReader:
-    """A job's events as its HTTP request reads them."""
+    """A job's events as its HTTP request reads them (the first one's time noted in its access record)."""
     request: Request
     job: Job
     checked: float = float("-inf")  # when the client was last found connected
+    access: AccessRecord = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.access = record(self.request)
 
     async def next(self):
         """The job's next event; cancels the job (and returns None) if the client has gone.
@@ -54,13 +59,16 @@ class EventReader:
                     return None
                 self.checked = time.monotonic()
             event = job.next_event_nowait()
-            if event is not None:
-                return event
-            try:
-                return await asyncio.wait_for(job.next_event(), timeout=IDLE_CHECK_S)
-            except asyncio.TimeoutError:
-                if job.cancelled.is_set() and job.idle():
-                    return None
+            if event is None:
+                try:
+                    event = await asyncio.wait_for(job.next_event(), timeout=IDLE_CHECK_S)
+                except asyncio.TimeoutError:
+                    if job.cancelled.is_set() and job.idle():
+                        return None
+                    continue
+            if isinstance(event, (TokenEvent, ChoiceDone)):
+                self.access.note_token()
+            return event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +180,7 @@ class Completions:
         if len(results) < len(job.choices):
             return _error(499, "client closed the request")
         obj = await asyncio.to_thread(self._response, job, meta, view, [results[i] for i in sorted(results)])
+        events.access.note_usage(obj["usage"])
         return JSONResponse(obj)
 
     def _response(self, job: Job, meta: dict, view: View, results: list[ChoiceResult]) -> dict:
@@ -215,8 +224,10 @@ class Completions:
                                                                          job.return_token_ids)]))
                     if len(results) == len(job.choices):
                         break
+            usage = R.usage(results, view.n)
+            events.access.note_usage(usage)
             if include_usage:
-                yield R.sse(R.chunk(meta, view.chat, [], R.usage(results, view.n)))
+                yield R.sse(R.chunk(meta, view.chat, [], usage))
             yield R.SSE_DONE
         finally:
             job.cancelled.set()  # a no-op when finished; stops generation when the stream is dropped

@@ -25,9 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cli.api import protocol as P
+from jaxsmol.cli.server.access_log import AccessLog, log_to_stderr, record
 from jaxsmol.cli.server.cache_routes import CacheRoutes, install_cache_routes
 from jaxsmol.cli.server.completions import Completions
 from jaxsmol.cli.api.events import DEFAULT_WRITE_TIMEOUT_S
+from jaxsmol.cli.server.limits import (DEFAULT_READ_TIMEOUT_S, RequestLimits, error_response,
+                                      read_timeout_protocol)
 from jaxsmol.cli.server.memory import MemoryAccount
 from jaxsmol.cli.server.replica import model_info, read_load, server_info
 from jaxsmol.cli.server.metrics import Metrics
@@ -36,58 +39,10 @@ from jaxsmol.cli.server.warmup import Warmup
 from jaxsmol.cli.server.worker import Worker
 from jaxsmol.errors import JaxsmolError
 
-MAX_BODY_BYTES = 4 << 20
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
           "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin")
 # what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
 REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
-                   headers=None) -> JSONResponse:
-    return JSONResponse(P.error_body(status, message, type_, param), status_code=status, headers=headers)
-
-
-class _LimitsAndCounts:
-    """ASGI middleware: counts requests by route and status, and refuses bodies over `limit` bytes
-    with 413: at once from the Content-Length, else (a chunked body) when the read passes the limit.
-
-    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware (`@app.middleware("http")`) hides the
-    client's disconnect from `Request.is_disconnected()`, which the handlers rely on to cancel jobs.
-    A path that is no route is counted as "other": clients cannot add label values.
-    """
-
-    def __init__(self, app, limit: int, metrics: Metrics):
-        self.app, self.limit, self.metrics = app, limit, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status, seen = 500, 0  # 500 if the app raises before it answers (the error middleware sends it)
-
-        async def counted_send(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
-            return message
-
-        length = dict(scope["headers"]).get(b"content-length")
-        try:
-            if length is not None and (not length.isdigit() or int(length) > self.limit):
-                await error_response(413, f"request body over {self.limit} bytes")(scope, receive, counted_send)
-            else:
-                await self.app(scope, limited_receive, counted_send)
-        finally:
-            self.metrics.request(scope["path"] if scope["path"] in ROUTES + REPLICA_ROUTES else "other", status)
 
 
 class Daemon:
@@ -102,7 +57,9 @@ class Daemon:
         self.memory = MemoryAccount(engine.params, worker.draft.engine.params if worker.draft else None)
 
     def _auth(self, request: Request, admin: bool = False):
-        return self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
+        tenant = self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
+        record(request).note_tenant(tenant.namespace)
+        return tenant
 
     # ---- lifespan --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -131,18 +88,13 @@ class Daemon:
 
     # ---- routes ----------------------------------------------------------------------------------
     async def health(self):
-        """Liveness and readiness for load balancers and routers: 200 {"status": "ok"} when ready, 503
-        {"status": "warming"} while the programs compile (a daemon that answers at all is alive)."""
+        """GET /health and GET /ready, for load balancers and routers (a startupProbe, a readinessProbe):
+        200 {"status": "ok"} when ready, 503 {"status": "warming"} while the programs compile (a daemon
+        that answers at all is alive), with the model's name and the load."""
         state = self.warmup.state()
         body = {"status": "ok" if state["ready"] else "warming", "model": self.model_name, "busy": self.worker.busy,
                 "queued": self.worker.jobs.qsize(), "compiling": not state["ready"], **state}
         return JSONResponse(body, status_code=200 if state["ready"] else 503)
-
-    async def ready(self):
-        """Readiness alone (a Kubernetes readinessProbe): 200 when ready, 503 while warming."""
-        state = self.warmup.state()
-        return JSONResponse({"status": "ok" if state["ready"] else "warming", **state},
-                            status_code=200 if state["ready"] else 503)
 
     async def models(self, request: Request):
         self._auth(request)
@@ -228,7 +180,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, str(exc.detail), type_=kind)
+        return error_response(exc.status_code, str(exc.detail), type_=kind, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -239,7 +191,11 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                model_name: str | None = None, cache_mode: str = "radix", cache_dir=None,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
                write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
-               warmup: str = "none", pinned_bytes: int = 512 << 20, draft=None) -> FastAPI:
+               warmup: str = "none", pinned_bytes: int = 512 << 20, draft=None, access_log: bool = True,
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+    """The daemon's app. access_log: a line per request (cli/server/access_log.py); read_timeout_s:
+    a request body that stalls this long is answered 408 (its headers' timeout is the HTTP protocol's:
+    `serve`)."""
     disk = None
     if cache_dir is not None and prefix_cache:
         from jaxsmol.cache.store.disk import DiskStore, identity
@@ -251,15 +207,17 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                         pinned_bytes=pinned_bytes)
     metrics = Metrics(ROUTES + REPLICA_ROUTES)
     worker = Worker(cache, max_queue, metrics, batch, draft)
-    model_name = model_name or (engine.model_dir.name if engine.model_dir else "jaxsmol")
+    model_name = model_name or engine.name
     d = Daemon(engine, cache, worker, metrics, tenants or Tenants(), model_name, write_timeout_s, warmup)
 
     app = FastAPI(title="jaxsmol", docs_url=None, redoc_url=None, lifespan=d.lifespan)
     app.state.daemon, app.state.cache, app.state.worker, app.state.metrics = d, cache, worker, metrics
-    app.add_middleware(_LimitsAndCounts, limit=MAX_BODY_BYTES, metrics=metrics)
+    app.add_middleware(RequestLimits, metrics=metrics, read_timeout_s=read_timeout_s)
+    if access_log:
+        app.add_middleware(AccessLog)  # the outer one: it sees the limits' answers too
     _install_error_handlers(app)
     app.get("/health")(d.health)
-    app.get("/ready")(d.ready)
+    app.get("/ready")(d.health)
     app.get("/v1/models")(d.models)
     app.get("/metrics")(d.prometheus)
     app.post("/v1/cache/flush")(d.flush)
@@ -277,18 +235,31 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     return app
 
 
-def serve(engine, host: str, port: int, max_connections: int | None = None, **kw) -> None:
+def serve(engine, host: str, port: int, max_connections: int | None = None,
+          read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, **kw) -> None:
+    """Serve `create_app(engine, **kw)` on host:port until SIGTERM. read_timeout_s: a request whose
+    headers, or a part of its body, do not arrive within it is answered 408 (cli/server/limits.py)."""
     import uvicorn
 
-    app = create_app(engine, **kw)
+    log_to_stderr()
+    app = create_app(engine, read_timeout_s=read_timeout_s, **kw)
     if app.state.daemon.warmup.mode == "block":
         app.state.daemon.warmup.run()  # the port opens ready
-    print(f"jaxsmol serving {engine.model_dir} on http://{host}:{port}", file=sys.stderr, flush=True)
+    print(f"jaxsmol serving {app.state.daemon.model_name} ({engine.source}) on http://{host}:{port}", file=sys.stderr,
+          flush=True)
     # uvicorn drains on SIGTERM, then raises the signal again once it has restored the previous handler:
     # with the default handler that kills the drained process (exit status -15). A drained stop is a clean exit.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=120,
-                    limit_concurrency=max_connections)
+        uvicorn.run(app, **uvicorn_options(app, host, port, max_connections, read_timeout_s))
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def uvicorn_options(app, host: str, port: int, max_connections: int | None = None,
+                    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> dict:
+    """uvicorn's settings for the daemon's app: its own access log (access_log.AccessLog) and HTTP
+    protocol (limits.ReadTimeoutProtocol), a drain of up to 120 s on SIGTERM."""
+    return {"host": host, "port": port, "log_level": "warning", "timeout_graceful_shutdown": 120,
+            "limit_concurrency": max_connections, "access_log": False,
+            "http": read_timeout_protocol(read_timeout_s, app.state.metrics)}
