@@ -9,6 +9,7 @@ import pytest
 
 from jaxsmol.cli.api.structured_request import structured_from_request
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime import schema_bounds
 from jaxsmol.runtime.sampling import SamplingParams, unpack_bitmask
 from jaxsmol.runtime.structured import all_allowed, canonical_spec, constraint_for, pack_bits, unpack_bits
 from jaxsmol.cache.scheduler.many import generate
@@ -194,6 +195,43 @@ def test_real_schema_output_validates(real_engine, index, name):
     for settings in (dict(), SAMPLED[index % 2]):
         gen = generate(real_engine, ids, SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **settings))
         _assert_complete(real_engine, gen, schema)
+
+
+@pytest.mark.real
+def test_real_open_numbers_and_strings_finish_within_the_default_bounds(real_engine):
+    """The "numbers" prompt with its fields left open (plain number, integer, string): greedy wrote
+    2.2046212151111... until max_tokens before the default bounds (schema_bounds.py); now it ends."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["price", "weight_kg", "count", "unit"],
+              "properties": {"price": {"type": "number"}, "weight_kg": {"type": "number"},
+                             "count": {"type": "integer"}, "unit": {"type": "string"}}}
+    ids, spec = _chat(real_engine, SCHEMAS["numbers"][0]), _schema_spec(schema)
+    for settings in (dict(), SAMPLED[0]):
+        gen = generate(real_engine, ids, SamplingParams(max_tokens=MAX_TOKENS, structured=spec, **settings))
+        value, written = _assert_complete(real_engine, gen, schema), json.loads(gen.text, parse_float=str)
+        for key in ("price", "weight_kg"):
+            assert abs(value[key]) <= schema_bounds.NUMBER_LIMIT
+            assert len(str(written[key]).partition(".")[2]) <= schema_bounds.DECIMALS, gen.text
+        assert abs(value["count"]) <= schema_bounds.NUMBER_LIMIT
+
+
+def test_default_bounds_fill_only_what_a_schema_leaves_open():
+    from jaxsmol.runtime.schema_bounds import DECIMALS, NUMBER_LIMIT, STRING_CHARS, bounded
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "number"}, "i": {"type": ["integer", "null"], "minimum": 0},
+        "s": {"type": "string"}, "own": {"type": "string", "maxLength": 10**6}, "re": {"type": "string", "pattern": "a+"},
+        "e": {"type": "number", "enum": [1.5, 2.5]}, "list": {"type": "array", "items": {"type": "number"}},
+        "either": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/d"}]}, "no": {"not": {"type": "string"}}},
+        "$defs": {"d": {"type": "number", "exclusiveMaximum": 1}}}
+    out = bounded(schema)["properties"]
+    assert out["n"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT, "multipleOf": 10.0**-DECIMALS}
+    assert out["i"] == {"type": ["integer", "null"], "minimum": 0, "maximum": NUMBER_LIMIT}
+    assert out["s"]["maxLength"] == STRING_CHARS and out["own"]["maxLength"] == 10**6 and "maxLength" not in out["re"]
+    assert out["e"] == schema["properties"]["e"] and out["no"] == schema["properties"]["no"]
+    assert out["list"]["items"]["maximum"] == NUMBER_LIMIT and out["either"]["anyOf"][0]["maxLength"] == STRING_CHARS
+    assert bounded(schema)["$defs"]["d"] == {"type": "number", "exclusiveMaximum": 1, "minimum": -NUMBER_LIMIT,
+                                             "multipleOf": 10.0**-DECIMALS}
+    assert schema["properties"]["n"] == {"type": "number"}  # the client's schema is not changed
 
 
 @pytest.mark.real

@@ -24,7 +24,8 @@ token, no per-schema precompilation), and it compiles JSON schema, regex and Lar
 
 JSON is generated compact with a space after `:` and `,` (`{"a": 1, "b": [2, 3]}`), the way these
 models write it; free whitespace would let a small model loop on newlines. A schema's `x-guidance`
-object may override that (llguidance's JSON options).
+object may override that (llguidance's JSON options). Numbers and strings a schema leaves open get
+default bounds, so that the output ends (schema_bounds.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections import OrderedDict
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime.schema_bounds import bounded
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPEC_TYPES = ("text", "json_object", "json_schema", "regex", "grammar", "choice")
@@ -81,7 +83,7 @@ def _grammar(spec_json: str) -> str:
         if isinstance(body, bool):  # JSON Schema allows true / false as a whole schema
             body = {} if body else {"not": {}}
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(body, defaults=JSON_OPTIONS)
+            grammar = llg.LLMatcher.grammar_from_json_schema(bounded(body), defaults=JSON_OPTIONS)
         except ValueError as e:  # e.g. an integer over 64 bits: "Value is not JSON serializable"
             raise JaxsmolError(f"invalid schema: {e}") from None
     elif fmt == "choice":
