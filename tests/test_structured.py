@@ -219,12 +219,14 @@ def test_default_bounds_fill_only_what_a_schema_leaves_open():
 
     schema = {"type": "object", "properties": {
         "n": {"type": "number"}, "i": {"type": ["integer", "null"], "minimum": 0},
-        "s": {"type": "string"}, "own": {"type": "string", "maxLength": 10**6}, "re": {"type": "string", "pattern": "a+"},
+        "s": {"type": "string"}, "own": {"type": "string", "maxLength": 10**6},
+        "re": {"type": "string", "pattern": "a+"},
         "e": {"type": "number", "enum": [1.5, 2.5]}, "list": {"type": "array", "items": {"type": "number"}},
         "either": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/d"}]}, "no": {"not": {"type": "string"}}},
         "$defs": {"d": {"type": "number", "exclusiveMaximum": 1}}}
     out = bounded(schema)["properties"]
-    assert out["n"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT, "multipleOf": 10.0**-DECIMALS}
+    assert out["n"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
+                        "multipleOf": 10.0**-DECIMALS}
     assert out["i"] == {"type": ["integer", "null"], "minimum": 0, "maximum": NUMBER_LIMIT}
     assert out["s"]["maxLength"] == STRING_CHARS and out["own"]["maxLength"] == 10**6 and "maxLength" not in out["re"]
     assert out["e"] == schema["properties"]["e"] and out["no"] == schema["properties"]["no"]
