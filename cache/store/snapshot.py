@@ -41,7 +41,7 @@ import numpy as np
 from jaxsmol.cache.store.values import common_prefix_len
 from jaxsmol.system.durable import fsync_dir
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.model.kv import SEQ_AXIS, seq_index
+from jaxsmol.model.kv_layout import SEQ_AXIS, seq_index
 
 FORMAT = "jaxsmol.prefix-snapshot"
 FORMAT_VERSION = 2  # 2: keys and values heads-first, [L, B, K, n, H] (1 was [L, B, n, K, H])

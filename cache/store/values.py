@@ -3,7 +3,6 @@ value (a pytree of arrays), and copies that own their memory (so the bytes count
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from jaxsmol.system import host_memory
@@ -31,6 +30,8 @@ def common_prefix_len(a, b, start: int = 0) -> int:
 
 def tree_bytes(tree) -> int:
     """The bytes of a pytree's array leaves."""
+    import jax  # here, not above: a snapshot file's reader (`jaxsmol cache ls`) needs no jax
+
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
@@ -46,4 +47,6 @@ def _own(a):
 
 def owned(tree):
     """`tree` with every NumPy view replaced by a copy that owns its memory (see _own)."""
+    import jax
+
     return jax.tree.map(_own, tree)

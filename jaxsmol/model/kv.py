@@ -27,15 +27,9 @@ import numpy as np
 
 from jaxsmol.kernels import cpu_copies
 from jaxsmol.model.config import Config
+from jaxsmol.model.kv_layout import SEQ_AXIS, seq_index  # noqa: F401 (the API's)
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.sharding import kv_sharding
-
-SEQ_AXIS = 3  # the slot axis of k and v
-
-
-def seq_index(start: int | None = None, stop: int | None = None) -> tuple:
-    """The index of slots [start, stop) of a k or v array (device or host): a[seq_index(0, n)]."""
-    return (slice(None),) * SEQ_AXIS + (slice(start, stop),)
 
 
 @flax.struct.dataclass
