@@ -33,16 +33,16 @@ def free_port() -> int:
 class Server:
     """One `jaxsmol serve` subprocess on a free loopback port; its stdout+stderr go to a temporary file."""
 
-    def __init__(self, *extra: str, compile_ahead: bool = False):
+    def __init__(self, *extra: str, compile_ahead: bool = False, ctx: int | None = CTX):
         """compile_ahead: the daemon's default (--warmup background), compiling its programs in the
         background at start, ready once they are; off (--warmup none, ready at once) in the tests'
         daemons but the "main" one (tests/test_serve.py checks it), since those compiles only compete
-        with each test's own requests for the two cores."""
+        with each test's own requests for the two cores. ctx: --ctx (None: the model's own)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
         self.cmd = [sys.executable, "-m", "jaxsmol.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--ctx", str(CTX), *extra] + ([] if compile_ahead else ["--no-compile-ahead"])
+                    *(["--ctx", str(ctx)] if ctx else []), *extra] + ([] if compile_ahead else ["--no-compile-ahead"])
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.ready = False

@@ -8,61 +8,28 @@
   checkpoint with the real tokenizer): `--model DIR` is added where a command takes it and the text
   says the default model, and `Engine.load()` loads that directory. Blocks that talk to
   `localhost:8000` run against a daemon this module starts. A block may be skipped only with a
-  `<!-- docs-test: skip (REASON) -->` line right before it, whose reason names the test that covers it.
+  `<!-- docs-test: skip (REASON) -->` line right before it, whose reason names the test that covers it;
+  `<!-- docs-test: error -->` marks a block whose request is answered with an HTTP error on purpose.
+* docs/serving.md's example outputs are checked against the bundled model in tests/test_docs_serving.py.
 * docs/python.md's `>>>` examples pass as doctests.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from doc_blocks import DAEMON_ADDRESS, ROOT, RUNNABLE_LANGS, bash_on, fenced_blocks, python_prelude, run_env
+
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
-RUNNABLE_LANGS = ("bash", "sh", "python")
-MARKER = re.compile(r"^<!-- docs-test: (\w+)(?: \((.*)\))? -->$")
-DAEMON_ADDRESS = re.compile(r"(?:localhost|127\.0\.0\.1):8000")
-
-
-@dataclasses.dataclass
-class Block:
-    path: Path
-    line: int  # 1-based line of the opening fence
-    lang: str
-    code: str
-    marker: tuple[str, str | None] | None  # (kind, reason) of a docs-test comment right before it
-
-    @property
-    def id(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
-
-
-def fenced_blocks(path: Path) -> list[Block]:
-    lines, out, marker, i = path.read_text().splitlines(), [], None, 0
-    while i < len(lines):
-        line = lines[i]
-        if m := MARKER.match(line.strip()):
-            marker = (m[1], m[2])
-        elif m := re.match(r"^```(\w*)\s*$", line):
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            out.append(Block(path, i + 1, m[1], "\n".join(lines[i + 1:end]), marker))
-            marker, i = None, end
-        elif line.strip():
-            marker = None  # a marker is for the block right after it
-        i += 1
-    return out
-
-
 BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
-RUN = [b for b in BLOCKS if b.lang in RUNNABLE_LANGS and b.marker is None and ">>>" not in b.code]
-SKIPPED = [b for b in BLOCKS if b.marker is not None]
+# <!-- docs-test: error --> before a block: its request is answered with an HTTP error on purpose
+RUN = [b for b in BLOCKS if b.lang in RUNNABLE_LANGS and b.marker in (None, ("error", None)) and ">>>" not in b.code]
+SKIPPED = [b for b in BLOCKS if b.marker is not None and b.marker[0] != "error"]
 
 
 # ---- generated and complete ------------------------------------------------------------------------------
@@ -88,7 +55,8 @@ def test_every_metric_is_on_the_serving_page():
     names = {"jaxsmol_requests_total", "jaxsmol_prompt_tokens_total", "jaxsmol_completion_tokens_total",
              "jaxsmol_time_to_first_token_seconds", "jaxsmol_cancelled_total", "jaxsmol_rejected_total",
              "jaxsmol_queue_depth", "jaxsmol_pool_bytes", "jaxsmol_cache_bypasses_total", "jaxsmol_cache_bytes",
-             "jaxsmol_cache_disk_bytes", "jaxsmol_cache_pinned_bytes"}
+             "jaxsmol_cache_disk_bytes", "jaxsmol_cache_pinned_bytes", "jaxsmol_read_timeouts_total",
+             "jaxsmol_cache_disk_refused_total"}
     names |= {f"jaxsmol_cache_{k}_total" for k, _ in M.CACHE_COUNTERS}
     names |= ({f"jaxsmol_batch_{k}" for k, _ in M.BATCH_GAUGES}
               | {f"jaxsmol_batch_{k}_total" for k, _ in M.BATCH_COUNTERS})
@@ -161,43 +129,6 @@ def test_a_skipped_block_names_the_test_that_covers_it():
 
 
 # ---- the blocks run ------------------------------------------------------------------------------------------
-def _commands_with_model() -> dict[str, bool]:
-    """{"jaxsmol generate": True, "jaxsmol info": False, "aitest": True, ...}: whether each takes --model."""
-    from jaxsmol.cli.main import build_parser
-
-    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
-    out = {f"jaxsmol {name}": any("--model" in a.option_strings for a in p._actions) for name, p in sub.choices.items()}
-    out["aitest"] = True
-    return out
-
-
-def bash_on(code: str, model: Path, address: str | None) -> str:
-    """The block with --model on every jaxsmol / aitest command that takes it and names none, and the
-    daemon's address for localhost:8000."""
-    takes_model, lines = _commands_with_model(), []
-    for line in code.replace("\\\n", " ").splitlines():
-        words = shlex.split(line, comments=True) if line.split()[:1] in (["jaxsmol"], ["aitest"]) else []
-        command = " ".join(words[:2]) if words[:1] == ["jaxsmol"] else " ".join(words[:1])
-        if takes_model.get(command) and "--model" not in words:
-            line = shlex.join(words + ["--model", str(model)])
-        lines.append(DAEMON_ADDRESS.sub(address, line) if address else line)
-    return "\n".join(lines)
-
-
-def python_prelude(model: Path) -> str:
-    """Engine.load() (the default model) loads `model` instead."""
-    return ("import jaxsmol.runtime.engine as _engine\n"
-            "_load = _engine.Engine.load.__func__\n"
-            "_engine.Engine.load = classmethod(lambda cls, model_dir=None, **kw: "
-            f"_load(cls, model_dir or {str(model)!r}, **kw))\n")
-
-
-def _env() -> dict:
-    bin_dir = str(Path(sys.executable).parent)  # jaxsmol and aitest of this environment
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
 @pytest.fixture(scope="module")
 def docs_daemon(tiny_model_dir):
     """`jaxsmol serve` on the two-layer checkpoint: the address the pages' localhost:8000 stands for."""
@@ -217,8 +148,9 @@ def test_the_block_runs(block, tiny_model_dir, tmp_path, request):
         cmd = [sys.executable, "-c", code]
     else:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", bash_on(block.code, tiny_model_dir, address)]
-    (tmp_path / ".curlrc").write_text("fail\n")  # curl: an HTTP error status fails the block
-    r = subprocess.run(cmd, cwd=tmp_path, env={**_env(), "CURL_HOME": str(tmp_path)}, capture_output=True, text=True,
+    if block.marker is None:
+        (tmp_path / ".curlrc").write_text("fail\n")  # curl: an HTTP error status fails the block
+    r = subprocess.run(cmd, cwd=tmp_path, env={**run_env(), "CURL_HOME": str(tmp_path)}, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"{block.id} failed ({r.returncode}):\n{cmd[-1]}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
@@ -231,7 +163,7 @@ def test_the_python_page_passes_its_doctests(tiny_model_dir):
         "                                     optionflags=doctest.ELLIPSIS)\n"
         "print(f'{attempted} examples, {failed} failed')\n"
         "sys.exit(1 if failed or not attempted else 0)\n")
-    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=run_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
