@@ -107,15 +107,17 @@ def test_one_access_log_line_per_request(url, caplog):
                           timeout=60) as s:
             s.read()
         httpx.get(url + "/v1/models")  # no key: 401
+        httpx.get(url + "/x%0AINFO%20forged")  # a path that would print a line of its own, decoded
         time.sleep(0.2)  # the server thread logs after the last byte is sent
     assert r.status_code == 200
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "jaxsmol.access"]
     assert not [rec for rec in caplog.records if rec.name.startswith("uvicorn.access")]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     generation = (r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 prompt=3 cached=\d generated=3 '
                   r'ttft=\d+\.\d{3}s total=\d+\.\d{3}s tenant=team-a')
     assert re.fullmatch(generation, lines[0]) and re.fullmatch(generation, lines[1]), lines
     assert re.fullmatch(r'127\.0\.0\.1:\d+ "GET /v1/models" 401 total=\d+\.\d{3}s', lines[2]), lines
+    assert re.fullmatch(r'127\.0\.0\.1:\d+ "GET /x%0AINFO%20forged" 404 total=\d+\.\d{3}s', lines[3]), lines
     ttft, total = (float(x) for x in re.findall(r"=(\d+\.\d+)s", lines[0]))
     assert 0 < ttft <= total
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import time
 
@@ -21,6 +22,8 @@ from jaxsmol.cli.server.limits import StatusSend
 
 LOGGER = logging.getLogger("jaxsmol.access")
 PROBES = ("/health", "/ready")
+MAX_PATH = 200  # characters of a path in a line
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SCOPE_KEY = "jaxsmol.access"
 
 
@@ -53,7 +56,7 @@ class AccessRecord:
 
     def line(self, scope, status: int, end: float) -> str:
         host, port = scope.get("client") or ("-", 0)
-        words = [f"{host}:{port}", f'"{scope["method"]} {scope["path"]}"', str(status)]
+        words = [f"{host}:{port}", f'"{scope["method"]} {_printable(scope)}"', str(status)]
         if self.prompt_tokens is not None:
             words += [f"prompt={self.prompt_tokens}", f"cached={self.cached_tokens}",
                       f"generated={self.generated_tokens}"]
@@ -63,6 +66,14 @@ class AccessRecord:
         if self.tenant is not None:
             words.append(f"tenant={self.tenant}")
         return " ".join(words)
+
+
+def _printable(scope) -> str:
+    """The request's path as the client sent it (percent-escapes kept: a %0A decoded would forge a line),
+    other bytes escaped, at most MAX_PATH characters."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8", "backslashreplace")
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", raw.decode("ascii", "backslashreplace"))
+    return text if len(text) <= MAX_PATH else text[:MAX_PATH] + "..."
 
 
 def record(request) -> AccessRecord:
