@@ -117,7 +117,8 @@ def weight_bytes(model_dir) -> dict[str, int]:
 def format_kernels(k: dict) -> str:
     """One line: 'in use (mode auto): avx512, compiled, LIBRARY' or 'not in use (mode auto): REASON'."""
     if k["in_use"]:
-        how = "compiled by this command" if k["source"] == "compiled" else "loaded from the cache"
+        how = {"compiled": "compiled by this command", "prebuilt": "prebuilt, from the installed wheel"}.get(
+            k["source"], "loaded from the kernels directory")
         return f"in use (mode {k['mode']}): {k['isa']} ({k['lanes']} floats a vector), {how}: {k['library']}"
     return f"not in use (mode {k['mode']}): {k['reason']}"
 

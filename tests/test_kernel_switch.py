@@ -1,7 +1,7 @@
 """The CPU kernels' switch and state (jaxsmol/kernels/cpu_kernels.py `kernel_switch`, `state`) and `jaxsmol info`
 (cli/info.py): JAXSMOL_KERNELS=auto|on|off (JAXSMOL_CPU_KERNELS, its old name, still read), a bad value
 or `on` where the kernels cannot be built is one error line, a CPU they cannot run on is skipped before
-compiling. (The wheel's kernels: tests/test_wheel.py.)"""
+compiling, a wheel's prebuilt library is loaded where one fits the CPU. (The wheel itself: tests/test_wheel.py.)"""
 
 from __future__ import annotations
 
@@ -75,6 +75,47 @@ def test_a_missing_source_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, tmp_path / "cpu_missing.cc"))
     with pytest.raises(RuntimeError, match="kernel sources missing from .*: cpu_missing.cc"):
         cpu_kernels._build()
+
+
+def test_the_best_prebuilt_variant_present_loads_else_the_kernels_are_compiled(monkeypatch, tmp_path):
+    """_open: a wheel's library of the best variant the CPU runs among those it holds; none held (an
+    editable install) or none the CPU runs: compiled for this CPU. (Stubs: nothing is compiled or loaded.)"""
+    from jaxsmol.kernels import variants
+
+    built = tmp_path / "kernels" / "cpu_kernels-KEY.so"
+    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: (built, True))
+    monkeypatch.setattr(cpu_kernels, "_register", lambda path: 16)
+    vnni = variants.X86_64_V4 | {"avx512_vnni"}
+    assert cpu_kernels._open(vnni) == (built, "compiled", None, 16)  # an editable install holds none
+    for v in variants.VARIANTS:
+        (tmp_path / v.library).touch()
+    assert cpu_kernels._open(vnni) == (tmp_path / "cpu_kernels-avx512-vnni.so", "prebuilt", "avx512-vnni", 16)
+    assert cpu_kernels._open(variants.X86_64_V3)[1:3] == ("prebuilt", "avx2")
+    assert cpu_kernels._open(None)[1] == "compiled"  # the flags unknown
+    (tmp_path / "cpu_kernels-avx512-vnni.so").unlink()
+    assert cpu_kernels._open(vnni)[1:3] == ("prebuilt", "avx512")  # the best of those held
+
+
+def test_a_prebuilt_library_the_loader_refuses_is_compiled_instead(monkeypatch, tmp_path):
+    """A wheel's library that does not load (an older glibc than its tag says): compiled for this CPU; where
+    that fails too, the reason names both."""
+    from jaxsmol.kernels import variants
+
+    def register(path):
+        if path.parent == tmp_path:
+            raise OSError("version `GLIBC_2.99' not found")
+        return 8
+
+    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_register", register)
+    (tmp_path / "cpu_kernels-avx2.so").touch()
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: (tmp_path / "kernels" / "built.so", False))
+    assert cpu_kernels._open(variants.X86_64_V3) == (tmp_path / "kernels" / "built.so", "cache", None, 8)
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: (_ for _ in ()).throw(RuntimeError("cannot run c++")))
+    with pytest.raises(RuntimeError, match=r"the prebuilt cpu_kernels-avx2.so does not load \(version `GLIBC_2.99' "
+                                           r"not found\); cannot run c\+\+"):
+        cpu_kernels._open(variants.X86_64_V3)
 
 
 def test_off_is_silent_and_the_engine_runs_xla(monkeypatch, capsys, tiny_cfg):

@@ -22,9 +22,13 @@
   takes a different, split path: T == 1 differs from T >= 2).
 - the KV caches' copies (cpu_prefix.cc), called through cpu_copies.py.
 
-The library is compiled on first use with the system's C++ compiler (`$CXX`, else `c++`) for this CPU
-(`-march=native`) and kept per user (system/data_dirs.kernels_dir), keyed by sources, flags, jax version and
-CPU. Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8 (`vector_lanes`).
+A wheel holds the library prebuilt for a few instruction sets (variants.py; `prebuilt/`, built by setup.py
+with libstdc++ linked in, so it needs only glibc): the best one this CPU runs is loaded, no compiler needed.
+Elsewhere (an editable install, a source build, a CPU no variant fits) the library is compiled on first use
+with the system's C++ compiler (`$CXX`, else `c++`) for this CPU (`-march=native`, build.py) and kept in the
+kernels directory (system/data_dirs.kernels_dir), keyed by sources, flags, compiler, jax version and CPU.
+Either gives the same bits. Its vectors and register tiles follow the CPU: 16 floats with AVX-512, else 8
+(`vector_lanes`).
 `JAXSMOL_KERNELS` (`kernel_switch`) switches them: `auto` (the default) uses them where they build, `on` makes
 that a requirement (a JaxsmolError where they cannot), `off` runs XLA's ops only (the path every GPU and TPU
 takes). In `auto`, where they cannot be built (no compiler, a CPU other than x86-64 with AVX2 and FMA: skipped
@@ -39,9 +43,7 @@ import dataclasses
 import hashlib
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -50,19 +52,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.kernels import variants
+from jaxsmol.kernels.build import FLAGS, HEADERS, SOURCES, UNITS, compile_library  # noqa: F401 (the API's)
 from jaxsmol.kernels.cpu_identity import _cpu_flags, cpu_signature, unsupported_cpu  # noqa: F401 (the API's)
 from jaxsmol.kernels.formats import QuantizedMatrix, concat_panels
 from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.system.data_dirs import kernels_dir
 
-SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("cpu_matmul.cc", "cpu_matmul_quant.cc", "cpu_attention.cc", "cpu_prefix.cc",
-                          "cpu_matmul_int8.cc"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_matmul.h"))
-# What one compiler process builds: a source, with its own flags. The attention source once per cache
-# type, so that two cores share its compile (a cold start's longest step).
-UNITS = tuple((src, ()) for src in SOURCES if src.name != "cpu_attention.cc") + tuple(
-    (SOURCES[2], (f"-DJAXSMOL_ATTENTION_CACHE={t}",)) for t in ("JAXSMOL_F32", "JAXSMOL_BF16"))
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
            "jaxsmol_matmul_q8_0_int8": "JaxsmolMatmulQ8_0Int8", "jaxsmol_matmul_q4_1_int8": "JaxsmolMatmulQ4_1Int8",
@@ -75,12 +71,12 @@ HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the attention kernel handles
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul kernel reads
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # packed: one product each
-FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno")
 
 MODES = ("auto", "on", "off")  # JAXSMOL_KERNELS's values
 _MODE_WORDS = {"": "auto", "1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
 ENV, OLD_ENV = "JAXSMOL_KERNELS", "JAXSMOL_CPU_KERNELS"  # the switch, and its old name (still read)
 ISAS = {16: "avx512", 8: "avx2"}  # the library's vector width in floats -> the instruction set it was built for
+PREBUILT = Path(__file__).with_name(variants.PREBUILT)  # a wheel's libraries, one a variant (setup.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +86,9 @@ class KernelState:
     mode: str  # the switch: auto, on or off
     switch: str | None  # the variable that set it (JAXSMOL_KERNELS, or its old name); None: the default, auto
     in_use: bool  # built and registered: an engine on one CPU device whose shapes fit uses them
-    source: str | None = None  # "compiled" (by this process) or "cache" (a library built before); None when not in use
-    isa: str | None = None  # the instruction set its vectors use: "avx512" (16 floats) or "avx2" (8)
+    # "prebuilt" (the wheel's), "compiled" (by this process) or "cache" (built before); None when not in use
+    source: str | None = None
+    isa: str | None = None  # its instruction set: a prebuilt variant's name, else "avx512" (16 floats) or "avx2" (8)
     lanes: int = 0  # its vector width in floats
     library: str | None = None  # the shared library's path
     reason: str | None = None  # why they are not in use
@@ -115,9 +112,8 @@ def kernel_switch(environ=os.environ) -> tuple[str, str | None]:
 
 
 def _build() -> tuple[Path, bool]:
-    """Compile the kernel sources into one shared library under the data directory (once per key)
-    -> (its path, whether this call compiled it)."""
-
+    """Compile the kernel sources for this CPU into one shared library in the kernels directory (once
+    per key) -> (its path, whether this call compiled it)."""
     missing = [f.name for f in (*SOURCES, *HEADERS) if not f.is_file()]
     if missing:  # a broken install (a wheel without a source)
         raise RuntimeError(f"kernel sources missing from {SOURCES[0].parent}: {', '.join(missing)}")
@@ -130,54 +126,8 @@ def _build() -> tuple[Path, bool]:
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():
         return out, False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    with tempfile.TemporaryDirectory(dir=out.parent) as work:
-        objects = _compile_each(cxx, Path(work))
-        _run_compiler(cxx, [cxx, *FLAGS, *map(str, objects), "-o", str(tmp)], tmp)
-    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    compile_library(cxx, FLAGS, jax.ffi.include_dir(), out)
     return out, True
-
-
-def _compile_each(cxx: str, work: Path) -> list[Path]:
-    """Each source to an object file in `work`, all at once (one compiler per source: ~2x faster on
-    two cores than one command compiling them in turn; the same translation units, so the same code)."""
-    flags = [f for f in FLAGS if f != "-shared"]
-    objects = [work / f"{src.stem}-{i}.o" for i, (src, _) in enumerate(UNITS)]
-    try:
-        running = [subprocess.Popen([cxx, *flags, *defines, f"-I{jax.ffi.include_dir()}", "-c", str(src),
-                                     "-o", str(obj)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                   for (src, defines), obj in zip(UNITS, objects)]
-    except OSError as e:
-        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
-    failures = []
-    for proc in running:
-        try:
-            _, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, stderr = proc.communicate()
-        if proc.returncode != 0:
-            failures.append(stderr)
-    if failures:
-        raise RuntimeError(_compiler_failure(cxx, "\n".join(failures)))
-    return objects
-
-
-def _run_compiler(cxx: str, cmd: list[str], tmp: Path) -> None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(_compiler_failure(cxx, done.stderr))
-
-
-def _compiler_failure(cxx: str, stderr: str) -> str:
-    errors = [ln for ln in stderr.splitlines() if "error" in ln][:3]
-    return f"{cxx} failed on the kernel sources: {' | '.join(errors) or stderr[-300:]}"
 
 
 def state() -> KernelState:
@@ -205,24 +155,48 @@ def vector_lanes() -> int:
 
 
 def _load(mode: str, switch: str | None) -> KernelState:
-    """Build (or find) the library and register its targets with JAX, unless switched off or the CPU
-    cannot run it (checked before compiling). In mode auto a failure is one line on stderr."""
+    """Find (a wheel's prebuilt variant, else a library built before) or build the library and register its
+    targets with JAX, unless switched off or the CPU cannot run it (checked before compiling). In mode
+    auto a failure is one line on stderr."""
     if mode == "off":
         return KernelState(mode, switch, False, reason=f"switched off ({switch}=off): XLA's ops only")
-    why = unsupported_cpu(platform.machine(), _cpu_flags())
+    flags = _cpu_flags()
+    why = unsupported_cpu(platform.machine(), flags)
     if why is None:
         try:
-            path, compiled = _build()
-            lanes = _register(path)
+            path, source, isa, lanes = _open(flags)
         except (RuntimeError, OSError, AttributeError) as e:
             why = str(e)
         else:
-            return KernelState(mode, switch, True, "compiled" if compiled else "cache",
-                               ISAS.get(lanes, f"{lanes} lanes"), lanes, str(path))
+            return KernelState(mode, switch, True, source, isa or ISAS.get(lanes, f"{lanes} lanes"), lanes, str(path))
     if mode == "auto":  # in mode on, available() raises with the reason instead
         print(f"jaxsmol: the CPU kernels are not available ({why}); the forward uses XLA's dot and attention",
               file=sys.stderr)
     return KernelState(mode, switch, False, reason=why)
+
+
+def _open(flags: set[str] | None) -> tuple[Path, str, str | None, int]:
+    """The library registered -> (its path, its source, its variant's name or None, its vector width):
+    the best prebuilt variant this CPU runs, else one compiled for this CPU (now or before)."""
+    variant, refused = prebuilt_variant(flags), ""
+    if variant is not None:
+        path = PREBUILT / variant.library
+        try:
+            return path, "prebuilt", variant.name, _register(path)
+        except OSError as e:  # a library this system's loader refuses: compiled for this CPU instead
+            refused = f"the prebuilt {variant.library} does not load ({e}); "
+    try:
+        path, compiled = _build()
+    except RuntimeError as e:
+        raise RuntimeError(refused + str(e)) from None
+    return path, "compiled" if compiled else "cache", None, _register(path)
+
+
+def prebuilt_variant(flags: set[str] | None) -> variants.Variant | None:
+    """The best variant whose library this install holds and this CPU runs (None: an editable install
+    or a source build, which hold none, or a CPU none fits)."""
+    present = tuple(v.name for v in variants.VARIANTS if (PREBUILT / v.library).is_file())
+    return variants.best(flags, present) if present else None
 
 
 def _register(path: Path) -> int:
