@@ -1,7 +1,8 @@
 """`--only ready`: a daemon's start to ready on an empty data directory (the model's import and every
-compile included; the C++ kernels are the user's, built once per install: system/data_dirs.py) and
-then again on the one it filled, its memory at ready
-and after 8 concurrent streams, and one stream sent the moment it is ready against its settled speed.
+compile included; not the C++ kernels': a wheel's are prebuilt, and a source install's are those of this
+process's kernels directory, compiled before the first start: system/data_dirs.py) and then again on the
+one it filled, its memory at ready and after 8 concurrent streams, and one stream sent the moment it is
+ready against its settled speed.
 
 Each start runs `jaxsmol serve` with its default warm-up (background: /health 503 "warming", then
 200) and the benchmark's model flags, with `JAXSMOL_HOME` a temporary directory (`JAXSMOL_COMPILE_CACHE`
@@ -55,7 +56,12 @@ def section_ready(args, plan) -> dict:
     from jaxsmol.cli.bench.daemon import Daemon, model_flags
 
     flags, tokens, rows = model_flags(args) + ["--max-batch", str(plan["ready_max_batch"])], plan["ready_tokens"], []
+    from jaxsmol.kernels import cpu_kernels
+    from jaxsmol.system.data_dirs import kernels_dir
+
+    cpu_kernels.state()  # found or compiled here, before the fresh start is timed
     env = {k: v for k, v in os.environ.items() if k != "JAXSMOL_COMPILE_CACHE"}
+    env["JAXSMOL_KERNELS_DIR"] = str(kernels_dir())  # this process's: the fresh home does not compile them again
     with tempfile.TemporaryDirectory(prefix="jaxsmol-bench-home-") as home:
         for start in ("fresh", "second"):
             with Daemon(flags, start_timeout_s=1800, env={**env, "JAXSMOL_HOME": home}) as d:
