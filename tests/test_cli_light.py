@@ -10,15 +10,15 @@ import sys
 import pytest
 
 HEAVY = ("jax", "numpy", "httpx", "fastapi", "llguidance", "tokenizers")
-PROBE = """
+PROBE = f"HEAVY = {HEAVY!r}" + """
 import json, sys
 from jaxsmol.cli.main import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"code": code, "loaded": [m for m in %r if m in sys.modules]}), file=sys.stderr)
-""" % (HEAVY,)
+print(json.dumps({"code": code, "loaded": [m for m in HEAVY if m in sys.modules]}), file=sys.stderr)
+"""
 
 
 def loaded_by(*argv: str) -> dict:

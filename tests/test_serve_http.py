@@ -130,3 +130,20 @@ def test_no_access_log_prints_none(tiny_engine, caplog):
     with caplog.at_level(logging.INFO), TestClient(create_app(tiny_engine, access_log=False)) as client:
         assert client.get("/v1/models").status_code == 200
     assert not [rec for rec in caplog.records if rec.name == "jaxsmol.access"]
+
+
+def test_the_command_line_options_reach_the_daemon(tiny_model_dir):
+    """`jaxsmol serve --served-model-name --read-timeout --no-access-log` as typed: the name served, the
+    timeout applied to a half-sent request, no access line in the daemon's output."""
+    from daemon import Server
+
+    server = Server("--model", str(tiny_model_dir), "--served-model-name", "my-model", "--read-timeout", "1",
+                    "--no-access-log", ctx=None).wait_ready()
+    try:
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "my-model"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            assert s.recv(4096).startswith(b"HTTP/1.1 408")
+        assert "GET /v1/models" not in server.output()
+    finally:
+        server.stop()
