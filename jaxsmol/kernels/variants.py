@@ -31,9 +31,13 @@ class Variant:
         return f"cpu_kernels-{self.name}.so"
 
 
-# Best first. avx512-vnni: cpu_matmul_int8.cc's integer dots take one vpdpbusd a quad where AVX-512
-# without it takes two instructions and a 16-bit sum (the same integers, so the same bits); on Zen 4
-# (2 cores, Q4_1 at --matmul int8) it made the model's matmuls at 8 rows 0.77x as long.
+# Best first. avx512-vnni: cpu_matmul_int8.cc's integer dots (`--matmul int8`, the default) take one
+# vpdpbusd a quad where plain AVX-512 takes two instructions and a 16-bit sum: the same integers, so the
+# same bits. The model's matmuls with it against without, alternating in one process (tools/time_matmuls.py
+# --format F --dot int8, 2-core AMD EPYC Zen 4): one row (a lone stream's decode step, bound by memory)
+# 0.97-1.07x, 8 rows (a batched step) Q8_0 0.82x and Q4_1 0.94-1.03x, 16 rows 0.83-0.88x, 64 rows (prefill)
+# 0.74-0.87x. It pays where the daemon batches and prefills, so it ships. AVX2 with AVX-VNNI (Alder Lake,
+# no AVX-512) has no variant of its own: no machine here runs it to measure or test; it loads avx2.
 VARIANTS = (
     Variant("avx512-vnni", ("-march=x86-64-v4", "-mavx512vnni"), X86_64_V4 | {"avx512_vnni"}),
     Variant("avx512", ("-march=x86-64-v4",), X86_64_V4),
