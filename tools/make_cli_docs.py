@@ -51,15 +51,15 @@ ENVIRONMENT = """\
 | variable | what |
 |---|---|
 | `JAXSMOL_HOME` | the data directory (default `~/.cache/jaxsmol`): `models/` (the imported default model), \
-`xla-cache/programs/` (compiled programs, loaded without tracing) |
-| `JAXSMOL_KERNELS_DIR` | where the compiled C++ kernels are kept (default `~/.cache/jaxsmol/kernels`, \
-per user whatever `JAXSMOL_HOME` says, so a new home does not build them again; the home's `kernels/` \
-where that cannot be created) |
+`xla-cache/programs/` (compiled programs, loaded without tracing), `kernels/` (the C++ kernels compiled on \
+first use where the install holds no prebuilt library this CPU runs) |
+| `JAXSMOL_KERNELS_DIR` | where the C++ kernels compiled on first use are kept instead of `$JAXSMOL_HOME/kernels` \
+(several homes sharing one build) |
 | `JAXSMOL_COMPILE_CACHE` | where compiled programs are kept (default `$JAXSMOL_HOME/xla-cache`); `off` keeps none |
 | `JAXSMOL_KERNELS` | the C++ CPU kernels: `auto` (default: used where they build), `on` (required: one \
 error line where they cannot be built), `off` (XLA's own ops only). The former name `JAXSMOL_CPU_KERNELS` \
 is still read |
-| `CXX` | the C++ compiler that builds the kernels (default `c++`) |
+| `CXX` | the C++ compiler that builds the kernels (default `c++`; a wheel's prebuilt kernels need none) |
 | `JAXSMOL_DEBUG` | `1`: an internal error prints its traceback instead of one line |
 
 ## Exit status
