@@ -7,6 +7,11 @@ the LRU budget. `unpin` returns a key to the LRU. With a disk tier each pin is w
 as a snapshot marked pinned (cache/store/snapshot.py), and `PrefixCache.warm_from_disk` pins those
 again at start; an unpinned key's file is deleted (it is written again if it is spilled or persisted).
 
+A pin may expire (`pin(..., ttl_s=...)`, and `keep`: a request's cache breakpoints, the Messages API's
+`cache_control`): it is kept exactly that long from its last pin, then `expire` returns it to the LRU;
+pinning it again with a TTL extends it, without one makes it lasting. An expiring pin is not written to
+the disk tier as pinned (a restart does not pin it again), and its bytes count against the same budget.
+
 A pin changes where a prefix is kept, never its bits: a request restores a pinned prefix exactly as
 any other stored one.
 """
@@ -14,6 +19,7 @@ any other stored one.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from jaxsmol.cache.store.disk import SnapshotError
 from jaxsmol.errors import JaxsmolError
@@ -31,27 +37,33 @@ class Pinned:
 
 
 class Pins:
-    def __init__(self, cache, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+    def __init__(self, cache, budget_bytes: int = DEFAULT_BUDGET_BYTES, clock=time.monotonic):
+        """clock: seconds, what expiries are measured on (a test passes one it moves by hand)."""
         if budget_bytes < 0:
             raise JaxsmolError(f"pinned budget must be >= 0 bytes, got {budget_bytes}")
-        self.cache, self.budget_bytes = cache, int(budget_bytes)
+        self.cache, self.budget_bytes, self.clock = cache, int(budget_bytes), clock
         self.restored, self.warnings = 0, []  # pins restored from the disk tier at start, and those that were not
+        self.expires: dict[tuple, float] = {}  # (namespace, tokens) of each expiring pin -> when it expires
+        self._soonest = float("inf")  # the earliest of them: `expire` is a comparison until then
 
     @property
     def held(self) -> int:
         return self.cache.store.pinned_bytes
 
-    def keys(self) -> list[tuple]:
-        """(namespace, tokens) of every pinned key."""
-        return sorted(self.cache.store.pinned, key=lambda k: (str(k[0]), k[1]))
+    def keys(self, lasting: bool = False) -> list[tuple]:
+        """(namespace, tokens) of every pinned key (lasting: of those that do not expire)."""
+        keys = [k for k in self.cache.store.pinned if not (lasting and k in self.expires)]
+        return sorted(keys, key=lambda k: (str(k[0]), k[1]))
 
-    def is_pinned(self, ns, tokens) -> bool:
-        return (ns, tuple(tokens)) in self.cache.store.pinned
+    def is_pinned(self, ns, tokens, lasting: bool = False) -> bool:
+        key = (ns, tuple(tokens))
+        return key in self.cache.store.pinned and not (lasting and key in self.expires)
 
     def check(self, lk) -> None:
         """Before a prompt is prefilled to be pinned: JaxsmolError if it cannot be, naming why (the
         cache's mode, a bypass, or a budget its positions not pinned yet would exceed)."""
         cache = self.cache
+        self.expire()
         if cache.mode != "radix":
             raise JaxsmolError("pinning needs the radix prefix cache (--cache-mode radix, the prefix cache on)")
         if lk.report.bypass is not None:
@@ -72,21 +84,66 @@ class Pins:
                                f"hold {self.held:,} of the pinned budget (--pinned-bytes) of {self.budget_bytes:,} "
                                "bytes; unpin some or raise --pinned-bytes")
 
-    def pin(self, ns, tokens, write: bool = True) -> Pinned:
-        """Pin the stored key `tokens` of namespace `ns` (JaxsmolError if it is not stored or would
-        exceed the budget); with a disk tier and `write`, also write it there marked pinned."""
-        store, tokens = self.cache.store, tuple(tokens)
-        cost = store.pin_cost(ns, tokens)
+    def pin(self, ns, tokens, write: bool = True, ttl_s: float | None = None) -> Pinned:
+        """Pin the stored key `tokens` (a stored prompt or any prefix of one) of namespace `ns`
+        (JaxsmolError if it is not stored or would exceed the budget). Without `ttl_s` the pin lasts
+        until `unpin`, and with a disk tier and `write` it is written there marked pinned; with it, the
+        pin expires `ttl_s` seconds from now (from a later pin's time if that is later; a lasting pin
+        stays lasting)."""
+        store, key = self.cache.store, (ns, tuple(tokens))
+        self.expire()
+        cost = store.pin_cost(*key)
         if cost is None:
             raise JaxsmolError(f"cannot pin {len(tokens)} tokens: they are not stored (evicted meanwhile?)")
         self._refuse_over_budget(len(tokens), cost)
-        store.pin(ns, tokens)
-        on_disk = write and self.write(ns, tokens)
+        lasting = key in store.pinned and key not in self.expires
+        store.pin(*key)
+        on_disk = False
+        if ttl_s is None:
+            self.expires.pop(key, None)
+            on_disk = write and self.write(*key)
+        elif not lasting:
+            self.expires[key] = max(self.expires.get(key, 0.0), self.clock() + ttl_s)
+            self._soonest = min(self._soonest, self.expires[key])
         self.cache.sync()
         return Pinned(len(tokens), cost, self.held, on_disk)
 
+    def keep(self, ns, prompt, breakpoints, read: int) -> int:
+        """Pin a stored prompt's cache breakpoints, each (position, ttl_s): its first `position` tokens
+        for ttl_s seconds. A breakpoint the budget refuses is left out (the request is served all the
+        same). Returns the positions newly kept past the `read` restored ones: the furthest breakpoint
+        whose pin added bytes (a new pin, or one reaching past the pinned nodes), less `read`."""
+        if self.cache.mode != "radix" or ns is None:
+            return 0
+        kept = 0
+        for position, ttl_s in sorted(breakpoints):
+            if not 0 < position <= len(prompt):
+                continue
+            try:
+                pinned = self.pin(ns, prompt[:position], write=False, ttl_s=ttl_s)
+            except JaxsmolError:  # over the pinned budget, or evicted meanwhile
+                continue
+            if pinned.added_bytes:
+                kept = max(kept, position)
+        return max(kept - read, 0)
+
+    def expire(self) -> int:
+        """Return every pin whose expiry has passed to the LRU (evictable again: its entry stays while the
+        budget allows); how many."""
+        now = self.clock()
+        if now < self._soonest:
+            return 0
+        due = [key for key, t in self.expires.items() if t <= now]
+        for key in due:
+            del self.expires[key]
+            self.cache.store.unpin(*key)
+        self._soonest = min(self.expires.values(), default=float("inf"))
+        self.cache.sync()
+        return len(due)
+
     def unpin(self, ns, tokens) -> bool:
         """Return a pinned key to the LRU (and delete its pinned file); False if it was not pinned."""
+        self.expires.pop((ns, tuple(tokens)), None)
         if not self.cache.store.unpin(ns, tuple(tokens)):
             return False
         if self.cache.disk is not None:

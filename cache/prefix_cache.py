@@ -14,8 +14,8 @@ there while its budget allows, a lookup that finds a longer prefix there than in
 first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
 Pinned prefixes (`cache.pins`, cache/pins.py) are radix keys kept out of eviction under a budget of
-their own; `cached_prefix` tells how much of a prompt is stored without touching anything (what
-cache-aware admission orders waiting requests by).
+their own, for good or until an expiry (a request's cache breakpoints); `cached_prefix` tells how much
+of a prompt is stored without touching anything (what cache-aware admission orders waiting requests by).
 
 Exactness: a warm run gives the bits of a cold run. Prefill chunks come from the engine's exact
 buckets wherever they start (see jaxsmol/runtime/engine.py: >= 64 rows on XLA's matmul; 16 and 32 too with
@@ -227,12 +227,12 @@ class PrefixCache:
         if self.disk is None:
             return 0
         keys = [(ns, tokens) for ns, tokens in self.store.entries() if ns[0] == self.engine.fingerprint]
-        for ns, tokens in self.pins.keys():
+        for ns, tokens in self.pins.keys(lasting=True):  # an expiring pin is written as an ordinary entry
             self.pins.write(ns, tokens)
         for ns, tokens in keys:
             snap = self.snapshot_of(tokens, salt=ns[1])
             if snap is not None:
-                snap.pinned = self.pins.is_pinned(ns, tokens)
+                snap.pinned = self.pins.is_pinned(ns, tokens, lasting=True)
                 self.disk.put(snap)
         self.sync()
         return len(self.disk)

@@ -52,6 +52,7 @@ class CacheReport:
     nearest_len: int = 0  # on a partial match or miss: the length of the nearest stored sequence
     divergence_pos: int | None = None  # the first position where the prompt and that sequence differ
     saved: int = 0  # positions newly stored by this request
+    kept: int = 0  # positions its cache breakpoints newly pinned past those restored (cache/pins.py `keep`)
     snapshot_bytes: int = 0  # bytes of the state restored or saved for this prompt
     disk_loaded: int = 0  # positions brought back from the disk tier for this request
 

@@ -182,19 +182,19 @@ def test_stop_strings(tiny_engine, greedy12):
 
     # a stop string that is one whole token: the text ends before it, the token is still emitted
     gen, steps = _streamed(eng, SamplingParams(max_tokens=12, stop_strings=(f"<{out[j]}>",)))
-    assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop"
+    assert gen.output_ids == out[:j + 1] and gen.finish_reason == "stop" and gen.stop_string == f"<{out[j]}>"
     assert gen.text == text(out[:j]) and "".join(s.text for s in steps) == gen.text
 
     # a stop string spanning two tokens: cut where it starts
     s = f"{out[1]}><{out[2]}"
     k = next(k for k in range(1, 13) if s in text(out[:k]))
     gen, steps = _streamed(eng, SamplingParams(max_tokens=12, stop_strings=("never", s)))
-    assert gen.output_ids == out[:k] and gen.finish_reason == "stop"
+    assert gen.output_ids == out[:k] and gen.finish_reason == "stop" and gen.stop_string == s
     assert gen.text == text(out[:k])[: text(out[:k]).find(s)]
 
     # no hit: the whole text, finish "length"
     gen = generate(eng, PROMPT, SamplingParams(max_tokens=4, stop_strings=("never",)))
-    assert gen.text == text(out[:4]) and gen.finish_reason == "length"
+    assert gen.text == text(out[:4]) and gen.finish_reason == "length" and gen.stop_string is None
 
 
 def test_streamed_text_equals_final_text_with_a_spanning_stop_string(tiny_engine, greedy12):

@@ -65,6 +65,8 @@ class ChoiceResult:
     hands its sink, `generate_many` returns and the daemon answers with.
 
     cached_tokens: prompt positions this choice restored from the prefix cache;
+    kept_tokens: prompt positions past those its request's cache breakpoints newly pinned (CacheReport.kept);
+    stop_string: the stop string that ended it (None: another reason);
     logprobs: per generated token {"token", "logprob", "top": [(id, logprob)]} (empty when not asked);
     prompt_logprobs: per prompt position the same dict, None at position 0 (None when not asked: the
     daemon's scoring fills it);
@@ -80,13 +82,18 @@ class ChoiceResult:
     finish_reason: str
     logprobs: list[dict]
     timings: Timings = dataclasses.field(default_factory=Timings)
+    kept_tokens: int = 0
+    stop_string: str | None = None
     prompt_logprobs: list | None = None
     prompt_logits: np.ndarray | None = None
     report: CacheReport | None = None
 
 
 class Sink(Protocol):
-    """Where a request's events go (the daemon's job, or `generate_many`'s collector)."""
+    """Where a request's events go (the daemon's job, or `generate_many`'s collector): `prompt` once its
+    prompt is in (restored, prefilled) with the cache's report, before the first `token` of its choices
+    `indices`; then each choice's tokens and result, or one error."""
+    def prompt(self, indices: list[int], report: CacheReport) -> None: ...
     def token(self, index: int, step: Step) -> None: ...
     def done(self, result: ChoiceResult) -> None: ...
     def error(self, error: Exception) -> None: ...
@@ -103,6 +110,9 @@ class Request:
     salt: str | None = None
     bypass: bool = False
     pin: bool = False  # pin the prompt once it is stored (cache/pins.py); its choices sample nothing
+    # cache breakpoints: (position, ttl seconds) prefixes of the prompt pinned with an expiry once it is
+    # stored (cache/pins.py `keep`), before its first tokens go out so that they come with what was kept
+    keep: tuple = ()
     detail: bool = False  # results carry the prompt's last logits and the cache report (library calls)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     overtaken: int = 0  # later requests admitted before it (cache-aware admission bounds this)
@@ -144,6 +154,9 @@ class Collector:
     errors: list = dataclasses.field(default_factory=list)
     cancel: bool = False
     on_token: Callable[[int, Step], None] | None = None  # called with each step as it comes
+
+    def prompt(self, indices: list[int], report: CacheReport) -> None:
+        pass
 
     def token(self, index: int, step: Step) -> None:
         self.steps.setdefault(index, []).append(step)

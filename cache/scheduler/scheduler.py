@@ -183,6 +183,7 @@ class Scheduler:
         """One round: admit and prefill newcomers (else one chunk of an answer being stored), then one
         decode step of all rows."""
         self._idle_since = None
+        self.cache.pins.expire()  # pins past their expiry back to the LRU, between two steps
         self._drop_cancelled()
         busy = self._prefill_newcomers()
         if not busy and self.saves.may_run(rows_decoding=self.live_rows > 0):
@@ -196,9 +197,11 @@ class Scheduler:
             self._trimmed = time.monotonic()
 
     def idle(self) -> None:
-        """Called while there is no work: once idle for IDLE_RELEASE_S, the free rows' pages and
-        malloc's free memory go back to the OS (the resident set returns toward its size at start)."""
+        """Called while there is no work: pins past their expiry go back to the LRU; once idle for
+        IDLE_RELEASE_S, the free rows' pages and malloc's free memory go back to the OS (the resident set
+        returns toward its size at start)."""
         now = time.monotonic()
+        self.cache.pins.expire()
         if self._idle_since is None:
             self._idle_since = now
         elif now - self._idle_since >= IDLE_RELEASE_S and self._idle_since > 0:
@@ -360,11 +363,16 @@ class Scheduler:
         req, lk = p.request, p.lookup
         prefill_s = time.perf_counter() - p.started
         out = first_tokens(logits, req.samplings, p.constraints, self.engine.cfg.vocab_size, self.first_widths)
+        # stored once the first tokens are out, not on their time to first token (a fresh host copy of a
+        # 700-token prompt: ~70 ms), and before a finished choice's answer extends it; but first where
+        # cache breakpoints are kept, so that the first tokens come with what they kept (Request.keep)
+        refused = self._store(p, logits) if req.keep else None
         ttft = time.perf_counter() - req.submitted
         kept = np.array(logits[0]) if req.detail else None
         rows = []
         drafts = self.speculator.drafter(self.cache, lk, max(sp.max_tokens for sp in req.samplings)) if (
             self.speculator) else lambda: None
+        req.sink.prompt(req.indices, lk.report)
         for i, (index, sp) in enumerate(zip(req.indices, req.samplings)):
             stream = TokenStream(self.engine.tokenizer, sp, self.engine.cfg.eos_ids)
             rows.append(Row(req, lk, index, stream, ttft, p.constraints[i], prefill_s, kept, drafts(),
@@ -372,15 +380,8 @@ class Scheduler:
                             final=req.row_final(i, self.arena.slots)))
             if sp.max_tokens:  # max_tokens 0: the prompt alone (it is stored, nothing is sampled)
                 rows[-1].push(out, i)
-        # stored once the first tokens are out, not on their time to first token (a fresh host copy
-        # of a 700-token prompt: ~70 ms), and before a finished choice's answer extends it
-        if p.row is not None:
-            self.cache.save_prompt(lk, self.arena.view(p.row), logits)
-        refused = self._pin(req, lk)
-        prefilled = len(lk.prompt) - lk.report.reused
-        self.cache.finish(lk, prefilled)
-        self.cache.release(lk)
-        self.stats.prefilled_tokens += prefilled
+        if not req.keep:
+            refused = self._store(p, logits)
         if refused is not None:
             req.sink.error(refused)
             rows = []
@@ -401,6 +402,21 @@ class Scheduler:
             self._start_forks()
         elif p.row is not None:
             self.lease.give(p.row)
+
+    def _store(self, p: Prefill, logits: np.ndarray) -> JaxsmolError | None:
+        """Store p's prompt (its row holds it), pin it for a pin request and its cache breakpoints
+        (cache/pins.py), and account its prefill; the error where a pin request's pin is refused."""
+        req, lk = p.request, p.lookup
+        if p.row is not None:
+            self.cache.save_prompt(lk, self.arena.view(p.row), logits)
+        refused = self._pin(req, lk)
+        if req.keep:
+            lk.report.kept = self.cache.pins.keep(lk.ns, lk.prompt, req.keep, lk.report.reused)
+        prefilled = len(lk.prompt) - lk.report.reused
+        self.cache.finish(lk, prefilled)
+        self.cache.release(lk)
+        self.stats.prefilled_tokens += prefilled
+        return refused
 
     def _pin(self, req: Request, lk) -> JaxsmolError | None:
         """Pin a pin request's prompt, stored just now (cache/pins.py); the error if it cannot be."""

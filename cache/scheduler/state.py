@@ -112,7 +112,8 @@ class Row:
                           ttft_s=self.ttft_s if s.output_ids else total,
                           decode_s=total - self.ttft_s if s.output_ids else 0.0, total_s=total)
         return ChoiceResult(index=self.index, prompt_tokens=n, cached_tokens=lk.report.reused,
-                            output_ids=list(s.output_ids), text=s.text, finish_reason=s.finish_reason or "length",
+                            kept_tokens=lk.report.kept, stop_string=s.stop_string, output_ids=list(s.output_ids),
+                            text=s.text, finish_reason=s.finish_reason or "length",
                             logprobs=list(s.logprobs), timings=timings, prompt_logits=self.prompt_logits,
                             report=lk.report if self.request.detail else None)
 

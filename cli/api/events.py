@@ -1,8 +1,9 @@
 """The contract between the HTTP side (cli/server/serve.py) and the model worker (cli/server/worker.py).
 
 The HTTP side turns a request into a `Job` of `ChoiceSpec`s and submits it; the worker answers on the
-job's own bounded event queue, in this order for each choice: `TokenEvent`s, then one `ChoiceDone`;
-a `JobError` for a failure; always one `JobEnd` last. Events are plain data: a `ChoiceDone` carries
+job's own bounded event queue, in this order for each prompt: one `PromptDone` (what the prefix cache
+restored and kept), then for each of its choices `TokenEvent`s and one `ChoiceDone`; a `JobError` for
+a failure; always one `JobEnd` last. Events are plain data: a `ChoiceDone` carries
 the scheduler's `ChoiceResult` (cache/scheduler/requests.py): plain data, no device buffer or cache
 entry that a slow client leaving the event unread would keep alive.
 
@@ -45,6 +46,14 @@ class ChoiceSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptDone:
+    """A prompt is in (restored and prefilled), before its choices' first tokens."""
+    indices: list[int]  # the ChoiceSpec indices of its choices
+    cached_tokens: int  # positions restored from the prefix cache
+    kept_tokens: int  # positions its cache breakpoints newly pinned past those (Job.keep)
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     index: int  # the ChoiceSpec.index it belongs to
     step: Step
@@ -65,7 +74,7 @@ class JobEnd:
     pass
 
 
-Event = TokenEvent | ChoiceDone | JobError | JobEnd
+Event = PromptDone | TokenEvent | ChoiceDone | JobError | JobEnd
 
 _job_ids = itertools.count(1)
 
@@ -76,7 +85,9 @@ class Job:
 
     salt: the cache namespace within the model (tenant namespace + cache_salt), None for the default;
     bypass: this request does not use the prefix cache; loop: the event loop that owns `events`;
-    pin: pin each prompt in the prefix cache once it is stored (POST /v1/cache/pin).
+    pin: pin each prompt in the prefix cache once it is stored (POST /v1/cache/pin);
+    keep: cache breakpoints, (position, ttl seconds) prefixes of each prompt pinned with an expiry once it
+    is stored (the Messages API's cache_control; cache/pins.py `keep`).
     """
     choices: list[ChoiceSpec]
     salt: str | None
@@ -84,6 +95,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     return_token_ids: bool = False
     pin: bool = False
+    keep: tuple = ()
     max_events: int = DEFAULT_MAX_EVENTS
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)

@@ -17,11 +17,12 @@ import queue
 import threading
 
 from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.records import CacheReport
 from jaxsmol.cache.scheduler.draft_model import DraftModel
 from jaxsmol.cache.scheduler.requests import ChoiceResult, Request
 from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cache.scheduler.scheduler import Scheduler
-from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, PromptDone, TokenEvent
 from jaxsmol.cli.server.prompt_scores import PromptScores
 from jaxsmol.runtime.stream import Step
 
@@ -46,6 +47,9 @@ class JobSink:
     remaining: int  # choices not finished yet
     prompt_logprobs: dict  # ChoiceSpec.index -> the prompt's log-probabilities, when asked
     ended: bool = False
+
+    def prompt(self, indices: list[int], report: CacheReport) -> None:
+        self.job.emit(PromptDone(list(indices), report.reused, report.kept))
 
     def token(self, index: int, step: Step) -> None:
         self.job.emit(TokenEvent(index, step))
@@ -169,7 +173,7 @@ class Worker(threading.Thread):
         for prompt, specs in groups.items():
             self.scheduler.submit(Request(list(prompt), [s.sampling for s in specs], sink,
                                           indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass,
-                                          pin=job.pin))
+                                          pin=job.pin, keep=job.keep))
 
     def _score_chunk(self) -> None:
         """One chunk of the first waiting job's prompt scores; the job is submitted once they are in, or

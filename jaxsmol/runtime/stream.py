@@ -38,6 +38,7 @@ class TokenStream:
         self.logprobs: list[dict] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
 
     @property
     def done(self) -> bool:
@@ -68,20 +69,25 @@ class TokenStream:
         self._all_text += new
         hit = self._find_stop()
         if hit is not None:
-            self._all_text, self.finish_reason = self._all_text[:hit], "stop"
+            self._all_text, self.finish_reason = self._all_text[:hit[0]], "stop"
+            self.stop_string = hit[1]
         # hold back a tail that may still grow into a stop string
         safe = len(self._all_text) if self.finish_reason else len(self._all_text) - self._stop_prefix_len()
         released = self._all_text[len(self.text):safe]
         self.text = self._all_text[:safe]
         return released
 
-    def _find_stop(self) -> int | None:
-        """The earliest index where a stop string occurs, searching only text not searched before."""
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(the earliest index where a stop string occurs, that string: the first listed of those
+        starting there), searching only text not searched before."""
         stops = [s for s in self.sp.stop_strings if s]
         start = self._searched
         self._searched = max(0, len(self._all_text) - self._longest_stop + 1)
-        hits = [i for i in (self._all_text.find(s, start) for s in stops) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, order, s) for order, s in enumerate(stops) if (i := self._all_text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, _, s = min(hits)
+        return i, s
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
