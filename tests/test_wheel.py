@@ -150,18 +150,28 @@ def installed_wheel(archives, tmp_path) -> tuple[Path, Path]:
     return venv / "bin", purelib
 
 
-def run_installed(bin_dir: Path, tiny_model_dir: Path, env: dict) -> tuple[dict, list]:
-    """(`jaxsmol info --json`'s kernels, then `jaxsmol generate --json` on the tiny model in float32 and
-    at q4_1, the integer-dot kernel's class, each with its log-probabilities)."""
-    info = json.loads(run([bin_dir / "jaxsmol", "info", "--json"], cwd=bin_dir, env=env).stdout)
-    assert Path(info["jaxsmol"]["path"]).is_relative_to(bin_dir.parent)  # the wheel's copy, not the checkout
-    outputs = []
-    for quantize in ("none", "q4_1"):
-        done = run([bin_dir / "jaxsmol", "generate", "--model", tiny_model_dir, "--ids", 1, 2, 3, "--max-tokens", 6,
-                    "--logprobs", 3, "--quantize", quantize, "--json"], cwd=bin_dir, env=env)
-        assert "kernels" not in done.stderr
-        outputs.append({k: json.loads(done.stdout)[k] for k in ("output_ids", "logprobs")})
-    return info["kernels"], outputs
+# The kernels' state, then ids and log-probabilities of the tiny model in float32 and at q4_1 (the
+# integer-dot kernel's class), in one process: a `jaxsmol generate` each took 3x as long (its compile ahead).
+GENERATIONS = """
+import dataclasses, json, sys
+from jaxsmol.cache import generate
+from jaxsmol.kernels import cpu_kernels
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.runtime.sampling import SamplingParams
+outputs = []
+for quantize in (None, "q4_1"):
+    g = generate(Engine.load(sys.argv[1], quantize=quantize, progress=False), [1, 2, 3],
+                 SamplingParams(max_tokens=6, logprobs=3))
+    outputs.append([g.output_ids, g.logprobs])
+print(json.dumps([dataclasses.asdict(cpu_kernels.state()), outputs]))
+"""
+
+
+def generations(bin_dir: Path, tiny_model_dir: Path, env: dict) -> tuple[dict, list]:
+    """(the installed jaxsmol's KernelState as a dict, GENERATIONS' outputs)."""
+    done = run([bin_dir / "python", "-c", GENERATIONS, tiny_model_dir], cwd=bin_dir, env=env)
+    assert "kernels" not in done.stderr
+    return tuple(json.loads(done.stdout))
 
 
 @pytest.mark.skipif(BEST is None, reason="this CPU runs none of the prebuilt variants")
@@ -176,13 +186,19 @@ def test_the_installed_wheel_runs_its_prebuilt_kernels_without_a_compiler(instal
     bare = {**base, "PATH": str(bin_dir), "CXX": str(tmp_path / "no-such-compiler"),
             "JAXSMOL_KERNELS_DIR": str(tmp_path / "kernels")}
     assert [c for c in ("c++", "g++", "cc", "gcc") if shutil.which(c, path=bare["PATH"])] == []
-    kernels, prebuilt = run_installed(bin_dir, tiny_model_dir, bare)
+    info = json.loads(run([bin_dir / "jaxsmol", "info", "--json"], cwd=bin_dir, env=bare).stdout)
+    assert Path(info["jaxsmol"]["path"]).is_relative_to(bin_dir.parent)  # the wheel's copy, not the checkout
     library = purelib / "jaxsmol" / "kernels" / variants.PREBUILT / BEST.library
+    kernels = info["kernels"]
     assert (kernels["in_use"], kernels["source"], kernels["isa"], kernels["library"]) == (
         True, "prebuilt", BEST.name, str(library))
-    assert not (tmp_path / "kernels").exists()  # nothing compiled
+    done = run([bin_dir / "jaxsmol", "generate", "--model", tiny_model_dir, "--ids", 1, 2, 3, "--max-tokens", 4,
+                "--json"], cwd=bin_dir, env=bare)
+    assert json.loads(done.stdout)["output_ids"] and "kernels" not in done.stderr
+    kernels, prebuilt = generations(bin_dir, tiny_model_dir, bare)
+    assert kernels["source"] == "prebuilt" and not (tmp_path / "kernels").exists()  # nothing compiled
     shutil.rmtree(library.parent)
-    kernels, compiled = run_installed(bin_dir, tiny_model_dir, base)
+    kernels, compiled = generations(bin_dir, tiny_model_dir, base)
     assert kernels["in_use"] and kernels["source"] in ("compiled", "cache") and kernels["isa"] in ("avx2", "avx512")
     assert Path(kernels["library"]).parent == kernels_dir()  # the tests' (conftest.py)
     assert prebuilt == compiled
