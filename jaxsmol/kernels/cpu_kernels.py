@@ -195,8 +195,7 @@ def _open(flags: set[str] | None) -> tuple[Path, str, str | None, int]:
 def prebuilt_variant(flags: set[str] | None) -> variants.Variant | None:
     """The best variant whose library this install holds and this CPU runs (None: an editable install
     or a source build, which hold none, or a CPU none fits)."""
-    present = tuple(v.name for v in variants.VARIANTS if (PREBUILT / v.library).is_file())
-    return variants.best(flags, present) if present else None
+    return variants.best(flags, tuple(v.name for v in variants.VARIANTS if (PREBUILT / v.library).is_file()))
 
 
 def _register(path: Path) -> int:
