@@ -111,3 +111,15 @@ def test_the_probe_on_a_fresh_home_shows_its_waits_on_a_terminal_and_not_with_qu
     piped = subprocess.run(cmd, capture_output=True, text=True, env={**env, "JAXSMOL_HOME": str(tmp_path / "home3")},
                            timeout=300)
     assert piped.returncode == 0 and "\033[K" not in piped.stderr, piped.stderr[-2000:]
+
+
+def test_a_line_wider_than_the_terminal_is_elided_in_the_middle_while_redrawn(monkeypatch):
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((40, 24)))
+    term = Terminal()
+    term.fileno = lambda: 2
+    with Wait("compiling the CPU kernels for this CPU (once: kept in /a/very/long/directory/name)", stream=term,
+              after_s=0):
+        time.sleep(0.05)
+    drawn = [part for part in term.text.split("\r\033[K") if part]
+    assert all(len(d) <= 39 and "..." in d and d.endswith(" s") for d in drawn[:-1])
+    assert drawn[-1].startswith("jaxsmol: compiling the CPU kernels") and drawn[-1].endswith(" s\n")  # in full

@@ -58,6 +58,7 @@ from jaxsmol.kernels.cpu_identity import _cpu_flags, cpu_signature, unsupported_
 from jaxsmol.kernels.formats import QuantizedMatrix, concat_panels
 from jaxsmol.kernels.stacking import stack_layers, unstack_layers
 from jaxsmol.system.data_dirs import kernels_dir
+from jaxsmol.system.progress import Wait
 
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
            "jaxsmol_matmul_q8_0": "JaxsmolMatmulQ8_0", "jaxsmol_matmul_q4_1": "JaxsmolMatmulQ4_1",
@@ -126,7 +127,8 @@ def _build() -> tuple[Path, bool]:
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
     if out.is_file():
         return out, False
-    compile_library(cxx, FLAGS, jax.ffi.include_dir(), out)
+    with Wait(f"compiling the CPU kernels for this CPU ({len(UNITS)} units with {cxx}; once: kept in {out.parent})"):
+        compile_library(cxx, FLAGS, jax.ffi.include_dir(), out)
     return out, True
 
 

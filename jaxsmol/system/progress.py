@@ -93,6 +93,22 @@ class Wait:
 
     def _write(self, state: str, end: str = "") -> None:
         count = f" {self.done}/{self.total}" if self.total is not None else ""
-        self.stream.write(f"\r\033[Kjaxsmol: {self.what}{count} ... {state}{end}")
+        line = f"jaxsmol: {self.what}{count} ... {state}"
+        if not end:  # redrawn in place: a line wider than the terminal would wrap and leave its head behind
+            line = _fit(line, self.stream)
+        self.stream.write(f"\r\033[K{line}{end}")
         self.stream.flush()
         self._drawn = True
+
+
+def _fit(line: str, stream) -> str:
+    """`line` shortened to the terminal's width (its middle elided), where that width can be read."""
+    try:
+        width = os.get_terminal_size(stream.fileno()).columns - 1
+    except (AttributeError, OSError, ValueError):
+        return line
+    if len(line) <= width or width < 20:
+        return line
+    keep = width - 3
+    return line[: keep - keep // 3] + "..." + line[len(line) - keep // 3:]
+
