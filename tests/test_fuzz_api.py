@@ -1,7 +1,8 @@
 """A fuzz of the daemon's HTTP API: hypothesis generates request bodies for every POST route,
 valid-ish and garbage (wrong types, huge and negative numbers, NaN, nested junk, lone surrogates, empty
-and mixed lists, odd roles and content parts, structured-output junk), and no answer may be a 5xx: bad
-input is a 400 with an OpenAI error object. Afterwards the daemon is healthy and answers correctly.
+and mixed lists, odd roles and content parts and blocks, cache_control junk, structured-output junk),
+and no answer may be a 5xx: bad input is a 400 with an OpenAI error object, or Anthropic's on the
+Messages API's routes. Afterwards the daemon is healthy and answers correctly.
 
 In-process (Starlette's TestClient) on the tiny random config with the real tokenizer, so it is quick;
 derandomized with a fixed number of examples, so CI sees the same bodies every run. The statuses seen
@@ -19,7 +20,9 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), tiny random weights
 
-EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50}
+EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50,
+            "/v1/messages": 200, "/v1/messages/count_tokens": 80}
+OPENAI = ("/v1/completions", "/v1/chat/completions")  # the routes that take the OpenAI fields below
 STATUSES: dict[str, collections.Counter] = {route: collections.Counter() for route in EXAMPLES}
 SETTINGS = dict(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -92,13 +95,44 @@ ROUTE_FIELDS = {
                    "add_generation_prompt": junk, "return_token_strs": junk}),
     "/detokenize": ({"tokens": token_ids}, {"tokens": st.lists(st.integers(), max_size=5) | junk, "model": junk}),
 }
-REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/tokenize": (), "/detokenize": ()}
+# Anthropic's Messages API: blocks of every type, cache_control of every shape
+controls = st.sampled_from([{"type": "ephemeral"}, {"type": "persistent"}]
+                           + [{"type": "ephemeral", "ttl": ttl} for ttl in ("5m", "1h", "2h", None, 300, ["5m"])])
+blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image", "document", "tool_use", "tool_result", "thinking", "bogus"]) | junk},
+    optional={"text": texts | junk, "cache_control": controls | junk, "source": junk, "input": junk})
+text_blocks = st.fixed_dictionaries({"type": st.just("text"), "text": texts},
+                                    optional={"cache_control": st.sampled_from([{"type": "ephemeral"},
+                                                                                {"type": "ephemeral", "ttl": "1h"}])})
+turns = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                        "content": texts | st.lists(text_blocks, max_size=2)}), min_size=1, max_size=3)
+odd_turns = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | roles},
+                                           optional={"content": texts | st.lists(blocks | junk, max_size=3) | junk}),
+                     max_size=4) | junk
+CONVERSATION = ({"messages": turns, "system": texts | st.lists(text_blocks, max_size=3), "model": texts,
+                 "cache_control": st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}]),
+                 "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]),
+                 "thinking": st.just({"type": "disabled"})},
+                {"messages": odd_turns, "system": texts | st.lists(blocks | junk, max_size=5) | junk,
+                 "cache_control": controls | junk, "tools": junk, "tool_choice": junk, "thinking": junk, "model": junk})
+ROUTE_FIELDS["/v1/messages/count_tokens"] = CONVERSATION
+ROUTE_FIELDS["/v1/messages"] = (
+    {**CONVERSATION[0], "max_tokens": st.integers(1, 6), "temperature": st.sampled_from([0.0, 0.5, 1.0]),
+     "top_p": st.sampled_from([0.5, 1.0]), "top_k": st.integers(0, 300), "stop_sequences": st.lists(texts, max_size=4),
+     "stream": st.booleans(), "metadata": st.just({"user_id": "u"}), "seed": st.integers(0, 2**63 - 1),
+     "cache_salt": texts, "ignore_eos": st.booleans(),
+     "output_config": st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, schemas)},
+    {**CONVERSATION[1], "max_tokens": ints | junk, "temperature": floats | junk, "top_p": floats | junk,
+     "top_k": ints | junk, "stop_sequences": stops, "stream": junk, "seed": ints | junk, "metadata": junk,
+     "cache_salt": st.text(min_size=257, max_size=300) | junk, "output_config": junk | schemas})
+REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/tokenize": (), "/detokenize": (),
+            "/v1/messages": ("messages", "max_tokens"), "/v1/messages/count_tokens": ("messages",)}
 
 
 def route_bodies(route: str):
     """Valid-ish bodies, the same with one field set to anything, and junk."""
     good, bad = ROUTE_FIELDS[route]
-    if route.startswith("/v1/"):
+    if route in OPENAI:
         good, bad = {**GOOD, **good}, {**BAD, **bad}
     required = REQUIRED[route]
     valid = st.fixed_dictionaries({k: good[k] for k in required},
@@ -153,14 +187,18 @@ def check(client, route: str, body) -> None:
     r = client.post(route, content=raw(body), headers={"content-type": "application/json"})
     STATUSES[route][r.status_code] += 1
     assert r.status_code < 500, (route, body, r.status_code, r.text)
+    anthropic = route.startswith("/v1/messages")
     if r.status_code != 200:
         err = r.json()["error"]
-        assert isinstance(err["message"], str) and err["message"] and err["code"] == r.status_code, r.text
+        assert isinstance(err["message"], str) and err["message"], r.text
+        assert r.json()["type"] == "error" and err["type"] == "invalid_request_error" if anthropic else (
+            err["code"] == r.status_code), r.text
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         errors = [e["error"] for e in events if "error" in e]
-        STATUSES[route]["stream error " + str(errors[0]["code"]) if errors else "stream"] += 1
-        assert all(e["code"] < 500 for e in errors), (route, body, errors)
+        codes = [e["type"] if anthropic else e["code"] for e in errors]
+        STATUSES[route][f"stream error {codes[0]}" if errors else "stream"] += 1
+        assert all(c in ("invalid_request_error", 400) for c in codes), (route, body, errors)
     else:
         assert isinstance(r.json(), dict)
 

@@ -10,6 +10,7 @@ extension fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -31,12 +32,12 @@ DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
 
 
 class ProtocolError(Exception):
-    """A request the API cannot serve; `param` names the field."""
+    """A request the API cannot serve; `param` names the field; `headers` go with the answer."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type_
+        self.message, self.param, self.status, self.type, self.headers = message, param, status, type_, headers
 
 
 def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> dict:
@@ -210,17 +211,23 @@ def template_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def stop_strings(stop) -> tuple[str, ...]:
-    """`stop` as OpenAI defines it: a string or up to MAX_STOP strings, each up to MAX_STOP_CHARS."""
+def stop_strings(stop, where: str = "stop") -> tuple[str, ...]:
+    """`stop` as OpenAI defines it: a string or up to MAX_STOP strings, each up to MAX_STOP_CHARS
+    (`where`: the field's name in the request)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
-        raise ProtocolError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
+        raise ProtocolError(f"{where}: at most {MAX_STOP} stop strings, got {len(stops)}", param=where)
     for s in stops:
-        check_text(s, "stop")
+        check_text(s, where)
         if len(s) > MAX_STOP_CHARS:
-            raise ProtocolError(f"stop: a stop string is at most {MAX_STOP_CHARS} characters, got {len(s)}",
-                                param="stop")
+            raise ProtocolError(f"{where}: a stop string is at most {MAX_STOP_CHARS} characters, got {len(s)}",
+                                param=where)
     return tuple(stops)
+
+
+def request_seed(seed: int | None) -> int:
+    """A request's seed, or a random one where it gives none (its choices then sample afresh)."""
+    return seed if seed is not None else int.from_bytes(os.urandom(7), "little")
 
 
 def check_work(n_prompts: int, n: int, max_tokens: int) -> None:

@@ -3,7 +3,9 @@
 `completion_plan` / `chat_plan` (run off the event loop) tokenize, render the chat template, check
 prompts and limits, and return the job's `ChoiceSpec`s with a `View` of how to render the answer.
 `answer` submits the job to the worker and relays its events (cli/api/events.py): collected into one
-JSON body, or as server-sent events.
+JSON body, or as server-sent events. `start` (a job queued) and `results` (its choices' results) are
+the driver's two halves, which the Messages API's routes use too (cli/server/messages.py); a failure is
+raised as a ProtocolError, which the app answers in the route's own error shape.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.api import responses as R
 from jaxsmol.cache.scheduler.requests import ChoiceResult
-from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, TokenEvent
+from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, PromptDone, TokenEvent
 from jaxsmol.cli.server.access_log import AccessRecord, record
 from jaxsmol.cli.server.tenants import Tenant, cache_salt
 from jaxsmol.cli.server.worker import QueueFull, Worker
@@ -102,7 +104,7 @@ class Completions:
             text = P.check_text(body.prompt, "prompt")
         return tok.encode(text)
 
-    def _checked(self, ids: list[int], max_tokens: int | None, kind: str, where: str) -> tuple[list[int], int]:
+    def checked_prompt(self, ids: list[int], max_tokens: int | None, kind: str, where: str) -> tuple[list[int], int]:
         """(ids, max_tokens) with the default max_tokens, or a ProtocolError naming the prompt."""
         if max_tokens is None:
             max_tokens = min(P.DEFAULT_MAX_TOKENS[kind], max(self.engine.ctx - len(ids), 0))
@@ -117,7 +119,7 @@ class Completions:
         P.check_work(len(prompts), body.n, max(m for _, m in prompts))
         stops = P.stop_strings(body.stop)
         structured = P.structured_spec(body)
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
+        seed = P.request_seed(body.seed)
         return [ChoiceSpec(index=p * body.n + j, prompt_ids=ids, echo=echo, prompt_logprobs=prompt_logprobs,
                            sampling=P.sampling_for(body, max_tokens, logprobs, seed, j, stops, structured))
                 for p, (ids, max_tokens) in enumerate(prompts) for j in range(body.n)]
@@ -129,7 +131,7 @@ class Completions:
         for i, p in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt.{i}"
             ids = tok.encode(p) if isinstance(p, str) else p
-            prompts.append(self._checked(ids, body.max_tokens, "completion", where))
+            prompts.append(self.checked_prompt(ids, body.max_tokens, "completion", where))
             if body.echo:
                 texts.append(p if isinstance(p, str) else tok.decode(ids))
         scored = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
@@ -143,43 +145,53 @@ class Completions:
         messages = P.template_messages(body.messages)
         ids = self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompt = self._checked(ids, max_tokens, "chat", "messages")
+        prompt = self.checked_prompt(ids, max_tokens, "chat", "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         specs = self._specs(body, [prompt], 0 if top is None else max(top, 1), False, None)
         return specs, View(chat=True, n=body.n, logprobs=top)
 
     # ---- running a job -----------------------------------------------------------------------------
-    async def answer(self, request: Request, body, tenant: Tenant, specs: list[ChoiceSpec], view: View):
-        job = Job(choices=specs, salt=cache_salt(tenant, body.cache_salt), bypass=not body.use_prefix_cache,
-                  loop=asyncio.get_running_loop(), return_token_ids=body.return_token_ids,
-                  write_timeout_s=self.write_timeout_s)
+    def start(self, tenant: Tenant, specs: list[ChoiceSpec], salt: str | None = None, bypass: bool = False,
+              **fields) -> Job:
+        """A job of these choices in the tenant's cache namespace (`salt`: a cache_salt within it), with
+        the Job's other `fields`, queued for the worker; a 503 ProtocolError (Retry-After) when the
+        queue is full."""
+        job = Job(choices=specs, salt=cache_salt(tenant, salt), bypass=bypass, loop=asyncio.get_running_loop(),
+                  write_timeout_s=self.write_timeout_s, **fields)
         try:
             self.worker.submit(job)
         except QueueFull:
             self.metrics.rejected_queue_full += 1
-            return JSONResponse(P.error_body(503, "the server is busy: request queue full", "server_error"),
-                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        meta = {"id": ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": self.model_name}
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(request, job, meta, view, include_usage),
-                                     media_type="text/event-stream")
-        return await self._collect(request, job, meta, view)
+            raise P.ProtocolError("the server is busy: request queue full", status=503, type_="server_error",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return job
 
-    async def _collect(self, request: Request, job: Job, meta: dict, view: View):
+    async def results(self, events: EventReader) -> list[ChoiceResult]:
+        """The job's results, in index order, once every choice is done; raises its failure as a
+        ProtocolError (job_failure), or a 499 one when the client left."""
         results: dict[int, ChoiceResult] = {}
-        events = EventReader(request, job)
         while (event := await events.next()) is not None:
             if isinstance(event, JobError):
-                return _job_error(event.error)
+                raise job_failure(event.error)
             if isinstance(event, ChoiceDone):
                 results[event.result.index] = event.result
-            if isinstance(event, JobEnd) or len(results) == len(job.choices):
+            if isinstance(event, JobEnd) or len(results) == len(events.job.choices):
                 break
-        if len(results) < len(job.choices):
-            return _error(499, "client closed the request")
-        obj = await asyncio.to_thread(self._response, job, meta, view, [results[i] for i in sorted(results)])
+        if len(results) < len(events.job.choices):
+            raise P.ProtocolError("client closed the request", status=499)
+        return [results[i] for i in sorted(results)]
+
+    async def answer(self, request: Request, body, tenant: Tenant, specs: list[ChoiceSpec], view: View):
+        job = self.start(tenant, specs, body.cache_salt, bypass=not body.use_prefix_cache,
+                         return_token_ids=body.return_token_ids)
+        meta = {"id": ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": self.model_name}
+        events = EventReader(request, job)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(events, meta, view, include_usage), media_type="text/event-stream")
+        results = await self.results(events)
+        obj = await asyncio.to_thread(self._response, job, meta, view, results)
         events.access.note_usage(obj["usage"])
         return JSONResponse(obj)
 
@@ -195,17 +207,20 @@ class Completions:
                        for r in results]
         return R.completion_object(meta, choices, R.usage(results, view.n), view.chat)
 
-    async def _sse(self, request: Request, job: Job, meta: dict, view: View, include_usage: bool):
+    async def _sse(self, events: EventReader, meta: dict, view: View, include_usage: bool):
         results: list[ChoiceResult] = []
         offsets: dict[int, int] = {}  # choice -> characters sent (completions' text_offset)
-        events = EventReader(request, job)
+        job = events.job
         try:
             while (event := await events.next()) is not None:
                 if isinstance(event, JobEnd):
                     break
                 if isinstance(event, JobError):
-                    yield R.sse(_error_body(event.error))
+                    e = job_failure(event.error)
+                    yield R.sse(P.error_body(e.status, e.message, e.type))
                     break
+                if isinstance(event, PromptDone):
+                    continue
                 index = event.index if isinstance(event, TokenEvent) else event.result.index
                 first = index not in offsets
                 if first:
@@ -238,16 +253,9 @@ class Completions:
         return R.completion_token_choice(event.index, event.step, self.decode_one, view.logprobs, offset)
 
 
-def _error_body(exc: Exception) -> dict:
+def job_failure(exc: Exception) -> P.ProtocolError:
+    """A job's failure as the client sees it: a JaxsmolError is the request's fault (400), anything
+    else the server's (500)."""
     if isinstance(exc, JaxsmolError):
-        return P.error_body(400, str(exc))
-    return P.error_body(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(P.error_body(status, message), status_code=status)
-
-
-def _job_error(exc: Exception) -> JSONResponse:
-    body = _error_body(exc)
-    return JSONResponse(body, status_code=body["error"]["code"])
+        return P.ProtocolError(str(exc))
+    return P.ProtocolError(f"internal error: {type(exc).__name__}: {exc}", status=500, type_="server_error")

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from jaxsmol.cli.api import anthropic as A
 from jaxsmol.cli.api import protocol as P
 
 MAX_BODY_BYTES = 4 << 20
@@ -26,7 +27,12 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
-                   headers=None) -> JSONResponse:
+                   headers=None, path: str = "") -> JSONResponse:
+    """An error answer in the shape of the API `path` belongs to: Anthropic's on its Messages routes
+    (its status for an overloaded server too), else OpenAI's."""
+    if A.speaks(path):
+        status = A.error_status(status)
+        return JSONResponse(A.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(P.error_body(status, message, type_, param), status_code=status, headers=headers)
 
 
@@ -76,7 +82,8 @@ class RequestLimits:
         length = dict(scope["headers"]).get(b"content-length")
         try:
             if length is not None and (not length.isdigit() or int(length) > self.limit):
-                await error_response(413, f"request body over {self.limit} bytes")(scope, receive, counted_send)
+                await error_response(413, f"request body over {self.limit} bytes", path=scope["path"])(
+                    scope, receive, counted_send)
             else:
                 await self.app(scope, limited_receive, counted_send)
         finally:

@@ -1,4 +1,5 @@
-"""`jaxsmol serve`: an OpenAI-compatible HTTP daemon that keeps the prefix cache across requests.
+"""`jaxsmol serve`: an OpenAI-compatible HTTP daemon (and Anthropic's Messages API, cli/server/messages.py)
+that keeps the prefix cache across requests.
 
 FastAPI validates requests (models in cli/api/protocol.py); uvicorn serves them. `Daemon` holds the
 engine, cache, worker, metrics and API keys, with one method per route: a handler turns a request
@@ -31,6 +32,7 @@ from jaxsmol.cli.server.completions import Completions
 from jaxsmol.cli.api.events import DEFAULT_WRITE_TIMEOUT_S
 from jaxsmol.cli.server.limits import (DEFAULT_READ_TIMEOUT_S, RequestLimits, error_response,
                                       read_timeout_protocol)
+from jaxsmol.cli.server.messages import Messages, install_messages_routes
 from jaxsmol.cli.server.memory import MemoryAccount
 from jaxsmol.cli.server.replica import model_info, read_load, server_info
 from jaxsmol.cli.server.metrics import Metrics
@@ -40,7 +42,7 @@ from jaxsmol.cli.server.worker import Worker
 from jaxsmol.errors import JaxsmolError
 
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
-          "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin")
+          "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin", "/v1/messages", "/v1/messages/count_tokens")
 # what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
 REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
@@ -57,7 +59,8 @@ class Daemon:
         self.memory = MemoryAccount(engine.params, worker.draft.engine.params if worker.draft else None)
 
     def _auth(self, request: Request, admin: bool = False):
-        tenant = self.tenants.authenticate(request.headers.get("authorization"), admin=admin)
+        tenant = self.tenants.authenticate(request.headers.get("authorization"), admin=admin,
+                                           api_key=request.headers.get("x-api-key"))
         record(request).note_tenant(tenant.namespace)
         return tenant
 
@@ -163,28 +166,32 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        path = request.url.path
         if err.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON")
+            return error_response(400, "the request body is not valid JSON", path=path)
         if not where and err.get("type") in ("model_attributes_type", "dict_type"):
-            return error_response(400, "the request body must be a JSON object")
-        return error_response(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", param=where or None)
+            return error_response(400, "the request body must be a JSON object", path=path)
+        return error_response(400, f"{where or 'body'}: {err.get('msg', 'invalid request')}", param=where or None,
+                              path=path)
 
     @app.exception_handler(P.ProtocolError)
     async def _protocol(request: Request, exc: P.ProtocolError):
-        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param)
+        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, headers=exc.headers,
+                              path=request.url.path)
 
     @app.exception_handler(JaxsmolError)
     async def _user_error(request: Request, exc: JaxsmolError):
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, str(exc.detail), type_=kind, headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), type_=kind, headers=exc.headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error",
+                              path=request.url.path)
 
 
 def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True, max_queue: int = 64,
@@ -232,6 +239,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.post("/detokenize")(d.detokenize)
     app.post("/v1/completions")(d.completions)
     app.post("/v1/chat/completions")(d.chat)
+    install_messages_routes(app, Messages(d.runner, d._auth))  # Anthropic's Messages API
     return app
 
 

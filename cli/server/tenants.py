@@ -1,9 +1,10 @@
 """API keys and cache namespaces for `jaxsmol serve --api-key KEY` / `--api-keys FILE`.
 
-With keys, every request needs `Authorization: Bearer KEY` (else 401), and each key's prompts live in
-its own cache namespace, so `cached_tokens` never tells one tenant about another's prompts; admin
-routes (cache flush, metrics) need an admin key (else 403). Without keys, every request is allowed
-and shares the default namespace (the daemon listens on loopback by default).
+With keys, every request needs `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (else
+401), and each key's prompts live in its own cache namespace, so `cached_tokens` never tells one
+tenant about another's prompts; admin routes (cache flush, metrics) need an admin key (else 403).
+Without keys, every request is allowed and shares the default namespace (the daemon listens on
+loopback by default).
 
 The keys file: one key a line, `KEY [NAMESPACE] [admin]`; `#` starts a comment. Keys naming the same
 NAMESPACE share a cache namespace; `-` or no NAMESPACE gives the key a namespace of its own. Keys given
@@ -80,15 +81,18 @@ class Tenants:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def authenticate(self, authorization: str | None, admin: bool = False) -> Tenant:
-        """The caller of a request with this Authorization header; ProtocolError 401 / 403 otherwise."""
+    def authenticate(self, authorization: str | None, admin: bool = False, api_key: str | None = None) -> Tenant:
+        """The caller of a request with this Authorization header, or without one this x-api-key header
+        (Anthropic's); ProtocolError 401 / 403 otherwise."""
         if not self.enabled:
             return OPEN
         scheme, _, key = (authorization or "").partition(" ")
-        tenant = self.keys.get(_digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        key = key or (api_key or "").strip()
+        tenant = self.keys.get(_digest(key)) if key else None
         if tenant is None:
-            raise ProtocolError("a valid API key is needed: Authorization: Bearer KEY", status=401,
-                                type_="authentication_error")
+            raise ProtocolError("a valid API key is needed: Authorization: Bearer KEY, or x-api-key: KEY",
+                                status=401, type_="authentication_error")
         if admin and not tenant.admin:
             raise ProtocolError("this route needs an admin API key", status=403, type_="permission_error")
         return tenant
