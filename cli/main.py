@@ -309,6 +309,8 @@ def _add_info(sub) -> None:
     i = sub.add_parser("info", help="versions, backend and devices, the CPU kernels' state, the model and data "
                        "directories (JAXSMOL_KERNELS=auto|on|off switches the kernels)")
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--load", action="store_true", help="also start JAX (its devices), load the CPU kernels (compiling "
+                   "them where they must be) and size the weights; without it, files alone are read (no jax)")
     i.set_defaults(func=_info)
 
 

@@ -32,6 +32,11 @@ def test_help_and_version_load_nothing_heavy(argv):
     assert loaded_by(*argv) == {"code": 0, "loaded": []}
 
 
+def test_info_reads_files_alone_without_load():
+    assert loaded_by("info") == {"code": 0, "loaded": []}
+    assert "jax" in loaded_by("info", "--load")["loaded"]
+
+
 def test_cache_ls_reads_a_directory_without_jax(tmp_path):
     out = loaded_by("cache", "ls", str(tmp_path))
     assert out["code"] == 0 and "jax" not in out["loaded"], out

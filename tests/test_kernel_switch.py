@@ -10,10 +10,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from jaxsmol.kernels import cpu_kernels
+from jaxsmol.kernels import choice, cpu_kernels
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.cache.scheduler.many import generate
 
@@ -72,7 +73,7 @@ def test_on_fails_with_one_error_where_they_cannot_be_built(monkeypatch, tmp_pat
 
 def test_a_missing_source_is_named(monkeypatch, tmp_path):
     """A broken install says which file is missing."""
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, tmp_path / "cpu_missing.cc"))
+    monkeypatch.setattr(choice, "SOURCES", (*choice.SOURCES, tmp_path / "cpu_missing.cc"))
     with pytest.raises(RuntimeError, match="kernel sources missing from .*: cpu_missing.cc"):
         cpu_kernels._build()
 
@@ -83,7 +84,7 @@ def test_the_best_prebuilt_variant_present_loads_else_the_kernels_are_compiled(m
     from jaxsmol.kernels import variants
 
     built = tmp_path / "kernels" / "cpu_kernels-KEY.so"
-    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path)
+    monkeypatch.setattr(choice, "PREBUILT", tmp_path)
     monkeypatch.setattr(cpu_kernels, "_build", lambda: (built, True))
     monkeypatch.setattr(cpu_kernels, "_register", lambda path: 16)
     vnni = variants.X86_64_V4 | {"avx512_vnni"}
@@ -107,7 +108,7 @@ def test_a_prebuilt_library_the_loader_refuses_is_compiled_instead(monkeypatch, 
             raise OSError("version `GLIBC_2.99' not found")
         return 8
 
-    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path)
+    monkeypatch.setattr(choice, "PREBUILT", tmp_path)
     monkeypatch.setattr(cpu_kernels, "_register", register)
     (tmp_path / "cpu_kernels-avx2.so").touch()
     monkeypatch.setattr(cpu_kernels, "_build", lambda: (tmp_path / "kernels" / "built.so", False))
@@ -153,19 +154,24 @@ def test_info_reports_the_kernels_and_the_directories(tmp_path):
     home.mkdir()
     library = cpu_kernels.state().library
     (home / os.path.basename(library)).write_bytes(open(library, "rb").read())
-    r = run_cli("info", "--json", JAXSMOL_KERNELS="on", **env)
+    r = run_cli("info", "--load", "--json", JAXSMOL_KERNELS="on", **env)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["kernels"] == {"mode": "on", "switch": "JAXSMOL_KERNELS", "in_use": True, "source": "cache",
                                "isa": cpu_kernels.ISAS[cpu_kernels.vector_lanes()], "lanes": cpu_kernels.vector_lanes(),
-                               "library": str(home / os.path.basename(library)), "reason": None}
+                               "library": str(home / os.path.basename(library)), "reason": None, "loaded": True}
+    # without --load, from files alone: the same library chosen, nothing loaded
+    expected = json.loads(run_cli("info", "--json", JAXSMOL_KERNELS="on", **env).stdout)
+    assert expected["kernels"] == {**info["kernels"], "loaded": False} and expected["devices"] is None
+    assert {k: v for k, v in expected.items() if k not in ("kernels", "devices", "loaded", "model")} == {
+        k: v for k, v in info.items() if k not in ("kernels", "devices", "loaded", "model")}
     assert info["backend"] == "cpu" and info["devices"] and info["jax"] and info["jaxlib"]
     assert info["model"]["dir"] == str(tmp_path / "models" / DEFAULT_MODEL_NAME) and info["model"]["imported"] is False
     assert info["model"]["runs"].startswith("q4_1")  # the bundled file as it is, where the kernels run
     assert info["matmul"]["auto"] == "int8" and "--matmul exact" in info["matmul"]["why"]
     assert info["speculate"]["auto"] == "cache" and "--speculate none" in info["speculate"]["why"]
     assert info["data_dir"] == str(tmp_path) and info["compile_cache_dir"] == str(tmp_path / "programs")
-    text = run_cli("info", JAXSMOL_KERNELS="off", **env)
+    text = run_cli("info", "--load", JAXSMOL_KERNELS="off", **env)
     assert text.returncode == 0 and text.stderr == ""
     lines = text.stdout.splitlines()
     assert [line.split("  ")[0] for line in lines] == ["jaxsmol", "python", "jax / jaxlib", "backend", "devices",
@@ -178,3 +184,29 @@ def test_info_reports_the_kernels_and_the_directories(tmp_path):
     assert re.match(r"matmul +exact for quantized weights by default: the CPU kernels do not run", lines[9])
     assert re.match(r"speculate +none by default: the CPU kernels do not run", lines[10])
     assert lines[11].endswith("(once the model is imported)")
+
+
+def test_the_expected_state_is_read_from_files_alone(monkeypatch, tmp_path):
+    """choice.expected() (`jaxsmol info` without --load): a wheel's best variant; else a library built before;
+    else one to compile where a compiler is, or not in use, naming the missing compiler."""
+    from jaxsmol.kernels import variants
+
+    monkeypatch.setattr(choice, "_cpu_flags", lambda: set(variants.X86_64_V3))
+    monkeypatch.setattr(choice, "PREBUILT", tmp_path / "prebuilt")
+    monkeypatch.setenv("JAXSMOL_KERNELS_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("JAXSMOL_KERNELS", raising=False)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    none = choice.expected()
+    assert (none.in_use, none.loaded) == (False, False) and "no-such-compiler" in none.reason
+    monkeypatch.setenv("CXX", "sh")  # a program on PATH stands for the compiler: nothing is run
+    to_compile = choice.expected()
+    assert (to_compile.in_use, to_compile.source, to_compile.isa, to_compile.lanes) == (True, "to compile", "avx2", 8)
+    Path(to_compile.library).parent.mkdir(parents=True)
+    Path(to_compile.library).touch()
+    assert choice.expected().source == "cache"
+    (tmp_path / "prebuilt").mkdir()
+    for v in variants.VARIANTS:
+        (tmp_path / "prebuilt" / v.library).touch()
+    assert (choice.expected().source, choice.expected().isa) == ("prebuilt", "avx2")
+    monkeypatch.setenv("JAXSMOL_KERNELS", "off")
+    assert not choice.expected().in_use

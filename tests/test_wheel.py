@@ -186,12 +186,14 @@ def test_the_installed_wheel_runs_its_prebuilt_kernels_without_a_compiler(instal
     bare = {**base, "PATH": str(bin_dir), "CXX": str(tmp_path / "no-such-compiler"),
             "JAXSMOL_KERNELS_DIR": str(tmp_path / "kernels")}
     assert [c for c in ("c++", "g++", "cc", "gcc") if shutil.which(c, path=bare["PATH"])] == []
-    info = json.loads(run([bin_dir / "jaxsmol", "info", "--json"], cwd=bin_dir, env=bare).stdout)
+    info = json.loads(run([bin_dir / "jaxsmol", "info", "--load", "--json"], cwd=bin_dir, env=bare).stdout)
     assert Path(info["jaxsmol"]["path"]).is_relative_to(bin_dir.parent)  # the wheel's copy, not the checkout
     library = purelib / "jaxsmol" / "kernels" / variants.PREBUILT / BEST.library
     kernels = info["kernels"]
-    assert (kernels["in_use"], kernels["source"], kernels["isa"], kernels["library"]) == (
-        True, "prebuilt", BEST.name, str(library))
+    assert (kernels["in_use"], kernels["loaded"], kernels["source"], kernels["isa"], kernels["library"]) == (
+        True, True, "prebuilt", BEST.name, str(library))
+    expected = json.loads(run([bin_dir / "jaxsmol", "info", "--json"], cwd=bin_dir, env=bare).stdout)["kernels"]
+    assert expected == {**kernels, "loaded": False}  # read from files alone, the same choice
     done = run([bin_dir / "jaxsmol", "generate", "--model", tiny_model_dir, "--ids", 1, 2, 3, "--max-tokens", 4,
                 "--json"], cwd=bin_dir, env=bare)
     assert json.loads(done.stdout)["output_ids"] and "kernels" not in done.stderr

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import os
 import platform
 import sys
 import threading
@@ -52,12 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.kernels import variants
 from jaxsmol.kernels.build import FLAGS, HEADERS, SOURCES, UNITS, compile_library  # noqa: F401 (the API's)
+from jaxsmol.kernels import choice
+from jaxsmol.kernels.choice import (ENV, ISAS, MODES, OLD_ENV, KernelState, compiled_library,  # noqa: F401
+                                    compiler, kernel_switch, prebuilt_variant)
 from jaxsmol.kernels.cpu_identity import _cpu_flags, cpu_signature, unsupported_cpu  # noqa: F401 (the API's)
 from jaxsmol.kernels.formats import QuantizedMatrix, concat_panels
 from jaxsmol.kernels.stacking import stack_layers, unstack_layers
-from jaxsmol.system.data_dirs import kernels_dir
 from jaxsmol.system.progress import Wait
 
 TARGETS = {"jaxsmol_matmul": "JaxsmolMatmul", "jaxsmol_matmul_bf16": "JaxsmolMatmulBf16",
@@ -73,58 +72,14 @@ WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)  # the matrices' dtypes the matmul k
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # LayerParams' matmul weights
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # packed: one product each
 
-MODES = ("auto", "on", "off")  # JAXSMOL_KERNELS's values
-_MODE_WORDS = {"": "auto", "1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
-ENV, OLD_ENV = "JAXSMOL_KERNELS", "JAXSMOL_CPU_KERNELS"  # the switch, and its old name (still read)
-ISAS = {16: "avx512", 8: "avx2"}  # the library's vector width in floats -> the instruction set it was built for
-PREBUILT = Path(__file__).with_name(variants.PREBUILT)  # a wheel's libraries, one a variant (setup.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelState:
-    """What became of the kernels in this process (state(); `jaxsmol info` prints it)."""
-
-    mode: str  # the switch: auto, on or off
-    switch: str | None  # the variable that set it (JAXSMOL_KERNELS, or its old name); None: the default, auto
-    in_use: bool  # built and registered: an engine on one CPU device whose shapes fit uses them
-    # "prebuilt" (the wheel's), "compiled" (by this process) or "cache" (built before); None when not in use
-    source: str | None = None
-    isa: str | None = None  # its instruction set: a prebuilt variant's name, else "avx512" (16 floats) or "avx2" (8)
-    lanes: int = 0  # its vector width in floats
-    library: str | None = None  # the shared library's path
-    reason: str | None = None  # why they are not in use
-
-
 _lock = threading.Lock()
 _state: KernelState | None = None  # None until the first call of state()
 
 
-def kernel_switch(environ=os.environ) -> tuple[str, str | None]:
-    """(mode, variable): JAXSMOL_KERNELS, else its old name JAXSMOL_CPU_KERNELS, else (auto, None);
-    a JaxsmolError naming the variable for a value other than auto, on, off (or 1/true/yes, 0/false/no)."""
-    for name in (ENV, OLD_ENV):
-        raw = environ.get(name, "").strip()
-        if raw:
-            mode = _MODE_WORDS.get(raw.lower(), raw.lower())
-            if mode not in MODES:
-                raise JaxsmolError(f"{name} must be one of {', '.join(MODES)}, got {raw!r}")
-            return mode, name
-    return "auto", None
-
-
 def _build() -> tuple[Path, bool]:
     """Compile the kernel sources for this CPU into one shared library in the kernels directory (once
-    per key) -> (its path, whether this call compiled it)."""
-    missing = [f.name for f in (*SOURCES, *HEADERS) if not f.is_file()]
-    if missing:  # a broken install (a wheel without a source)
-        raise RuntimeError(f"kernel sources missing from {SOURCES[0].parent}: {', '.join(missing)}")
-    cxx = os.environ.get("CXX", "c++")
-    key = hashlib.blake2b(digest_size=12)
-    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(),
-                 repr([(src.name, defines) for src, defines in UNITS]).encode(), cxx.encode(), jax.__version__.encode(),
-                 cpu_signature().encode()):
-        key.update(part)
-    out = kernels_dir() / f"cpu_kernels-{key.hexdigest()}.so"
+    per key: choice.compiled_library) -> (its path, whether this call compiled it)."""
+    out, cxx = compiled_library(), compiler()
     if out.is_file():
         return out, False
     with Wait(f"compiling the CPU kernels for this CPU ({len(UNITS)} units with {cxx}; once: kept in {out.parent})"):
@@ -182,7 +137,7 @@ def _open(flags: set[str] | None) -> tuple[Path, str, str | None, int]:
     the best prebuilt variant this CPU runs, else one compiled for this CPU (now or before)."""
     variant, refused = prebuilt_variant(flags), ""
     if variant is not None:
-        path = PREBUILT / variant.library
+        path = choice.PREBUILT / variant.library
         try:
             return path, "prebuilt", variant.name, _register(path)
         except OSError as e:  # a library this system's loader refuses: compiled for this CPU instead
@@ -192,12 +147,6 @@ def _open(flags: set[str] | None) -> tuple[Path, str, str | None, int]:
     except RuntimeError as e:
         raise RuntimeError(refused + str(e)) from None
     return path, "compiled" if compiled else "cache", None, _register(path)
-
-
-def prebuilt_variant(flags: set[str] | None) -> variants.Variant | None:
-    """The best variant whose library this install holds and this CPU runs (None: an editable install
-    or a source build, which hold none, or a CPU none fits)."""
-    return variants.best(flags, tuple(v.name for v in variants.VARIANTS if (PREBUILT / v.library).is_file()))
 
 
 def _register(path: Path) -> int:
