@@ -7,7 +7,7 @@ of the page that talks to it runs, in page order, as a reader following the page
 events, is what that block printed. The page's notation:
 
 * `...` closing an object: more members follow; closing a list: more items; a line `...` alone in a
-  stream of events: more events;
+  stream of events: more events (its `event:` lines are not compared: each names its data's `type`);
 * `<words>`: a value that differs from run to run (ids, times): bare, a number; inside a string, any
   text (`<N hex digits>`: that many);
 * a number with a fraction agrees to the digits shown (within one unit of the last one);
@@ -79,10 +79,11 @@ def values(text: str, parse_float=float) -> list:
 
 
 def patterns(block: Block) -> list:
-    """An output block's expected values; for a stream of events, its lines (MORE for a line `...`)."""
+    """An output block's expected values; for a stream of events, its `data:` lines (MORE for a line `...`;
+    an `event:` line, naming the next one's type, is what the data's own `type` says)."""
     if block.lang == "json":
         return values(to_json(block.code), Shown)
-    lines = [line.strip() for line in block.code.splitlines() if line.strip()]
+    lines = [line.strip() for line in block.code.splitlines() if line.strip() and not line.startswith("event: ")]
     return [MORE if line == "..." else line if line == "data: [DONE]" else values(to_json(line[6:]), Shown)[0]
             for line in lines]
 
