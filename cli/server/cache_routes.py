@@ -24,10 +24,9 @@ from jaxsmol.cache.listing import find_pinned, listing, split_salt
 from jaxsmol.cache.store.disk import SUFFIX, entry_key
 from jaxsmol.cache.store.snapshot import identity
 from jaxsmol.cli.api import protocol as P
-from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError
-from jaxsmol.cli.server.completions import EventReader
+from jaxsmol.cli.api.events import ChoiceSpec
+from jaxsmol.cli.server.completions import Completions, EventReader
 from jaxsmol.cli.server.tenants import cache_salt
-from jaxsmol.cli.server.worker import QueueFull
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 
@@ -52,9 +51,10 @@ def _not_found(message: str) -> JSONResponse:
 
 
 class CacheRoutes:
-    def __init__(self, engine, cache, worker, authenticate, locked):
-        """authenticate(request, admin) -> Tenant; locked(fn) runs fn under the worker's lock."""
-        self.engine, self.cache, self.worker = engine, cache, worker
+    def __init__(self, runner: Completions, cache, authenticate, locked):
+        """runner: the job driver a pin's prefill runs on; authenticate(request, admin) -> Tenant;
+        locked(fn) runs fn under the worker's lock."""
+        self.runner, self.engine, self.cache = runner, runner.engine, cache
         self.authenticate, self.locked = authenticate, locked
 
     def _ids(self, body: PinRequest) -> list[int]:
@@ -89,27 +89,10 @@ class CacheRoutes:
     async def pin(self, body: PinRequest, request: Request):
         tenant = self.authenticate(request, admin=True)
         ids = await asyncio.to_thread(self._ids, body)
-        salt = cache_salt(tenant, body.cache_salt)
-        job = Job(choices=[ChoiceSpec(index=0, prompt_ids=ids, sampling=SamplingParams(max_tokens=0))], salt=salt,
-                  bypass=False, loop=asyncio.get_running_loop(), pin=True)
-        try:
-            self.worker.submit(job)
-        except QueueFull:
-            return JSONResponse(P.error_body(503, "the server is busy: request queue full", "server_error"),
-                                status_code=503, headers={"Retry-After": "1"})
-        events, result = EventReader(request, job), None
-        while (event := await events.next()) is not None and not isinstance(event, JobEnd):
-            if isinstance(event, JobError):
-                error = event.error
-                status = 400 if isinstance(error, JaxsmolError) else 500
-                message = str(error) if status == 400 else f"internal error: {type(error).__name__}: {error}"
-                return JSONResponse(P.error_body(status, message), status_code=status)
-            if isinstance(event, ChoiceDone):
-                result = event.result
-                break
-        if result is None:
-            return JSONResponse(P.error_body(499, "client closed the request"), status_code=499)
-        out = self._described(salt, ids)
+        job = self.runner.start(tenant, [ChoiceSpec(index=0, prompt_ids=ids, sampling=SamplingParams(max_tokens=0))],
+                                body.cache_salt, pin=True)
+        [result] = await self.runner.results(EventReader(request, job))
+        out = self._described(job.salt, ids)
         disk = self.cache.disk
         return {"pinned": True, **out, "cached_tokens": result.cached_tokens, "pinned_bytes": self.cache.pins.held,
                 "pinned_budget_bytes": self.cache.pins.budget_bytes,

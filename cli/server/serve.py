@@ -229,7 +229,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.get("/metrics")(d.prometheus)
     app.post("/v1/cache/flush")(d.flush)
     app.post("/flush_cache")(d.flush)  # SGLang's name, which sglang-router calls on every worker
-    install_cache_routes(app, CacheRoutes(engine, cache, worker, d._auth, d._locked))  # pins, GET /v1/cache
+    install_cache_routes(app, CacheRoutes(d.runner, cache, d._auth, d._locked))  # pins, GET /v1/cache
     app.get("/get_load")(d.load)
     for path in ("/server_info", "/get_server_info"):
         app.get(path)(d.server_info)
