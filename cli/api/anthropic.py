@@ -27,6 +27,7 @@ from jaxsmol.cli.api.protocol import ProtocolError, check_text
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 MAX_BREAKPOINTS = 4
+PREFILL_MARK = "JAXSMOLPREFILLMARK"  # stands for a final assistant message's text while the template renders
 # blocks Anthropic defines that a text-only model without tool support cannot take, and why
 REFUSED_BLOCKS = {
     "image": "this model reads text only", "document": "this model reads text only",
@@ -190,14 +191,16 @@ def conversation(body: CountRequest) -> Conversation:
     return Conversation(messages, prefill, breakpoints)
 
 
-def continue_final(rendered: str, final: str, where: str) -> str:
-    """A conversation rendered whole (its last turn closed), cut right after the final message's text,
-    so that the answer continues it (Anthropic's prefill; transformers' continue_final_message)."""
-    at = rendered.rfind(final)
-    if at < 0:
-        raise ProtocolError(f"{where}: the chat template changes this text, so the answer cannot continue it",
-                            param=where)
-    return rendered[:at + len(final)]
+def continue_final(render, messages: list[dict], where: str) -> str:
+    """The conversation's prompt left open inside its final (assistant) message, right after its text,
+    so that the answer continues it (Anthropic's prefill): `render(messages)` renders a conversation
+    whole, and a marker standing for the final text shows where the template puts it (a search for
+    the text itself could find it, or a character of it, in the template's own words after it)."""
+    text = render(messages[:-1] + [{**messages[-1], "content": PREFILL_MARK}])
+    if text.count(PREFILL_MARK) != 1:
+        raise ProtocolError(f"{where}: the chat template does not keep this message's text as it is, so the answer "
+                            "cannot continue it", param=where)
+    return text[:text.index(PREFILL_MARK)] + messages[-1]["content"]
 
 
 # ---- responses -------------------------------------------------------------------------------------------

@@ -42,10 +42,13 @@ class Messages:
         self.ttl_scale = float(os.environ.get(TTL_SCALE_ENV, "1")) if ttl_scale is None else ttl_scale
 
     # ---- plans (off the event loop) ----------------------------------------------------------------
-    def _ids(self, messages, generation: bool = False) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None:
+    def _tokenizer(self):
+        if self.engine.tokenizer is None:
             raise P.ProtocolError("messages: this model has no tokenizer", param="messages")
+        return self.engine.tokenizer
+
+    def _ids(self, messages, generation: bool = False) -> list[int]:
+        tok = self._tokenizer()
         return tok.encode(tok.apply_chat_template(list(messages), add_generation_prompt=generation))
 
     def prompt_ids(self, body: A.CountRequest, conv: A.Conversation) -> list[int]:
@@ -53,10 +56,10 @@ class Messages:
         assistant message left open for the answer to continue (a prefill)."""
         if not conv.prefill:
             return self._ids(conv.messages, generation=True)
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template(conv.messages, add_generation_prompt=False)
-        final = A.continue_final(text, conv.messages[-1]["content"], f"messages.{len(body.messages) - 1}.content")
-        return tok.encode(final)
+        tok = self._tokenizer()
+        text = A.continue_final(lambda m: tok.apply_chat_template(m, add_generation_prompt=False), conv.messages,
+                                f"messages.{len(body.messages) - 1}.content")
+        return tok.encode(text)
 
     def _breakpoints(self, conv: A.Conversation, ids: list[int]) -> tuple[tuple[int, float], ...]:
         """(position in `ids`, TTL in seconds) of each breakpoint."""
