@@ -73,11 +73,9 @@ def test_the_account_explains_what_it_is_shown(params):
 def test_metrics_render_the_memory_gauges(params):
     account = MemoryAccount(params)
     account.start()
-    text = Metrics().render({"bytes_held": 0, "disk_bytes": 0, "bypasses": {},
-                             **{k: 0 for k in ("lookups", "hits", "exact_hits", "misses", "saves", "restores",
-                                               "tokens_reused", "tokens_prefilled", "evictions", "disk_loads",
-                                               "disk_writes")}},
-                            0, memory=account.figures(0, 0, 0))
+    from jaxsmol.cache.records import CacheStats
+
+    text = Metrics().render(CacheStats().as_dict(), 0, memory=account.figures(0, 0, 0))
     names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert {f"jaxsmol_{key}" for key, _ in MEMORY_GAUGES} <= names
 
