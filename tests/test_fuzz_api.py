@@ -1,8 +1,9 @@
 """A fuzz of the daemon's HTTP API: hypothesis generates request bodies for every POST route,
 valid-ish and garbage (wrong types, huge and negative numbers, NaN, nested junk, lone surrogates, empty
 and mixed lists, odd roles and content parts and blocks, cache_control junk, structured-output junk),
-and no answer may be a 5xx: bad input is a 400 with an OpenAI error object, or Anthropic's on the
-Messages API's routes. Afterwards the daemon is healthy and answers correctly.
+and no answer may be a 5xx: bad input is a 400 (or a 404: an unknown previous_response_id) with an
+OpenAI error object, or Anthropic's on the Messages API's routes. Afterwards the daemon is healthy
+and answers correctly.
 
 In-process (Starlette's TestClient) on the tiny random config with the real tokenizer, so it is quick;
 derandomized with a fixed number of examples, so CI sees the same bodies every run. The statuses seen
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), tiny random weights
 
 EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50,
-            "/v1/messages": 200, "/v1/messages/count_tokens": 80}
+            "/v1/messages": 200, "/v1/messages/count_tokens": 80, "/v1/responses": 150}
 OPENAI = ("/v1/completions", "/v1/chat/completions")  # the routes that take the OpenAI fields below
 STATUSES: dict[str, collections.Counter] = {route: collections.Counter() for route in EXAMPLES}
 SETTINGS = dict(derandomize=True, deadline=None, database=None,
@@ -125,8 +126,36 @@ ROUTE_FIELDS["/v1/messages"] = (
     {**CONVERSATION[1], "max_tokens": ints | junk, "temperature": floats | junk, "top_p": floats | junk,
      "top_k": ints | junk, "stop_sequences": stops, "stream": junk, "seed": ints | junk, "metadata": junk,
      "cache_salt": st.text(min_size=257, max_size=300) | junk, "output_config": junk | schemas})
+# OpenAI's Responses API: input items and parts of every type, chained ids that are not stored
+input_parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file", "refusal", "bogus"]) | junk},
+    optional={"text": texts | junk, "image_url": junk})
+input_items = st.fixed_dictionaries(
+    {}, optional={"type": st.sampled_from(["message", "function_call", "item_reference", "reasoning"]) | junk,
+                  "role": roles, "content": texts | st.lists(input_parts | junk, max_size=3) | junk})
+ROUTE_FIELDS["/v1/responses"] = (
+    {"input": texts | st.lists(st.fixed_dictionaries({
+         "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+         "content": texts | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]),
+                                                            "text": texts}), max_size=2)}), min_size=1, max_size=3),
+     "instructions": texts, "max_output_tokens": st.integers(1, 6), "temperature": st.sampled_from([0.0, 0.7, 2.0]),
+     "top_p": st.sampled_from([0.5, 1.0]), "stream": st.booleans(), "store": st.booleans(), "model": texts,
+     "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+     "seed": st.integers(0, 2**63 - 1),
+     "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])
+     | st.builds(lambda s: {"format": {"type": "json_schema", "name": "x", "schema": s}}, schemas),
+     "prompt_cache_key": texts, "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]),
+     "reasoning": st.sampled_from([None, {}, {"effort": None}]), "tool_choice": st.sampled_from(["auto", "none"])},
+    {"input": st.lists(input_items | junk, max_size=3) | junk, "instructions": junk, "max_output_tokens": ints | junk,
+     "temperature": floats | junk, "top_p": floats | junk, "stream": junk, "store": junk, "seed": ints | junk,
+     "metadata": st.dictionaries(texts, texts | junk, max_size=20) | junk, "text": junk | st.builds(
+         lambda f: {"format": f}, junk | schemas), "prompt_cache_key": st.text(min_size=257, max_size=300) | junk,
+     "prompt_cache_retention": junk, "tools": junk, "tool_choice": junk, "reasoning": junk, "background": junk,
+     "include": junk, "conversation": junk, "truncation": junk, "top_logprobs": junk,
+     "previous_response_id": texts | junk})
 REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/tokenize": (), "/detokenize": (),
-            "/v1/messages": ("messages", "max_tokens"), "/v1/messages/count_tokens": ("messages",)}
+            "/v1/messages": ("messages", "max_tokens"), "/v1/messages/count_tokens": ("messages",),
+            "/v1/responses": ("input",)}
 
 
 def route_bodies(route: str):
@@ -195,7 +224,9 @@ def check(client, route: str, body) -> None:
             err["code"] == r.status_code), r.text
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        errors = [e["error"] for e in events if "error" in e]
+        # an error is an object's "error", or (the Responses API's) an event of type "error" with its code
+        errors = [e["error"] for e in events if "error" in e] + [
+            e for e in events if e.get("type") == "error" and "error" not in e]
         codes = [e["type"] if anthropic else e["code"] for e in errors]
         STATUSES[route][f"stream error {codes[0]}" if errors else "stream"] += 1
         assert all(c in ("invalid_request_error", 400) for c in codes), (route, body, errors)

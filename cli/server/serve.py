@@ -35,6 +35,7 @@ from jaxsmol.cli.server.limits import (DEFAULT_READ_TIMEOUT_S, RequestLimits, er
 from jaxsmol.cli.server.messages import Messages, install_messages_routes
 from jaxsmol.cli.server.memory import MemoryAccount
 from jaxsmol.cli.server.replica import model_info, read_load, server_info
+from jaxsmol.cli.server.responses_route import Responses, install_responses_routes
 from jaxsmol.cli.server.metrics import Metrics
 from jaxsmol.cli.server.tenants import Tenants
 from jaxsmol.cli.server.warmup import Warmup
@@ -42,7 +43,8 @@ from jaxsmol.cli.server.worker import Worker
 from jaxsmol.errors import JaxsmolError
 
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
-          "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin", "/v1/messages", "/v1/messages/count_tokens")
+          "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/responses")
 # what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
 REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
@@ -240,6 +242,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.post("/v1/completions")(d.completions)
     app.post("/v1/chat/completions")(d.chat)
     install_messages_routes(app, Messages(d.runner, d._auth))  # Anthropic's Messages API
+    install_responses_routes(app, Responses(d.runner, d._auth))  # OpenAI's Responses API
     return app
 
 
