@@ -60,6 +60,9 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(_draws(logits, 500, top_p=0.75)) == {0, 1}  # smallest prefix with mass >= 0.75
     assert set(_draws(logits, 500, top_p=0.85)) == {0, 1, 2}
     assert set(_draws(logits, 500, top_p=1e-6)) == {0}
+    # a top_p that float32 rounds to 0 still keeps the most likely id (it kept none, and id 0 was drawn
+    # whatever the logits: the API fuzz found a grammar's mask broken that way)
+    assert set(_draws(logits[::-1].copy(), 200, top_p=5e-324)) == {3}
     assert set(_draws(logits, 500, top_k=3, top_p=0.75)) == {0, 1}
     big = np.random.default_rng(1).standard_normal(256).astype(np.float32) * 3
     assert set(_draws(big, 500, top_k=5)) <= set(np.argsort(-big)[:5])

@@ -130,7 +130,9 @@ def _top_k_top_p(args) -> jax.Array:
     V = scaled.shape[-1]
     keys = _order_keys(scaled)  # [B, V]
     lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [B]
-    mass = top_p * jnp.sum(weights, axis=-1)
+    # top_p at least float32's smallest normal: a top_p that is positive as a Python float but rounds to 0
+    # (5e-324) would keep no id at all, and the draw would fall on id 0 whatever the mask allows
+    mass = jnp.maximum(top_p, jnp.finfo(jnp.float32).tiny) * jnp.sum(weights, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
 
     C = min(CANDIDATES, V)
