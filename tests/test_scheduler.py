@@ -152,6 +152,7 @@ def test_free_rows_keep_their_pages_within_the_budget_and_give_them_back_when_id
     a fresh scheduler gives), up to RETAIN_SHARE of the budget (a tight budget trims them, least
     recently used first, and more when new requests reserve room); once idle for IDLE_RELEASE_S they go
     back to the OS (the arena's resident pages fall to its slabs' edges)."""
+    from jaxsmol.cache.scheduler import kv_budget
     from jaxsmol.cache.scheduler import scheduler as scheduler_module
 
     def burst(sched, seed, n):
@@ -180,7 +181,7 @@ def test_free_rows_keep_their_pages_within_the_budget_and_give_them_back_when_id
     tight = Scheduler(PrefixCache(tiny_engine, mode="off"), max_batch=8,
                       kv_bytes=budget * tiny_engine.kv_bytes_per_token)
     burst(tight, 33, 4)  # its rows wrote ~170 slots: the most recently given back kept, up to 100
-    assert 0 < tight.arena.slots_held(free=True) <= scheduler_module.RETAIN_SHARE * budget
+    assert 0 < tight.arena.slots_held(free=True) <= kv_budget.RETAIN_SHARE * budget
     for p in prompts(34, [200, 27]):
         tight.submit(Request(p, [SamplingParams(max_tokens=12)], Collector()))
     tight.step()  # their admission trimmed the free rows' pages to what the budget leaves

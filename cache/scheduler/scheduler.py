@@ -28,11 +28,11 @@ changes the last bits without the CPU kernels).
 
 Memory: the KV positions granted to the requests in flight stay within `kv_bytes`. A request is
 admitted when its grant fits: per row it will decode in, its prompt and up to GROW_SLOTS tokens
-(requests.GROW_SLOTS). A row reaching the end of its grant is granted GROW_SLOTS more where they fit;
-where they do not, it sits out decode steps (its stream pauses) until rows finish and free their
-grants, except the rows of the oldest request decoding, which always go on (as one request alone is
-always admitted): no row is ever stopped or recomputed, and the budget holds but for that one
-request. Rows given back keep their pages (and the prefix they hold: the next turn of a chat takes
+(requests.GROW_SLOTS; the checks and grants: kv_budget.py). A row reaching the end of its grant is
+granted GROW_SLOTS more where they fit; where they do not, it sits out decode steps (its stream pauses)
+until rows finish and free their grants, except the rows of the oldest request decoding, which always go
+on (as one request alone is always admitted): no row is ever stopped or recomputed, and the budget holds
+but for that one request. Rows given back keep their pages (and the prefix they hold: the next turn of a chat takes
 that row without a copy) while the budget allows; beyond it, and once the scheduler has been idle for
 IDLE_RELEASE_S, their pages go back to the OS (`idle`).
 """
@@ -50,8 +50,9 @@ from jaxsmol.cache.scheduler.answers import AnswerQueue
 from jaxsmol.cache.scheduler.settings import PREFILLS_AT_ONCE, SPARE_ROWS, BatchSettings, arena_rows
 from jaxsmol.cache.scheduler.compile_ahead import VerifyPrograms, compile_batched
 from jaxsmol.cache.scheduler.draft_model import DraftModel
+from jaxsmol.cache.scheduler.kv_budget import KVBudget
 from jaxsmol.cache.prefix_cache import PrefixCache
-from jaxsmol.cache.scheduler.requests import GROW_SLOTS, Request
+from jaxsmol.cache.scheduler.requests import Request
 from jaxsmol.cache.scheduler.side_by_side import group_chunks
 from jaxsmol.cache.scheduler.speculation import VERIFY_ROWS, Speculator, column, run_step, speculating
 from jaxsmol.cache.scheduler.state import Prefill, Row, SchedulerStats, first_tokens
@@ -63,10 +64,6 @@ from jaxsmol.runtime.structured import constraint_for
 from jaxsmol.system.host_memory import release_freed
 
 IDLE_RELEASE_S = 5.0  # idle this long: free rows' pages and malloc's free memory go back to the OS
-# The share of the KV budget free rows may keep their pages for: a row's pages faulted in afresh cost
-# ~5 ms for a 1000-token prompt (its prefill: ~1 s), and a row kept holding a prompt spares its next
-# turn a restore's copy (~10 ms), so few are kept, the most recently used
-RETAIN_SHARE = 0.25
 # While busy, malloc's free pages go back this often: the prefix cache's snapshots are large blocks of
 # many sizes, and as they are evicted and stored the heap's free memory grew ~100 MB every few long
 # prompts, never returned (a trim: ~1 ms, and the few MB a step reuses faulted in again)
@@ -103,6 +100,7 @@ class Scheduler:
                                      draft=draft) if speculating(s, self.engine.cfg, draft is not None) else None
         # a decode row's bytes per position: the target's, and its draft row's where a draft model drafts
         self.kv_bytes_per_token = self.engine.kv_bytes_per_token + (draft.engine.kv_bytes_per_token if draft else 0)
+        self.budget = KVBudget(self.arena, self.kv_bytes, self.kv_bytes_per_token)
         self.verify_programs = VerifyPrograms(self.arena)
         self._idle_since: float | None = None
         self._trimmed = time.monotonic()
@@ -191,7 +189,7 @@ class Scheduler:
             busy = True
         if self.live_rows:
             self._decode(timed=not busy)
-        self._keep_within(self.reserved_slots)  # the rows this step gave back keep no more than the budget
+        self.budget.keep_within(self.reserved_slots)  # the rows this step gave back keep no more than the budget
         if time.monotonic() - self._trimmed >= TRIM_EVERY_S:
             release_freed()
             self._trimmed = time.monotonic()
@@ -285,19 +283,10 @@ class Scheduler:
             forks = sum(max(0, p.request.decode_rows - 1) for p in self.prefills) + len(self.forks)
             if self.arena.free_rows - forks - SPARE_ROWS < max(1, req.decode_rows):
                 return False
-            if need * self.kv_bytes_per_token > self.kv_bytes:
+            if not self.budget.fits(need):
                 return False
-        self._keep_within(need)
+        self.budget.keep_within(need)
         return True
-
-    def _keep_within(self, reserved: int) -> None:
-        """Release free rows' pages (least recently used first) until they and `reserved` positions fit
-        the KV budget and they hold at most RETAIN_SHARE of it: the arena's memory stays within
-        max(kv_bytes, one request alone's)."""
-        budget = self.kv_bytes // self.kv_bytes_per_token
-        keep = min(int(RETAIN_SHARE * budget), budget - reserved)
-        if self.arena.slots_held(free=True) > keep:
-            self.arena.release_free(max(keep, 0))
 
     def _begin(self, req: Request) -> None:
         started, cfg = time.perf_counter(), self.engine.cfg
@@ -434,7 +423,8 @@ class Scheduler:
         step before reading this one, as vLLM's async scheduling does, gave no steady gain on two
         cores: docs/design.md, the scheduler.)"""
         self._start_forks()
-        live = self._granted()
+        live, stalled = self.budget.grow(self.live, self.granted_slots, VERIFY_ROWS[-1] if self.speculator else 1)
+        self.stats.stalled += stalled
         W = self.max_batch if self.batch_invariant else self.settings.width_for(len(live))
         plan = self.speculator.plan(live, W, self.arena.slots, lambda t: self.verify_programs.ready(W, t)) if (
             self.speculator) else None
@@ -465,31 +455,11 @@ class Scheduler:
                 self._free_row(r)
                 self._finish(r)
 
-    def _granted(self) -> list[Row]:
-        """The live rows that decode this step: each whose grant holds the positions a step may write
-        (a verify step's too), granted GROW_SLOTS more where it does not and the budget has room; the
-        rows of the oldest request always (see the module docstring). The others sit this step out."""
-        ahead = VERIFY_ROWS[-1] if self.speculator else 1
-        budget, reserved = self.kv_bytes // self.kv_bytes_per_token, self.granted_slots
-        oldest, going = self.live[0].request, []
-        for r in self.live:
-            need = min(r.final, r.position + ahead)
-            if need > r.reserved:
-                more = min(r.final, max(r.reserved + GROW_SLOTS, need)) - r.reserved
-                if reserved + more > budget and r.request is not oldest:
-                    self.stats.stalled += 1
-                    continue
-                r.reserved += more
-                reserved += more
-            going.append(r)
-        return going
-
     def _start_forks(self) -> None:
         """Fork the waiting choices, in order, while their first grants fit the KV budget: each into a row
         of its own, its prompt's positions copied from a row of its request (a request's n choices then
         hold the budget's worth at a time, not n rows at once)."""
-        budget = self.kv_bytes // self.kv_bytes_per_token
-        others = self.granted_slots
+        budget, others = self.budget.slots, self.granted_slots
         while self.forks and others + self.forks[0].reserved <= budget and self.arena.free_rows > 1:
             row = self.forks.pop(0)
             row.slot = self.lease.take(expect=row.reserved)[0]
