@@ -50,18 +50,6 @@ def pytest_configure(config):
     enable_compilation_cache()
 
 
-# The files that take longest (a minute or so each on 2 cores, measured with --durations), run first: the
-# workers take files in collection order (--dist loadfile), so one of these collected last keeps one
-# worker busy while the other has nothing left.
-LONGEST_FIRST = ("test_soak.py", "test_wheel.py", "test_cluster.py", "test_bench.py", "test_docs.py",
-                 "test_messages.py", "test_scheduler.py", "test_notebooks.py", "test_sharding.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 @pytest.fixture(scope="session")
 def tiny_cfg() -> Config:
     return Config.tiny()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), tiny random weights
 
 EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50,
-            "/v1/messages": 200, "/v1/messages/count_tokens": 80, "/v1/responses": 150}
+            "/v1/messages": 120, "/v1/messages/count_tokens": 60, "/v1/responses": 80}
 OPENAI = ("/v1/completions", "/v1/chat/completions")  # the routes that take the OpenAI fields below
 STATUSES: dict[str, collections.Counter] = {route: collections.Counter() for route in EXAMPLES}
 SETTINGS = dict(derandomize=True, deadline=None, database=None,
