@@ -40,6 +40,7 @@ from jaxsmol.runtime import programs
 from jaxsmol.runtime.arena_handles import Lease, RowView
 from jaxsmol.runtime.arena_size import arena_shape
 from jaxsmol.runtime.batch import BLOCK
+from jaxsmol.runtime.common_prefix import common_prefix_len
 from jaxsmol.system import host_memory
 
 
@@ -124,7 +125,7 @@ class KVArena:
         held, row = 0, None
         if prefix:
             prefix = tuple(prefix)
-            held, row = max(((_common(self.marks[r], prefix), r) for r in self._free), default=(0, None))
+            held, row = max(((common_prefix_len(self.marks[r], prefix), r) for r in self._free), default=(0, None))
         if not held:
             order = {r: i for i, r in enumerate(self._free)}
             row = min(self._free, key=lambda r: (self.touched[r] == 0, bool(self.marks[r]), order[r]))
@@ -404,15 +405,3 @@ class KVArena:
     def check_in_place(self) -> bool:
         """Whether the arena is still the buffers it was allocated as (every program updated it in place)."""
         return not self.host or (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) == self._base
-
-
-def _common(a: tuple, b: tuple) -> int:
-    """How many leading elements the tuples a and b share (slices compared in C, halving)."""
-    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the answer is <= hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
