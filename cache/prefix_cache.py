@@ -12,6 +12,9 @@ Keys are namespaced by the model fingerprint (config, dtype, weights) and an opt
 A second tier on disk (`disk=DiskStore(...)`, cache/store/disk.py), radix mode: evicted entries are written
 there while its budget allows, a lookup that finds a longer prefix there than in memory brings it back
 first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a restart.
+A third tier several daemons share (`shared=SharedStore(...)`, cache/store/shared.py), radix mode: a lookup
+that finds more whole chunks of the prompt there than memory and disk matched brings them into memory
+first (`_from_shared`); a saved prompt's whole chunks the store lacks are written to it (`_write_through`).
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
 Pinned prefixes (`cache.pins`, cache/pins.py) are radix keys kept out of eviction under a budget of
 their own, for good or until an expiry (a request's cache breakpoints); `cached_prefix` tells how much
@@ -39,6 +42,7 @@ from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
 from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
 from jaxsmol.cache.store.radix import RadixStore
+from jaxsmol.cache.store.shared import SharedStore, chunks_segment
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS
@@ -49,7 +53,7 @@ MODES = ("radix", "single", "off")
 class PrefixCache:
     def __init__(self, engine: Engine, mode: str = "radix", budget_bytes: int = 2 << 30, salt: str = "",
                  save_generated: bool = True, exact: bool = True, disk: DiskStore | None = None,
-                 pinned_bytes: int = DEFAULT_BUDGET_BYTES):
+                 pinned_bytes: int = DEFAULT_BUDGET_BYTES, shared: SharedStore | None = None):
         if mode not in MODES:
             raise JaxsmolError(f"cache mode must be one of {', '.join(MODES)}, got {mode!r}")
         if budget_bytes < 0:
@@ -67,6 +71,9 @@ class PrefixCache:
             self.stats.disk_refused = self.disk.refused  # counted where the files are read
         if self.disk is not None and mode == "radix":
             self.store.on_evict = self._spill
+        self.shared = shared if mode == "radix" else None
+        if self.shared is not None:  # counted where the values are read and written
+            self.stats.shared_refused, self.stats.shared_dropped = self.shared.refused, self.shared.dropped
         if mode != "off":  # hash the weights now, not inside the first request's time to first token
             _ = engine.fingerprint
 
@@ -104,6 +111,11 @@ class PrefixCache:
         self.stats.evictions = self.store.evictions
         if self.disk is not None:
             self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
+        if self.shared is not None:
+            sh, st = self.shared, self.stats
+            st.shared_hits, st.shared_misses, st.shared_writes = sh.hits, sh.misses, sh.writes
+            st.shared_bytes_read, st.shared_bytes_written, st.shared_unavailable = (sh.bytes_read, sh.bytes_written,
+                                                                                    sh.unavailable)
 
     def _bypass_reason(self, n: int, bypass: bool) -> str | None:
         if self.mode == "off" or bypass:
@@ -142,6 +154,8 @@ class PrefixCache:
         match = self.store.lookup(lk.ns, prompt, gather=False)
         if self.disk is not None and match.payload is None:
             match = self._from_disk(lk.ns, prompt, match, report)
+        if self.shared is not None and match.payload is None:
+            match = self._from_shared(lk.ns, prompt, match, report)
         report.matched, report.reused, report.nearest_len = match.length, match.reused, match.nearest_len
         report.exact_hit = match.payload is not None
         if report.reused:
@@ -221,6 +235,29 @@ class PrefixCache:
         report.disk_loaded = usable
         return self.store.lookup(ns, prompt, gather=False)
 
+    def _from_shared(self, ns, prompt, match, report: CacheReport):
+        """If the shared store holds more whole chunks of the prompt than `match` reuses (up to prompt_n - 1
+        positions: a chunk carries no logits, so the last token is computed), bring those past the match
+        into memory and look up again."""
+        size = self.shared.chunk_tokens
+        usable = (len(prompt) - 1) // size
+        if usable * size <= match.reused:
+            return match
+        first = match.length // size  # the positions before match.length are in memory already
+        chunks = self.shared.read_run(self.shared.keys(ns[1], prompt[: usable * size]), prompt, first)
+        end = (first + len(chunks)) * size
+        if end <= match.reused:
+            return match
+        self.store.release(match)
+        self.store.insert(ns, prompt[:end], chunks_segment(chunks, first * size, size))
+        self.stats.shared_loads += 1
+        report.shared_loaded = end
+        return self.store.lookup(ns, prompt, gather=False)
+
+    def _write_through(self, ns, prompt, kv) -> None:
+        """Write the prompt's whole chunks that the shared store lacks (one existence check, then a write each)."""
+        self.shared.write_missing(self.shared.keys(ns[1], prompt), prompt, kv.segment)
+
     def persist_to_disk(self) -> int:
         """Write every stored key to the disk tier (least recently used first, so that the newest stay
         when the disk budget is short). Returns the number of keys on disk afterwards."""
@@ -274,6 +311,8 @@ class PrefixCache:
         if self.keeps_last_position:
             payload = np.array(np.asarray(logits)[0])  # [V]: answers an identical prompt with no forward
             report.saved = self.store.insert(ns, prompt, kv.segment, payload=payload)
+            if self.shared is not None:
+                self._write_through(ns, prompt, kv)
         else:  # the single snapshot: the first prompt_n - 1 positions
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)

@@ -32,10 +32,21 @@ class CacheStats:
     disk_writes: int = 0  # entries written to the disk tier
     disk_refused: Counter = dataclasses.field(default_factory=Counter)  # disk files refused (deleted), by reason
     disk_bytes: int = 0  # bytes held by the disk tier
+    shared_loads: int = 0  # prefixes brought from the shared store (--shared-cache)
+    shared_hits: int = 0  # chunks read from it and used
+    shared_misses: int = 0  # chunk reads that found nothing (the server unreachable included)
+    shared_writes: int = 0  # chunks written to it
+    shared_bytes_read: int = 0
+    shared_bytes_written: int = 0
+    shared_unavailable: int = 0  # reads and existence checks that found it unreachable
+    shared_refused: Counter = dataclasses.field(default_factory=Counter)  # values refused (deleted), by reason
+    shared_dropped: Counter = dataclasses.field(default_factory=Counter)  # writes not stored, by reason
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["bypasses"], d["disk_refused"] = dict(self.bypasses), dict(self.disk_refused)
+        for f in dataclasses.fields(self):  # asdict rebuilds a Counter from its items, counting them: not that
+            if isinstance(getattr(self, f.name), Counter):
+                d[f.name] = dict(getattr(self, f.name))
         return d
 
 
@@ -55,6 +66,7 @@ class CacheReport:
     kept: int = 0  # positions its cache breakpoints newly pinned past those restored (cache/pins.py `keep`)
     snapshot_bytes: int = 0  # bytes of the state restored or saved for this prompt
     disk_loaded: int = 0  # positions brought back from the disk tier for this request
+    shared_loaded: int = 0  # the prefix length restored with chunks from the shared store
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

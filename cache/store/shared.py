@@ -1,0 +1,238 @@
+"""The shared KV store: a third tier below memory and disk that several daemons, on one machine or many,
+read and write (`jaxsmol serve --shared-cache DIR|redis://HOST:PORT[/DB]`). Content-keyed chunks of
+prompts' KV state; the backends (a directory, Redis) are in cache/store/shared_backends.py, and the
+prefix cache (cache/prefix_cache.py) calls `read_run` on a lookup and `write_missing` after a save.
+
+A chunk is CHUNK_TOKENS (256) positions. Chunk i's key is a chain, key_i = blake2b(key_{i-1}, token ids
+of chunk i), from key_-1 = blake2b(format version, chunk size, the model's identity, the namespace's
+salt): it names every token up to the end of chunk i, so any daemon finds any prefix it shares, and the
+identity (`model_identity`: Engine.fingerprint, which hashes config, dtype, weights and the numerics'
+sources; the tokenizer, KV dims and dtype, --matmul; and the kernels class: the C++ kernels' vector
+width, or XLA's backend, device and the CPU's vector flags) keeps apart daemons whose states differ in
+a bit. Why 256: a chunk is a round trip and a file; at 256 positions of the 135M's float32 KV (11.8 MB)
+the per-chunk costs (the key's hashing, a Redis round trip, a file's open and rename) are under 2% of its
+transfer (tools/time_shared_cache.py), and a prompt loses at most 255 positions to the last partial
+chunk, which the engine prefills; LMCache picks 256 too. A restore at any position is exact
+(docs/design.md: a prompt row's bits do not depend on the chunk that carries it), so chunk boundaries
+need no alignment with the prefill buckets.
+
+A value: MAGIC, a little-endian u32 header length, a JSON header (format version, key, the chunk's token
+ids, dtype, shape [L, 1, K, C, H]), the keys' bytes, the values' bytes, and a blake2b-256 over all of it.
+`decode` refuses, with a reason (`Refused.reason`), a value that is shorter than its header says
+("truncated"), whose checksum fails ("checksum"), whose header does not parse ("malformed"), or which is
+intact but not this key's (another key, tokens, version, dtype or shape: "foreign"). A refused value is
+counted, deleted so that the next writer replaces it, and never restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from collections import Counter
+
+import numpy as np
+
+from jaxsmol.cache.store.shared_backends import BackendError, open_backend
+from jaxsmol.cache.store.snapshot import _dtype, identity
+from jaxsmol.model.kv_layout import SEQ_AXIS, seq_index
+
+CHUNK_TOKENS = 256
+FORMAT_VERSION = 1
+MAGIC = b"JXSMOLKV"
+_HEAD = struct.Struct("<8sI")  # magic, header length
+_SUM = 32  # blake2b-256 checksum bytes
+LOGGER = logging.getLogger("jaxsmol.cache")
+
+
+class Refused(Exception):
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def kernels_class(engine) -> str:
+    """What decides a state's last bits beyond the model: the C++ kernels' vector width, or XLA's backend,
+    device kind and the CPU's vector instruction sets (XLA compiles for the host's)."""
+    import jax
+
+    if engine.cfg.cpu_kernels:
+        from jaxsmol.kernels.cpu_kernels import vector_lanes
+
+        return f"cpu-kernels lanes={vector_lanes()}"
+    from jaxsmol.kernels.cpu_identity import _cpu_flags
+
+    flags = sorted(f for f in (_cpu_flags() or ()) if f.startswith(("avx", "fma", "amx", "sse4")))
+    return f"xla {jax.default_backend()} {jax.devices()[0].device_kind} {' '.join(flags)}"
+
+
+def model_identity(engine) -> dict:
+    """The fields of `identity(engine)` that decide a state's bits (not the context nor the file cap),
+    with the kernels class: what SharedStore keys hash."""
+    ident = identity(engine)
+    fields = {k: ident[k] for k in ("model", "tokenizer", "kv_dims", "kv_dtype", "matmul", "vocab")}
+    return {**fields, "kernels": kernels_class(engine)}
+
+
+def _h(*parts: bytes) -> hashlib.blake2b:
+    h = hashlib.blake2b(digest_size=32)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))  # length-prefixed: no two part lists hash alike
+        h.update(p)
+    return h
+
+
+def chunk_keys(ident: dict, salt: str, tokens, chunk_tokens: int = CHUNK_TOKENS) -> list[str]:
+    """The keys of the whole chunks of `tokens` (hex), each naming the identity, salt and every token before
+    its end."""
+    root = json.dumps({"format": FORMAT_VERSION, "chunk": chunk_tokens, "identity": ident}, sort_keys=True)
+    key = _h(root.encode(), salt.encode()).digest()
+    ids = np.asarray(tokens, dtype="<i4")
+    out = []
+    for i in range(len(ids) // chunk_tokens):
+        key = _h(key, ids[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes()).digest()
+        out.append(key.hex())
+    return out
+
+
+def encode(key: str, ids, k: np.ndarray, v: np.ndarray) -> bytes:
+    """A chunk's value (the module docstring's layout)."""
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    header = json.dumps({"version": FORMAT_VERSION, "key": key, "tokens": [int(t) for t in ids],
+                         "dtype": k.dtype.name, "shape": list(k.shape)}).encode()
+    body = b"".join((_HEAD.pack(MAGIC, len(header)), header, memoryview(k).cast("B"), memoryview(v).cast("B")))
+    return body + hashlib.blake2b(body, digest_size=_SUM).digest()
+
+
+def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """(k, v) of the value `data` read under `key` for the chunk `ids`, read-only views of `data`; Refused
+    naming why it must not be used."""
+    if len(data) < _HEAD.size:
+        raise Refused(f"{len(data)} bytes, shorter than a value's head", "truncated")
+    magic, header_len = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise Refused("not a jaxsmol shared KV value (no magic)", "foreign")
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    want = _HEAD.size + header_len + 2 * nbytes + _SUM
+    if len(data) != want:
+        raise Refused(f"{len(data)} bytes where this chunk's value has {want}",
+                      "truncated" if len(data) < want else "foreign")
+    view = memoryview(data)
+    if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != view[-_SUM:]:
+        raise Refused("checksum mismatch", "checksum")
+    try:
+        header = json.loads(bytes(view[_HEAD.size:_HEAD.size + header_len]))
+        fields = (header["version"], header["key"], header["tokens"], header["dtype"], list(header["shape"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise Refused(f"malformed header ({type(e).__name__}: {e})", "malformed") from None
+    if fields != (FORMAT_VERSION, key, [int(t) for t in ids], dtype.name, list(shape)):
+        raise Refused(f"the value of another chunk (key {str(header.get('key'))[:12]}, version {fields[0]}, "
+                      f"{fields[3]} {fields[4]})", "foreign")
+    start = _HEAD.size + header_len
+    k = np.frombuffer(data, dtype, int(np.prod(shape)), start).reshape(shape)
+    v = np.frombuffer(data, dtype, int(np.prod(shape)), start + nbytes).reshape(shape)
+    return k, v
+
+
+class SharedStore:
+    """Chunks of prompts' KV state in a backend, keyed by content (module docstring). Never raises for the
+    backend's faults: a read that fails is a miss, a write that fails is dropped, both counted."""
+
+    def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.backend, self.ident, self.chunk_tokens = backend, ident, chunk_tokens
+        L, B, K, H = ident["kv_dims"]
+        self.dtype = _dtype(ident["kv_dtype"])
+        self.shape = [L, B, K, H]
+        self.shape.insert(SEQ_AXIS, chunk_tokens)
+        self.shape = tuple(self.shape)
+        self.hits = self.misses = self.writes = self.bytes_read = self.bytes_written = 0
+        self.refused: Counter = Counter()  # Refused.reason -> values refused (and deleted)
+        self.dropped: Counter = Counter()  # BackendError.reason -> writes not stored
+        self.unavailable = 0  # reads and existence checks that found the backend unreachable
+
+    def describe(self) -> str:
+        return f"{self.backend.describe()}, chunks of {self.chunk_tokens} tokens"
+
+    def keys(self, salt: str, tokens) -> list[str]:
+        return chunk_keys(self.ident, salt, tokens, self.chunk_tokens)
+
+    def read_run(self, keys: list[str], tokens, first: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(k, v) of chunks first, first + 1, ... of `tokens` under `keys`, up to the first one missing,
+        refused or unreadable."""
+        out = []
+        for i in range(first, len(keys)):
+            ids = tokens[i * self.chunk_tokens:(i + 1) * self.chunk_tokens]
+            try:
+                data = self.backend.get(keys[i])
+            except BackendError:
+                self.unavailable += 1
+                data = None
+            if data is None:
+                self.misses += 1
+                break
+            try:
+                out.append(decode(data, keys[i], ids, self.dtype, self.shape))
+            except Refused as e:
+                self.refused[e.reason] += 1
+                LOGGER.warning("shared cache: refused chunk %s (%s): %s", keys[i][:16], e.reason, e)
+                self.backend.delete(keys[i])
+                break
+            self.hits += 1
+            self.bytes_read += len(data)
+        return out
+
+    def write_missing(self, keys: list[str], tokens, segment) -> int:
+        """Write the chunks under `keys` the backend lacks, their state from `segment(start, stop)` ({"k",
+        "v"} of those positions); the number written."""
+        try:
+            present = self.backend.exists(keys)
+        except BackendError as e:
+            self.unavailable += 1
+            self.dropped[e.reason] += len(keys)
+            return 0
+        written = 0
+        for i, (key, there) in enumerate(zip(keys, present)):
+            if there:
+                continue
+            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
+            seg = segment(lo, hi)
+            data = encode(key, tokens[lo:hi], np.asarray(seg["k"]), np.asarray(seg["v"]))
+            try:
+                self.backend.put(key, data)
+            except BackendError as e:
+                self.dropped[e.reason] += 1
+                continue
+            written += 1
+            self.bytes_written += len(data)
+        self.writes += written
+        return written
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def chunks_segment(chunks: list, base: int, chunk_tokens: int):
+    """`segment(start, stop)` over consecutive chunks [(k, v), ...] whose first starts at position `base`:
+    one copy of just the positions asked for (what RadixStore.insert takes)."""
+    def segment(start: int, stop: int) -> dict:
+        out = {}
+        for j, name in enumerate(("k", "v")):
+            parts = []
+            for i, pair in enumerate(chunks):
+                lo = base + i * chunk_tokens
+                a, b = max(start, lo), min(stop, lo + chunk_tokens)
+                if a < b:
+                    parts.append(pair[j][seq_index(a - lo, b - lo)])
+            out[name] = np.concatenate(parts, axis=SEQ_AXIS)
+        return out
+
+    return segment
+
+
+def open_shared(spec: str, engine, chunk_tokens: int = CHUNK_TOKENS, budget_bytes: int | None = None) -> SharedStore:
+    """The shared store at `spec` (a directory or redis://HOST:PORT[/DB]) for `engine`; JaxsmolError naming
+    what is wrong with `spec` (a bad URL, an unreachable server, an unusable directory)."""
+    return SharedStore(open_backend(spec, budget_bytes), model_identity(engine), chunk_tokens)

@@ -1,0 +1,288 @@
+"""The shared KV store (cache/store/shared.py, shared_backends.py) behind the prefix cache: its keys, its
+values and their refusals, the directory backend under concurrent writers, and two caches as two replicas
+(separate engines with the same weights) where one restores the other's prefix with the bits of its own
+cold run. The Redis tests start `redis-server` on a free port; they skip without it on PATH, unless
+JAXSMOL_REQUIRE_REDIS=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.scheduler.many import generate
+from jaxsmol.cache.store import shared_backends
+from jaxsmol.cache.store.shared import (Refused, SharedStore, chunk_keys, decode, encode, model_identity,
+                                        open_shared)
+from jaxsmol.cache.store.shared_backends import DirBackend, open_backend
+from jaxsmol.errors import JaxsmolError
+from jaxsmol.runtime.engine import Engine
+from jaxsmol.runtime.sampling import SamplingParams
+from cache_runs import assert_same, toks
+from daemon import ROOT, free_port
+
+SP = SamplingParams(max_tokens=4, logprobs=3)
+C = 32  # chunk size of these tests: a few chunks per tiny prompt
+IDENT = {"model": "m", "tokenizer": "t", "kv_dims": (2, 1, 2, 16), "kv_dtype": "float32", "matmul": "exact",
+         "vocab": 256, "kernels": "cpu-kernels lanes=16"}
+SHAPE = (2, 1, 2, C, 16)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_engine):
+    """Two engines over the same weights (as two daemons would load them): A is the session's, B a second one."""
+    other = Engine(tiny_engine.cfg, tiny_engine.params, None, ctx=tiny_engine.ctx)
+    other._fingerprint = tiny_engine.fingerprint
+    return tiny_engine, other
+
+
+def pair(replicas, spec):
+    a, b = replicas
+    return (PrefixCache(a, shared=open_shared(spec, a, chunk_tokens=C)),
+            PrefixCache(b, shared=open_shared(spec, b, chunk_tokens=C)))
+
+
+def chunk(seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(SHAPE, np.float32), rng.standard_normal(SHAPE, np.float32)
+
+
+# ---- keys and values --------------------------------------------------------------------------------
+def test_keys_are_stable_and_chained():
+    t = toks(3 * C + 5, 1)
+    keys = chunk_keys(IDENT, "", t, C)
+    assert len(keys) == 3 and keys == chunk_keys(IDENT, "", list(t), C)
+    assert keys[0] == "380c1ec2523b1ed42de0af52f9467857a0e2f0ee41ab96c5b05ca5ce0e166370"  # a format change shows here
+    later = list(t)
+    later[C + 1] += 1  # a token of chunk 1: chunk 0 keeps its key, every later one changes
+    changed = chunk_keys(IDENT, "", later, C)
+    assert changed[0] == keys[0] and not set(changed[1:]) & set(keys)
+    assert chunk_keys(IDENT, "", t[: 2 * C], C) == keys[:2]  # a prefix's keys are the prompt's first ones
+
+
+@pytest.mark.parametrize("field, value", [("model", "m2"), ("kv_dtype", "bfloat16"), ("matmul", "int8"),
+                                          ("kernels", "cpu-kernels lanes=8"), ("tokenizer", "t2")])
+def test_keys_keep_identities_and_namespaces_apart(field, value):
+    t = toks(2 * C, 2)
+    keys = set(chunk_keys(IDENT, "", t, C))
+    assert not keys & set(chunk_keys({**IDENT, field: value}, "", t, C))
+    assert not keys & set(chunk_keys(IDENT, "tenant", t, C))
+    assert not keys & set(chunk_keys(IDENT, "", t, C // 2))
+
+
+def test_model_identity_names_the_kernels(tiny_engine):
+    ident = model_identity(tiny_engine)
+    assert ident["model"] == tiny_engine.fingerprint and ident["kernels"]
+    assert "ctx" not in ident  # two daemons with other contexts share
+
+
+def test_a_value_round_trips_and_damage_is_refused_by_name():
+    t = toks(C, 3)
+    k, v = chunk(0)
+    key, other = chunk_keys(IDENT, "", toks(2 * C, 4), C)
+    data = encode(key, t, k, v)
+    got_k, got_v = decode(data, key, t, np.dtype("float32"), SHAPE)
+    assert np.array_equal(got_k, k) and np.array_equal(got_v, v) and not got_k.flags.writeable
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    body = bytearray(data[:-32])
+    body[12] = ord("[")  # the header's JSON broken, its checksum made to hold
+    cases = {"truncated": data[:-100], "checksum": bytes(flipped), "foreign": encode(other, t, k, v),
+             "malformed": bytes(body) + hashlib.blake2b(body, digest_size=32).digest()}
+    for reason, bad in cases.items():
+        with pytest.raises(Refused) as e:
+            decode(bad, key, t, np.dtype("float32"), SHAPE)
+        assert e.value.reason == reason, reason
+    with pytest.raises(Refused, match="no magic"):
+        decode(b"GIF89a" + bytes(64), key, t, np.dtype("float32"), SHAPE)
+    with pytest.raises(Refused, match="another chunk"):  # intact, but of other tokens
+        decode(data, key, toks(C, 5), np.dtype("float32"), SHAPE)
+
+
+# ---- the directory backend ----------------------------------------------------------------------------
+def test_directory_round_trip_and_budget(tmp_path):
+    store = SharedStore(DirBackend(tmp_path), IDENT, C)
+    t = toks(4 * C, 6)
+    keys = store.keys("", t)
+    k = np.arange(np.prod(SHAPE) * 4, dtype=np.float32).reshape(2, 1, 2, 4 * C, 16)
+    seg = lambda a, b: {"k": k[:, :, :, a:b], "v": -k[:, :, :, a:b]}  # noqa: E731
+    assert store.write_missing(keys, t, seg) == 4 and store.write_missing(keys, t, seg) == 0  # present: skipped
+    run = store.read_run(keys, t, 1)
+    assert len(run) == 3 and np.array_equal(run[0][0], k[:, :, :, C:2 * C]) and store.hits == 3
+    value = len(encode(keys[0], t[:C], *chunk(0)))
+    budget = DirBackend(tmp_path / "b", budget_bytes=int(2.5 * value))
+    for i, key in enumerate(keys):
+        budget.put(key, encode(key, t[i * C:(i + 1) * C], *chunk(i)))
+        time.sleep(0.01)  # distinct mtimes: the oldest go first
+    assert budget.evicted >= 2 and budget.exists(keys)[-1] and not budget.exists(keys)[0]
+
+
+_WRITER = """
+import sys
+from jaxsmol.cache.store.shared_backends import DirBackend
+b = DirBackend(sys.argv[1])
+values = [bytes([i]) * 300000 + bytes([int(sys.argv[2])]) for i in range(8)]
+for _ in range(5):
+    for i, v in enumerate(values):
+        b.put(f"{i:02x}" * 16, v)
+"""
+
+
+def test_concurrent_writers_never_leave_half_a_value(tmp_path):
+    """Processes and threads writing the same keys at once: every read sees one whole value."""
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w)], cwd=ROOT) for w in range(3)]
+    b, seen, stop = DirBackend(tmp_path), [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            for i in range(8):
+                data = b.get(f"{i:02x}" * 16)
+                if data is not None:
+                    seen.append(len(data) == 300001 and data[:300000] == bytes([i]) * 300000)
+
+    def write(w):
+        for _ in range(5):
+            for i in range(8):
+                b.put(f"{i:02x}" * 16, bytes([i]) * 300000 + bytes([w]))
+
+    threads = [threading.Thread(target=read)] + [threading.Thread(target=write, args=(w,)) for w in (7, 8)]
+    for th in threads:
+        th.start()
+    assert all(p.wait(60) == 0 for p in procs)
+    for th in threads[1:]:
+        th.join()
+    stop.set()
+    threads[0].join()
+    assert seen and all(seen)
+    assert not list(tmp_path.glob("*/.*.tmp"))
+
+
+def test_bad_locations_are_named():
+    for spec, says in [("ftp://host/x", "unknown scheme"), ("redis://localhost", "no port"),
+                       ("redis://localhost:port", "Port"), ("redis://localhost:1/x", "database")]:
+        with pytest.raises(JaxsmolError, match=says):
+            open_backend(spec)
+    with pytest.raises(JaxsmolError, match="cannot reach the shared cache at redis://127.0.0.1"):
+        open_backend(f"redis://127.0.0.1:{free_port()}")
+
+
+# ---- two replicas sharing one directory -------------------------------------------------------------------
+def test_a_replica_restores_another_replicas_prefix_exactly(replicas, tmp_path):
+    a, b = pair(replicas, tmp_path)
+    P = toks(3 * C + 10, 7)
+    generate(a, P, SP)
+    assert a.stats.shared_writes == 3
+    prompt = P + toks(6, 8)
+    gen = generate(b, prompt, SP)
+    assert gen.report.shared_loaded == 3 * C and gen.report.reused == 3 * C and b.stats.shared_hits == 3
+    assert_same(gen, generate(replicas[1], prompt, SP))  # B's cold run, bit for bit
+    assert b.stats.shared_writes == 0  # every whole chunk was there
+    again = generate(b, prompt, SP)  # now in B's memory: no read
+    assert again.report.exact_hit and b.stats.shared_hits == 3
+    assert generate(b, P, SP, salt="tenant").report.shared_loaded == 0  # namespaces stay apart
+
+
+def test_damaged_values_are_refused_counted_and_the_answer_stays_exact(replicas, tmp_path):
+    a, b = pair(replicas, tmp_path)
+    P = toks(3 * C + 3, 9)
+    generate(a, P, SP)
+    keys = a.shared.keys("", P)
+    files = [next(tmp_path.glob(f"*/{k}.kv")) for k in keys]
+    data = files[1].read_bytes()
+    files[1].write_bytes(data[: len(data) // 2])  # torn
+    gen = generate(b, P, SP)
+    assert gen.report.shared_loaded == C and b.stats.shared_refused["truncated"] == 1
+    assert_same(gen, generate(replicas[1], P, SP))
+    assert files[1].exists()  # B rewrote the chunk it refused (its write-through)
+    files[2].write_bytes(files[0].read_bytes())  # another chunk's value under chunk 2's key
+    other = PrefixCache(replicas[1], shared=open_shared(tmp_path, replicas[1], chunk_tokens=C))
+    gen = generate(other, P, SP)
+    assert gen.report.shared_loaded == 2 * C and other.stats.shared_refused["foreign"] == 1
+    assert_same(gen, generate(replicas[1], P, SP))
+
+
+# ---- Redis ------------------------------------------------------------------------------------------
+class RedisServer:
+    def __init__(self, tmp_path, *args):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            if os.environ.get("JAXSMOL_REQUIRE_REDIS") == "1":
+                pytest.fail("redis-server is not on PATH, and JAXSMOL_REQUIRE_REDIS=1")
+            pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
+        self.argv = [exe, "--port", str(free_port()), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(tmp_path), *args]
+        self.url = f"redis://127.0.0.1:{self.argv[2]}/0"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        import redis
+
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start: {self.argv}")
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_redis_round_trip_death_and_return(replicas, redis_server):
+    a, b = pair(replicas, redis_server.url)
+    P = toks(2 * C + 5, 10)
+    generate(a, P, SP)
+    gen = generate(b, P + [5], SP)
+    assert gen.report.shared_loaded == 2 * C
+    assert_same(gen, generate(replicas[1], P + [5], SP))
+    redis_server.stop()  # mid-use: every request is still answered, cold, and the misses counted
+    Q = toks(2 * C + 5, 11)
+    for cache in (a, b):
+        gen = generate(cache, Q, SP)
+        assert gen.report.shared_loaded == 0
+        assert_same(gen, generate(replicas[1], Q, SP))
+    assert a.stats.shared_unavailable >= 1 and a.stats.shared_dropped["unavailable"] >= 1
+    assert b.stats.shared_misses >= 1
+    redis_server.start()
+    time.sleep(shared_backends.DOWN_S + 0.1)  # calls are tried again after DOWN_S
+    R = toks(2 * C + 5, 12)
+    generate(a, R, SP)  # reconnects, writes again
+    gen = generate(b, R + [6], SP)
+    assert gen.report.shared_loaded == 2 * C and a.stats.shared_writes == 4
+    assert_same(gen, generate(replicas[1], R + [6], SP))
+
+
+def test_a_full_redis_refuses_writes_without_failing_a_request(replicas, tmp_path):
+    server = RedisServer(tmp_path, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+    try:
+        a, b = pair(replicas, server.url)
+        for seed in range(3):  # a chunk of the tiny model is ~17 kB: Redis itself holds ~0.9 MB
+            P = toks(12 * C, 20 + seed)
+            gen = generate(a, P, SP)
+            assert_same(gen, generate(replicas[0], P, SP))
+        assert a.stats.shared_dropped["full"] >= 1
+        gen = generate(b, P, SP)
+        assert_same(gen, generate(replicas[1], P, SP))
+    finally:
+        server.stop()
