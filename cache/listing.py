@@ -1,5 +1,7 @@
 """What the prefix cache holds, for an operator (the daemon's GET /v1/cache): its namespaces, and its
-entries with their token counts, bytes, hits, last use and pinned flag, the largest first, a page at a time.
+entries with their token counts, bytes, hits, last use, pinned flag, the names of the cached contents
+holding them and when their pin expires (seconds since the epoch; None for a lasting pin or none), the
+largest first, a page at a time.
 
 An entry is a stored key: a prompt (or prompt + answer) whose last logits are kept, or a leaf of the
 radix tree. Its `bytes` are its whole state's (every position's keys and values, and its logits), so
@@ -10,6 +12,8 @@ keys) and its `cache_salt` within it.
 """
 
 from __future__ import annotations
+
+import time
 
 from jaxsmol.cache.store.disk import entry_key
 from jaxsmol.cache.store.snapshot import identity
@@ -27,10 +31,18 @@ def split_salt(salt: str) -> tuple[str, str | None]:
 
 
 def _entries(cache) -> list[dict]:
-    pinned = cache.store.pinned
-    return [{"ns": ns, "tokens": tokens, "bytes": nbytes, "hits": node.hits,
-             "last_used": round(node.used_at, 3) if node.used_at else None, "pinned": (ns, tokens) in pinned}
-            for ns, tokens, node, nbytes in cache.store.walk() if ns[0] == cache.engine.fingerprint]
+    pinned, names, pins = cache.store.pinned, cache.named.by_key(), cache.pins
+    now, clock = time.time(), pins.clock()
+    out = []
+    for ns, tokens, node, nbytes in cache.store.walk():
+        if ns[0] != cache.engine.fingerprint:
+            continue
+        expiry = pins.expiry(ns, tokens)
+        out.append({"ns": ns, "tokens": tokens, "bytes": nbytes, "hits": node.hits,
+                    "last_used": round(node.used_at, 3) if node.used_at else None, "pinned": (ns, tokens) in pinned,
+                    "names": names.get((ns, tokens), []),
+                    "expires_at": None if expiry is None else round(now + expiry - clock, 3)})
+    return out
 
 
 def _namespaces(cache, entries: list[dict]) -> list[dict]:
@@ -65,7 +77,8 @@ def listing(cache, limit: int = 100, offset: int = 0) -> dict:
         tenant, salt = split_salt(e["ns"][1])
         page.append({"key": entry_key(ident, e["ns"][1], e["tokens"]), "namespace": tenant, "cache_salt": salt,
                      "tokens": len(e["tokens"]), "bytes": e["bytes"], "hits": e["hits"],
-                     "last_used": e["last_used"], "pinned": e["pinned"]})
+                     "last_used": e["last_used"], "pinned": e["pinned"], "names": e["names"],
+                     "expires_at": e["expires_at"]})
     out = {"mode": cache.mode, "bytes": cache.bytes_held, "budget_bytes": cache.budget_bytes,
            "pinned_bytes": cache.pins.held, "pinned_budget_bytes": cache.pins.budget_bytes,
            "namespaces": namespaces, "total": len(entries), "offset": offset, "limit": limit, "entries": page}

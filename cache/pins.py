@@ -9,8 +9,12 @@ again at start; an unpinned key's file is deleted (it is written again if it is 
 
 A pin may expire (`pin(..., ttl_s=...)`, and `keep`: a request's cache breakpoints, the Messages API's
 `cache_control`): it is kept exactly that long from its last pin, then `expire` returns it to the LRU;
-pinning it again with a TTL extends it, without one makes it lasting. An expiring pin is not written to
-the disk tier as pinned (a restart does not pin it again), and its bytes count against the same budget.
+pinning it again with a TTL extends it, without one makes it lasting. Its bytes count against the same
+budget. An expiring pin has holders, each with its own expiry: `None` for cache breakpoints (a later one
+extends it), a name for a named cached content (cache/named.py: `set_expiry` moves it either way,
+`release` drops it); the key stays pinned until its last holder's expiry. A named pin is written to the
+disk tier with its expiry and record (a restart pins it again for what is left of its TTL); a
+breakpoint's is not.
 
 A pin changes where a prefix is kept, never its bits: a request restores a pinned prefix exactly as
 any other stored one.
@@ -43,8 +47,9 @@ class Pins:
             raise JaxsmolError(f"pinned budget must be >= 0 bytes, got {budget_bytes}")
         self.cache, self.budget_bytes, self.clock = cache, int(budget_bytes), clock
         self.restored, self.warnings = 0, []  # pins restored from the disk tier at start, and those that were not
-        self.expires: dict[tuple, float] = {}  # (namespace, tokens) of each expiring pin -> when it expires
-        self._soonest = float("inf")  # the earliest of them: `expire` is a comparison until then
+        # (namespace, tokens) of each expiring pin -> {holder: when its hold expires (on `clock`)}
+        self.expires: dict[tuple, dict] = {}
+        self._soonest = float("inf")  # at most the earliest key's expiry: `expire` is a comparison until then
 
     @property
     def held(self) -> int:
@@ -84,12 +89,18 @@ class Pins:
                                f"hold {self.held:,} of the pinned budget (--pinned-bytes) of {self.budget_bytes:,} "
                                "bytes; unpin some or raise --pinned-bytes")
 
-    def pin(self, ns, tokens, write: bool = True, ttl_s: float | None = None) -> Pinned:
+    def expiry(self, ns, tokens) -> float | None:
+        """When an expiring pin's last hold expires (on `clock`); None for a lasting pin or none."""
+        holds = self.expires.get((ns, tuple(tokens)))
+        return max(holds.values()) if holds else None
+
+    def pin(self, ns, tokens, write: bool = True, ttl_s: float | None = None, holder: str | None = None,
+            record: dict | None = None) -> Pinned:
         """Pin the stored key `tokens` (a stored prompt or any prefix of one) of namespace `ns`
         (JaxsmolError if it is not stored or would exceed the budget). Without `ttl_s` the pin lasts
         until `unpin`, and with a disk tier and `write` it is written there marked pinned; with it, the
-        pin expires `ttl_s` seconds from now (from a later pin's time if that is later; a lasting pin
-        stays lasting)."""
+        pin is held `ttl_s` seconds from now by `holder` (None: a breakpoint's hold, extended by a later
+        one; a lasting pin stays lasting), and a named holder's pin is written with its `record`."""
         store, key = self.cache.store, (ns, tuple(tokens))
         self.expire()
         cost = store.pin_cost(*key)
@@ -103,10 +114,35 @@ class Pins:
             self.expires.pop(key, None)
             on_disk = write and self.write(*key)
         elif not lasting:
-            self.expires[key] = max(self.expires.get(key, 0.0), self.clock() + ttl_s)
-            self._soonest = min(self._soonest, self.expires[key])
+            holds, until = self.expires.setdefault(key, {}), self.clock() + ttl_s
+            holds[holder] = until if holder is not None else max(holds.get(None, 0.0), until)
+            self._soonest = min(self._soonest, until)
+            on_disk = write and holder is not None and self.write(*key, ttl_s, record)
         self.cache.sync()
         return Pinned(len(tokens), cost, self.held, on_disk)
+
+    def set_expiry(self, ns, tokens, holder: str, ttl_s: float, record: dict | None = None) -> bool:
+        """Move `holder`'s expiry of an expiring pin to `ttl_s` seconds from now (rewriting its disk
+        file's); False if it holds no such pin."""
+        key = (ns, tuple(tokens))
+        if holder not in self.expires.get(key, {}):
+            return False
+        self.expires[key][holder] = self.clock() + ttl_s
+        self._soonest = min(self._soonest, self.expires[key][holder])
+        self.write(*key, ttl_s, record)
+        return True
+
+    def release(self, ns, tokens, holder: str) -> bool:
+        """Drop `holder`'s hold on an expiring pin (its key unpinned when no hold is left); False if it
+        had none."""
+        key = (ns, tuple(tokens))
+        holds = self.expires.get(key, {})
+        if holder not in holds:
+            return False
+        del holds[holder]
+        if not holds:
+            self.unpin(*key)
+        return True
 
     def keep(self, ns, prompt, breakpoints, read: int) -> int:
         """Pin a stored prompt's cache breakpoints, each (position, ttl_s): its first `position` tokens
@@ -133,11 +169,10 @@ class Pins:
         now = self.clock()
         if now < self._soonest:
             return 0
-        due = [key for key, t in self.expires.items() if t <= now]
+        due = [key for key, holds in self.expires.items() if max(holds.values()) <= now]
         for key in due:
-            del self.expires[key]
-            self.cache.store.unpin(*key)
-        self._soonest = min(self.expires.values(), default=float("inf"))
+            self.unpin(*key)
+        self._soonest = min((max(h.values()) for h in self.expires.values()), default=float("inf"))
         self.cache.sync()
         return len(due)
 
@@ -154,16 +189,18 @@ class Pins:
         self.cache.sync()
         return True
 
-    def write(self, ns, tokens) -> bool:
-        """Write a pinned key to the disk tier as a snapshot marked pinned; False without one (or on a
-        full or broken disk, which costs the file, never the pin)."""
+    def write(self, ns, tokens, ttl_s: float | None = None, record: dict | None = None) -> bool:
+        """Write a pinned key to the disk tier as a snapshot marked pinned (expiring `ttl_s` seconds from
+        now, with a named content's `record`); False without one (or on a full or broken disk, which
+        costs the file, never the pin)."""
         cache = self.cache
         if cache.disk is None:
             return False
         snap = cache.snapshot_of(tokens, salt=ns[1])
         if snap is None or snap.length != len(tokens):
             return False
-        snap.pinned = True
+        snap.pinned, snap.record = True, record
+        snap.expires_at = None if ttl_s is None else time.time() + ttl_s
         try:
             return cache.disk.put(snap)
         except OSError:
@@ -171,9 +208,15 @@ class Pins:
 
     def restore(self, entries) -> tuple[int, list[str]]:
         """Load the disk tier's pinned entries and pin them again (oldest first), while the budget
-        allows; returns (how many were pinned, a warning for each one that was not)."""
+        allows, an expiring one for what is left of its TTL (its file deleted once that has passed, its
+        record handed to cache.named); returns (how many were pinned, a warning for each one that was
+        not)."""
         cache, pinned, warnings = self.cache, 0, []
         for e in sorted(entries, key=lambda e: e.last_used):
+            left = None if e.expires_at is None else e.expires_at - time.time()
+            if left is not None and (left <= 0 or not e.record):
+                cache.disk.forget(e.salt, e.tokens)
+                continue
             try:
                 snap = cache.disk.load(e)
             except SnapshotError as err:
@@ -182,7 +225,12 @@ class Pins:
             cache.add_snapshot(snap)
             cache.stats.disk_loads += 1
             try:
-                self.pin(cache.namespace(snap.salt), snap.tokens, write=False)
+                ns = cache.namespace(snap.salt)
+                if left is None:
+                    self.pin(ns, snap.tokens, write=False)
+                else:
+                    self.pin(ns, snap.tokens, write=False, ttl_s=left, holder=e.record["name"])
+                    cache.named.restore(ns, snap.tokens, e.record)
                 pinned += 1
             except JaxsmolError as err:
                 warnings.append(f"pinned entry {e.key} loaded as an ordinary entry: {err}")

@@ -35,9 +35,11 @@ Requests run through the scheduler (cache/scheduler/), the library's one at a ti
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 
+from jaxsmol.cache.named import NamedContents
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
 from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
@@ -66,6 +68,7 @@ class PrefixCache:
         self.keeps_last_position = mode == "radix"  # a whole prompt, its last logits as the payload
         self.stats = CacheStats()
         self.pins = Pins(self, pinned_bytes)
+        self.named = NamedContents(self.pins)
         self.disk = disk if mode != "off" else None
         if self.disk is not None:
             self.stats.disk_refused = self.disk.refused  # counted where the files are read
@@ -273,6 +276,25 @@ class PrefixCache:
                 self.disk.put(snap)
         self.sync()
         return len(self.disk)
+
+    def retain(self, lk: Lookup, seconds: float) -> bool:
+        """Keep lk's stored prompt in the disk tier for `seconds` (out of its LRU's reach until then; a
+        file pinned, or retained for more than half of that already, is left as it is); False without a disk tier,
+        or where it does not fit (the rest of the disk budget is retained) or the disk fails."""
+        if self.disk is None or lk.report.bypass is not None or self.mode != "radix":
+            return False
+        held = self.disk.entries.get(self.disk.name_of(lk.ns[1], lk.prompt))
+        if held is not None and (held.pinned or held.expires_at is not None and
+                                 held.expires_at - time.time() > seconds / 2):
+            return True
+        snap = self.snapshot_of(lk.prompt, salt=lk.ns[1])
+        if snap is None or snap.length != len(lk.prompt):
+            return False
+        snap.expires_at = time.time() + seconds
+        try:
+            return self.disk.put(snap)
+        except OSError:  # a full or broken disk costs the retention, never the request
+            return False
 
     def warm_from_disk(self) -> int:
         """Pin the disk tier's pinned entries again (while the pinned budget allows: a warning in

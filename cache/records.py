@@ -1,4 +1,5 @@
-"""What the prefix cache records: its statistics, its report on one request, and what a lookup pins.
+"""What the prefix cache records: its statistics, its report on one request, what a lookup pins, and a
+request's order to pin its prompt.
 
 Plain data shared by cache/prefix_cache.py (which fills them) and cache/scheduler/scheduler.py (which carries a
 `Lookup` from admission to the end of a request and an `AnswerSave` until the answer is stored).
@@ -89,3 +90,12 @@ class AnswerSave:
     row holding it, at its first chunk)."""
     lookup: Lookup
     tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PinOrder:
+    """A request's order to pin its prompt once stored: lasting (no ttl_s), or held by `holder` for ttl_s
+    seconds and written to the disk tier with `record` (a named cached content, cache/named.py)."""
+    ttl_s: float | None = None
+    holder: str | None = None
+    record: dict | None = None

@@ -2,7 +2,8 @@
 without loading a model (cache/store/disk.py `list_dir`, `remove_entry`, `mark_entry`).
 
   ls     every snapshot file, the largest first: key, namespace, cache_salt, tokens, bytes, last use,
-         pinned, the model's fingerprint (--json: one JSON object)
+         pinned, the name of a named cached content and its expiry (or the end of a retained file's
+         `prompt_cache_retention`) (--json: one JSON object)
   rm     delete entries by key
   pin    mark entries pinned: the daemon pins them again when it starts (within --pinned-bytes)
   unpin  clear the mark
@@ -37,7 +38,12 @@ def _row(e) -> dict:
 
     tenant, salt = split_salt(e.salt)
     return {"key": e.key, "namespace": tenant, "cache_salt": salt, "tokens": len(e.tokens), "bytes": e.nbytes,
-            "last_used": round(e.last_used, 3), "pinned": e.pinned}
+            "last_used": round(e.last_used, 3), "pinned": e.pinned, "name": (e.record or {}).get("name"),
+            "expires_at": e.expires_at}
+
+
+def _when(t: float | None) -> str:
+    return "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _ls(directory, as_json: bool) -> int:
@@ -50,10 +56,10 @@ def _ls(directory, as_json: bool) -> int:
         print(json.dumps({"dir": str(directory), "entries": rows, "bytes": sum(r["bytes"] for r in rows),
                           "unreadable": [{"file": name, "reason": why} for name, why in bad]}))
         return 0
-    table = [[r["key"], r["namespace"], r["cache_salt"] or "", r["tokens"], f"{r['bytes']:,}",
-              time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"])), "yes" if r["pinned"] else ""]
-             for r in rows]
-    print(format_table(["key", "namespace", "cache_salt", "tokens", "bytes", "last used", "pinned"], table,
+    table = [[r["key"], r["namespace"], r["cache_salt"] or "", r["tokens"], f"{r['bytes']:,}", _when(r["last_used"]),
+              "yes" if r["pinned"] else "", r["name"] or "", _when(r["expires_at"])] for r in rows]
+    print(format_table(["key", "namespace", "cache_salt", "tokens", "bytes", "last used", "pinned", "name",
+                        "expires"], table,
                        title=f"{directory}: {len(rows)} entries, {sum(r['bytes'] for r in rows):,} bytes"))
     for name, why in bad:
         print(f"warning: {name} not read: {why}")

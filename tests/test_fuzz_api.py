@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.real  # the real tokenizer (from the bundled model), tiny random weights
 
 EXAMPLES = {"/v1/completions": 150, "/v1/chat/completions": 120, "/tokenize": 60, "/detokenize": 50,
-            "/v1/messages": 120, "/v1/messages/count_tokens": 60, "/v1/responses": 80}
+            "/v1/messages": 120, "/v1/messages/count_tokens": 60, "/v1/responses": 80, "/v1/cached_contents": 60}
 OPENAI = ("/v1/completions", "/v1/chat/completions")  # the routes that take the OpenAI fields below
 STATUSES: dict[str, collections.Counter] = {route: collections.Counter() for route in EXAMPLES}
 SETTINGS = dict(derandomize=True, deadline=None, database=None,
@@ -65,6 +65,8 @@ GOOD = {
     "stop": st.none() | texts | st.lists(texts, max_size=4), "n": st.integers(1, 3), "stream": st.booleans(),
     "stream_options": st.just({"include_usage": True}), "cache_salt": texts, "use_prefix_cache": st.booleans(),
     "return_token_ids": st.booleans(), "ignore_eos": st.booleans(), "best_of": st.just(1), "model": texts,
+    "prompt_cache_key": texts, "prompt_cache_retention": st.sampled_from(["in_memory", "24h"]),
+    "cached_content": st.sampled_from(["cachedContents/0123456789abcdef01234567", "nope", ""]),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])
     | st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, schemas),
 }
@@ -75,7 +77,8 @@ BAD = {
     "suffix": texts, "presence_penalty": floats, "frequency_penalty": floats, "tools": junk, "tool_choice": junk,
     "functions": junk, "function_call": junk, "guided_grammar": texts | junk, "audio": junk, "modalities": junk,
     "response_format": response_formats, "guided_json": schemas, "guided_regex": texts | st.just("[a-z]{1,3}"),
-    "guided_choice": st.lists(texts, max_size=3) | junk,
+    "guided_choice": st.lists(texts, max_size=3) | junk, "prompt_cache_key": st.text(min_size=257, max_size=300),
+    "prompt_cache_retention": texts | junk, "cached_content": st.text(min_size=129, max_size=140) | junk,
 }
 ROUTE_FIELDS = {
     "/v1/completions": ({"prompt": st.sampled_from(["Hi", "The capital of France is"]) | token_ids
@@ -153,9 +156,21 @@ ROUTE_FIELDS["/v1/responses"] = (
      "prompt_cache_retention": junk, "tools": junk, "tool_choice": junk, "reasoning": junk, "background": junk,
      "include": junk, "conversation": junk, "truncation": junk, "top_logprobs": junk,
      "previous_response_id": texts | junk})
+# Gemini's cached contents: contents in its shape, OpenAI's messages, or a prompt, and lifetimes
+gemini_parts = st.lists(st.fixed_dictionaries({"text": texts}) | junk, min_size=1, max_size=2)
+ROUTE_FIELDS["/v1/cached_contents"] = (
+    {"contents": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "model"]), "parts": gemini_parts}),
+                          min_size=1, max_size=3),
+     "system_instruction": st.fixed_dictionaries({"parts": gemini_parts}), "display_name": texts, "model": texts,
+     "ttl": st.sampled_from(["60s", "1.5s", 3600, 2.5, "604800s"]), "cache_salt": texts,
+     "expire_time": st.sampled_from(["2099-01-01T00:00:00Z", "2000-01-01T00:00:00+00:00"])},
+    {"contents": junk | st.lists(st.fixed_dictionaries({"role": roles, "parts": gemini_parts | junk}), max_size=2),
+     "system_instruction": junk, "messages": st.lists(messages, max_size=2) | junk, "prompt": prompts,
+     "ttl": texts | floats | ints | junk, "expire_time": texts | junk, "display_name": st.text(min_size=129) | junk,
+     "cache_salt": st.text(min_size=257, max_size=300) | junk, "systemInstruction": junk, "expireTime": texts})
 REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/tokenize": (), "/detokenize": (),
             "/v1/messages": ("messages", "max_tokens"), "/v1/messages/count_tokens": ("messages",),
-            "/v1/responses": ("input",)}
+            "/v1/responses": ("input",), "/v1/cached_contents": ("contents",)}
 
 
 def route_bodies(route: str):

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from jaxsmol.cache.prefix_cache import PrefixCache
+from jaxsmol.cache.records import PinOrder
 from jaxsmol.cache.scheduler.requests import Collector, Request
 from jaxsmol.cache.scheduler.scheduler import Scheduler
 from cache_runs import distinct
@@ -105,7 +106,7 @@ def test_cancelled_requests_anywhere_in_the_queue_are_dropped(tiny_engine):
 # ---- pin requests -------------------------------------------------------------------------------------
 def pin_request(sched, prompt, salt=None) -> Collector:
     sink = Collector()
-    sched.submit(Request(prompt, [SamplingParams(max_tokens=0)], sink, salt=salt, pin=True))
+    sched.submit(Request(prompt, [SamplingParams(max_tokens=0)], sink, salt=salt, pin=PinOrder()))
     sched.run()
     return sink
 

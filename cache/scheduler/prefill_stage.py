@@ -203,6 +203,8 @@ class PrefillStage:
         refused = self._pin(req, lk)
         if req.keep:
             lk.report.kept = self.cache.pins.keep(lk.ns, lk.prompt, req.keep, lk.report.reused)
+        if req.retain_s:
+            self.cache.retain(lk, req.retain_s)
         prefilled = len(lk.prompt) - lk.report.reused
         self.cache.finish(lk, prefilled)
         self.cache.release(lk)
@@ -213,7 +215,8 @@ class PrefillStage:
         """Pin a pin request's prompt, stored just now (cache/pins.py); the error if it cannot be."""
         try:
             if req.pin:
-                self.cache.pins.pin(lk.ns, lk.prompt)
+                o = req.pin
+                self.cache.pins.pin(lk.ns, lk.prompt, ttl_s=o.ttl_s, holder=o.holder, record=o.record)
         except JaxsmolError as e:
             return e
         return None

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxsmol.cache.records import CacheReport
+from jaxsmol.cache.records import CacheReport, PinOrder
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import Step
@@ -109,10 +109,11 @@ class Request:
     indices: list[int] | None = None  # the choice indices the sink sees (default 0..n-1)
     salt: str | None = None
     bypass: bool = False
-    pin: bool = False  # pin the prompt once it is stored (cache/pins.py); its choices sample nothing
+    pin: PinOrder | None = None  # pin the prompt once it is stored (cache/pins.py); its choices sample nothing
     # cache breakpoints: (position, ttl seconds) prefixes of the prompt pinned with an expiry once it is
     # stored (cache/pins.py `keep`), before its first tokens go out so that they come with what was kept
     keep: tuple = ()
+    retain_s: float | None = None  # keep the stored prompt in the disk tier this long (PrefixCache.retain)
     detail: bool = False  # results carry the prompt's last logits and the cache report (library calls)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     overtaken: int = 0  # later requests admitted before it (cache-aware admission bounds this)

@@ -96,6 +96,27 @@ class DiskEntry:
     nbytes: int
     last_used: float
     pinned: bool = False
+    expires_at: float | None = None  # a pin's expiry, or an unpinned file's retention (seconds since the epoch)
+    record: dict | None = None  # a named cached content's record (cache/named.py)
+
+    @classmethod
+    def of(cls, path: Path, m: dict, st: os.stat_result) -> DiskEntry:
+        """The entry of the file at `path` (its manifest `m`, its stat `st`); KeyError, TypeError or
+        ValueError for a malformed manifest."""
+        expires_at, record = m.get("expires_at"), m.get("record")
+        if not (expires_at is None or isinstance(expires_at, (int, float))) or not (
+                record is None or isinstance(record, dict) and isinstance(record.get("name"), str)):
+            raise ValueError("malformed expires_at or record")
+        return cls(path, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
+                   tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime, m.get("pinned") is True,
+                   expires_at, record)
+
+    def marks(self) -> tuple:
+        return self.pinned, self.expires_at, self.record
+
+    def retained(self, now: float) -> bool:
+        """An unpinned file kept out of the LRU's reach until its `expires_at`."""
+        return not self.pinned and self.expires_at is not None and self.expires_at > now
 
     @property
     def key(self) -> str:
@@ -145,9 +166,7 @@ class DiskStore:
             self.skipped.append((p.name, f"{st.st_size} bytes, over this engine's cap of {self.ident['max_bytes']}"))
             return
         try:
-            m = read_manifest(p, self.ident)
-            entry = DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
-                              tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime, m.get("pinned") is True)
+            entry = DiskEntry.of(p, read_manifest(p, self.ident), st)
         except SnapshotError as e:
             if e.reason == "corrupted":
                 self._refuse(p, e)
@@ -195,28 +214,35 @@ class DiskStore:
         LOGGER.warning("disk tier: removed %s (%s): %s", path, error.reason, error)
 
     def put(self, snap: Snapshot) -> bool:
-        """Store `snap` (evicting the least recently used unpinned files to make room; a pinned one
-        always goes in); False if it cannot fit. A file there already is kept, rewritten only when
-        the snapshot's pinned mark differs from it."""
-        name = self.name_of(snap.salt, snap.tokens)
-        if name in self.entries and self.entries[name].pinned == snap.pinned:
-            self._touch(self.entries[name])
+        """Store `snap` (evicting the least recently used unpinned files not retained to make room; a
+        pinned one always goes in); False if it cannot fit. A file there already is kept, rewritten
+        only when the snapshot's marks (pinned, expires_at, record) differ from it; a pinned or retained
+        file is not made a plain one by a plain write (a spill, a persist)."""
+        name, now = self.name_of(snap.salt, snap.tokens), time.time()
+        old = self.entries.get(name)
+        marks = (snap.pinned, snap.expires_at and round(snap.expires_at, 3), snap.record)
+        plain_over_kept = marks == (False, None, None) and old is not None and (old.pinned or old.retained(now))
+        if old is not None and (old.marks() == marks or plain_over_kept):
+            self._touch(old)
             return True
-        self.entries.pop(name, None)  # rewritten below, with its new mark
+        self.entries.pop(name, None)  # rewritten below, with its new marks
         if not snap.pinned:
             if snap.nbytes > self.budget_bytes:
                 return False
             unpinned = sorted((e.last_used, n) for n, e in self.entries.items() if not e.pinned)
             held = sum(self.entries[n].nbytes for _, n in unpinned)
+            unpinned = [(t, n) for t, n in unpinned if not self.entries[n].retained(now)]
             for _, n in unpinned:
                 if held + snap.nbytes <= self.budget_bytes:
                     break
                 held -= self.entries[n].nbytes
                 self._drop(n)
+            if held + snap.nbytes > self.budget_bytes:  # the rest is retained until its expiry
+                return False
         path = self.dir / name
         size = save_snapshot(path, snap, self.ident)
         self.entries[name] = DiskEntry(path, snap.salt, snap.tokens, tuple(sorted(snap.logits)), size, time.time(),
-                                       snap.pinned)
+                                       *marks)
         self.writes += 1
         return True
 
@@ -276,10 +302,7 @@ def list_dir(directory) -> tuple[list[DiskEntry], list[tuple[str, str]]]:
         if not (_ENTRY_NAME.fullmatch(p.name) and p.is_file()):
             continue
         try:
-            m, st = read_manifest(p), p.stat()
-            entries.append(DiskEntry(p, str(m.get("salt", "")), tuple(int(t) for t in m["tokens"]),
-                                     tuple(int(n) for n in m["logits_at"]), st.st_size, st.st_mtime,
-                                     m.get("pinned") is True))
+            entries.append(DiskEntry.of(p, read_manifest(p), p.stat()))
         except (SnapshotError, OSError, KeyError, TypeError, ValueError) as e:
             bad.append((p.name, str(e)))
     return sorted(entries, key=lambda e: (-e.nbytes, e.path.name)), bad

@@ -9,6 +9,10 @@ most MAX_LOGITS_ROWS of them), and a JSON manifest in the safetensors metadata:
     tokenizer            Tokenizer.fingerprint (tokenizer.json bytes + chat template), "none" without one
     salt                 the cache namespace's salt ("" unless a tenant set one)
     pinned               (optional, default false) a pinned prefix: the daemon pins it again at start
+    expires_at           (optional) when it expires (seconds since the epoch): a pinned one is pinned again
+                         for what is left (a named cached content, its `record` too); an unpinned one is
+                         retained on disk until then (`prompt_cache_retention`), out of the LRU's reach
+    record               (optional) a named cached content's record (cache/named.py)
     tokens, length       the token ids the state was computed from, and how many
     logits_at, dtypes    prefix lengths that have logits; each tensor's dtype (bfloat16 is stored as uint16)
     checksum             blake2b over this manifest (checksum left out) and every tensor's name, dtype,
@@ -90,6 +94,8 @@ class Snapshot:
     logits: dict = dataclasses.field(default_factory=dict)  # prefix length -> logits [V] after its last token
     salt: str = ""
     pinned: bool = False  # a pinned prefix (kept out of eviction, pinned again at start)
+    expires_at: float | None = None  # seconds since the epoch: a pin's expiry, or an unpinned file's retention
+    record: dict | None = None  # a named cached content's record (cache/named.py)
 
     def __post_init__(self):
         self.tokens = tuple(int(t) for t in self.tokens)
@@ -150,15 +156,23 @@ def save_snapshot(path, snap: Snapshot, ident: dict) -> int:
                 "dtypes": {name: np.asarray(a).dtype.name for name, a in tensors.items()}}
     if snap.pinned:
         manifest["pinned"] = True
+    manifest.update(marks(snap.expires_at, snap.record))
     return _write(path, {name: _storable(np.asarray(a)) for name, a in tensors.items()}, manifest)
+
+
+def marks(expires_at: float | None, record: dict | None) -> dict:
+    """The manifest's optional `expires_at` and `record` fields (none when unset)."""
+    out = {} if expires_at is None else {"expires_at": round(float(expires_at), 3)}
+    return out | ({} if record is None else {"record": record})
 
 
 def set_pinned(path, pinned: bool) -> None:
     """Mark the snapshot file `path` pinned or not (its data verified first, the file rewritten
-    atomically); SnapshotError for a file that is not an intact snapshot."""
+    atomically; an expiry and a record dropped); SnapshotError for a file that is not an intact snapshot."""
     path = Path(path)
     manifest, stored = _read_verified(path)
-    manifest.pop("pinned", None)
+    for mark in ("pinned", "expires_at", "record"):
+        manifest.pop(mark, None)
     if pinned:
         manifest["pinned"] = True
     _write(path, stored, manifest)

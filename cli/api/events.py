@@ -22,6 +22,7 @@ import itertools
 import threading
 import time
 
+from jaxsmol.cache.records import PinOrder
 from jaxsmol.cache.scheduler.requests import ChoiceResult
 from jaxsmol.runtime.sampling import SamplingParams
 from jaxsmol.runtime.stream import Step
@@ -85,17 +86,20 @@ class Job:
 
     salt: the cache namespace within the model (tenant namespace + cache_salt), None for the default;
     bypass: this request does not use the prefix cache; loop: the event loop that owns `events`;
-    pin: pin each prompt in the prefix cache once it is stored (POST /v1/cache/pin);
+    pin: pin each prompt in the prefix cache once it is stored (POST /v1/cache/pin, lasting; a named
+    cached content, with an expiry);
     keep: cache breakpoints, (position, ttl seconds) prefixes of each prompt pinned with an expiry once it
-    is stored (the Messages API's cache_control; cache/pins.py `keep`).
+    is stored (the Messages API's cache_control; cache/pins.py `keep`);
+    retain_s: keep each stored prompt in the disk tier this long (`prompt_cache_retention: "24h"`).
     """
     choices: list[ChoiceSpec]
     salt: str | None
     bypass: bool
     loop: asyncio.AbstractEventLoop
     return_token_ids: bool = False
-    pin: bool = False
+    pin: PinOrder | None = None
     keep: tuple = ()
+    retain_s: float | None = None
     max_events: int = DEFAULT_MAX_EVENTS
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)

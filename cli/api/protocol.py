@@ -71,6 +71,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     cache_salt: str | None = Field(default=None, max_length=256)  # partitions the cache within a tenant
+    prompt_cache_key: StrictStr | None = Field(default=None, max_length=256)  # OpenAI's: cache_salt when that is unset
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h: kept in the disk tier that long
+    cached_content: StrictStr | None = Field(default=None, max_length=128)  # a named cached content to start from
     use_prefix_cache: bool = True  # false: this request bypasses the cache
     return_token_ids: bool = False  # add `token_ids` (generated ids) to each choice, as vLLM does
     # standard fields that are refused unless neutral (see refuse_unsupported)
@@ -121,6 +124,20 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: TokenIds
+
+
+RETENTION_S = {"in_memory": None, "24h": 86400.0, None: None}
+
+
+def request_salt(body: _Common, content_salt: str | None = None) -> str | None:
+    """The request's cache namespace within its tenant: cache_salt, else prompt_cache_key, else its
+    cached content's (ProtocolError where a given one differs from the content's: its KV lies there)."""
+    salt = body.cache_salt if body.cache_salt is not None else body.prompt_cache_key
+    if body.cached_content is None or salt is None or salt == content_salt:
+        return content_salt if body.cached_content is not None else salt
+    raise ProtocolError(f"cached_content: {body.cached_content} lies in another cache namespace (cache_salt "
+                        f"{content_salt!r}); send the same cache_salt or prompt_cache_key, or none",
+                        param="cached_content")
 
 
 # ---- what is refused ---------------------------------------------------------------------------------

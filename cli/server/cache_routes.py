@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from jaxsmol.cache.records import PinOrder
 from jaxsmol.cache.listing import find_pinned, listing, split_salt
 from jaxsmol.cache.store.disk import SUFFIX, entry_key
 from jaxsmol.cache.store.snapshot import identity
@@ -90,7 +91,7 @@ class CacheRoutes:
         tenant = self.authenticate(request, admin=True)
         ids = await asyncio.to_thread(self._ids, body)
         job = self.runner.start(tenant, [ChoiceSpec(index=0, prompt_ids=ids, sampling=SamplingParams(max_tokens=0))],
-                                body.cache_salt, pin=True)
+                                body.cache_salt, pin=PinOrder())
         [result] = await self.runner.results(EventReader(request, job))
         out = self._described(job.salt, ids)
         disk = self.cache.disk

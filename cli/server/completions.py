@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.api import responses as R
+from jaxsmol.cache.named import Named
 from jaxsmol.cache.scheduler.requests import ChoiceResult
 from jaxsmol.cli.api.events import ChoiceDone, ChoiceSpec, Job, JobEnd, JobError, PromptDone, TokenEvent
 from jaxsmol.cli.server.access_log import AccessRecord, record
@@ -124,13 +125,18 @@ class Completions:
                            sampling=P.sampling_for(body, max_tokens, logprobs, seed, j, stops, structured))
                 for p, (ids, max_tokens) in enumerate(prompts) for j in range(body.n)]
 
-    def completion_plan(self, body: P.CompletionRequest) -> tuple[list[ChoiceSpec], View]:
+    def completion_plan(self, body: P.CompletionRequest, start: Named | None = None) -> tuple[list[ChoiceSpec], View]:
+        """The request's choices, each prompt after the cached content `start`'s tokens if one is named."""
         raw = P.completion_prompts(body.prompt)
         tok = self.engine.tokenizer
+        if start is not None and (body.echo or body.prompt_logprobs is not None):
+            raise P.ProtocolError("cached_content: echo and prompt_logprobs are not given with a cached content",
+                                  param="cached_content")
         prompts, texts = [], []
         for i, p in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt.{i}"
             ids = tok.encode(p) if isinstance(p, str) else p
+            ids = ids if start is None else list(start.tokens) + list(ids)
             prompts.append(self.checked_prompt(ids, body.max_tokens, "completion", where))
             if body.echo:
                 texts.append(p if isinstance(p, str) else tok.decode(ids))
@@ -141,8 +147,14 @@ class Completions:
         return specs, View(chat=False, n=body.n, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
                            prompt_texts=tuple(texts))
 
-    def chat_plan(self, body: P.ChatRequest) -> tuple[list[ChoiceSpec], View]:
+    def chat_plan(self, body: P.ChatRequest, start: Named | None = None) -> tuple[list[ChoiceSpec], View]:
+        """The request's choices: its messages after the cached content `start`'s, if one is named."""
         messages = P.template_messages(body.messages)
+        if start is not None:
+            if start.messages is None:
+                raise P.ProtocolError(f"cached_content: {start.name} holds a prompt, not messages: use it with "
+                                      "/v1/completions", param="cached_content")
+            messages = [dict(m) for m in start.messages] + messages
         ids = self.engine.tokenizer.encode(self.engine.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompt = self.checked_prompt(ids, max_tokens, "chat", "messages")
@@ -181,9 +193,11 @@ class Completions:
             raise P.ProtocolError("client closed the request", status=499)
         return [results[i] for i in sorted(results)]
 
-    async def answer(self, request: Request, body, tenant: Tenant, specs: list[ChoiceSpec], view: View):
-        job = self.start(tenant, specs, body.cache_salt, bypass=not body.use_prefix_cache,
-                         return_token_ids=body.return_token_ids)
+    async def answer(self, request: Request, body, tenant: Tenant, specs: list[ChoiceSpec], view: View,
+                     salt: str | None):
+        """Run the plan's choices in the cache namespace `salt` (P.request_salt) and answer them."""
+        job = self.start(tenant, specs, salt, bypass=not body.use_prefix_cache,
+                         return_token_ids=body.return_token_ids, retain_s=P.RETENTION_S[body.prompt_cache_retention])
         meta = {"id": ("chatcmpl-" if view.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": self.model_name}
         events = EventReader(request, job)

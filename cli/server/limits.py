@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from jaxsmol.cli.api import anthropic as A
+from jaxsmol.cli.api import cached_contents as G
 from jaxsmol.cli.api import protocol as P
 
 MAX_BODY_BYTES = 4 << 20
@@ -29,7 +30,9 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None,
                    headers=None, path: str = "") -> JSONResponse:
     """An error answer in the shape of the API `path` belongs to: Anthropic's on its Messages routes
-    (its status for an overloaded server too), else OpenAI's."""
+    (its status for an overloaded server too), Gemini's on the cached contents', else OpenAI's."""
+    if G.speaks(path):
+        return JSONResponse(G.gemini_error(status, message), status_code=status, headers=headers)
     if A.speaks(path):
         status = A.error_status(status)
         return JSONResponse(A.error_body(status, message), status_code=status, headers=headers)

@@ -86,7 +86,7 @@ class Responses:
         cache_key = body.prompt_cache_key if body.prompt_cache_key is not None or previous is None \
             else previous.cache_key
         spec, turns = await asyncio.to_thread(self.plan, body, previous.conversation if previous else ())
-        job = self.runner.start(tenant, [spec], cache_key)
+        job = self.runner.start(tenant, [spec], cache_key, retain_s=P.RETENTION_S[body.prompt_cache_retention])
         head = O.Head(id="resp_" + uuid.uuid4().hex, item_id="msg_" + uuid.uuid4().hex, created_at=int(time.time()),
                       model=self.runner.model_name, echo=O.echo(body, cache_key))
         events = EventReader(request, job)

@@ -28,6 +28,7 @@ from jaxsmol.cache.scheduler.settings import BatchSettings
 from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.server.access_log import AccessLog, log_to_stderr, record
 from jaxsmol.cli.server.cache_routes import CacheRoutes, install_cache_routes
+from jaxsmol.cli.server.cached_contents import CachedContents, install_cached_contents_routes
 from jaxsmol.cli.server.completions import Completions
 from jaxsmol.cli.api.events import DEFAULT_WRITE_TIMEOUT_S
 from jaxsmol.cli.server.limits import (DEFAULT_READ_TIMEOUT_S, RequestLimits, error_response,
@@ -44,7 +45,7 @@ from jaxsmol.errors import JaxsmolError
 
 ROUTES = ("/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/cache/flush",
           "/tokenize", "/detokenize", "/v1/cache", "/v1/cache/pin", "/v1/messages", "/v1/messages/count_tokens",
-          "/v1/responses")
+          "/v1/responses", "/v1/cached_contents")
 # what a router in front of several daemons calls (cli/server/replica.py): SGLang's names
 REPLICA_ROUTES = ("/get_load", "/flush_cache", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
@@ -153,14 +154,30 @@ class Daemon:
         if body.stream and (body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)):
             raise P.ProtocolError("stream: prompt log-probabilities (echo with logprobs, prompt_logprobs) are "
                                   "not streamed; send the request without stream", param="stream")
-        specs, view = await asyncio.to_thread(self.runner.completion_plan, body)
-        return await self.runner.answer(request, body, tenant, specs, view)
+        start = await self._cached_content(tenant, body)
+        specs, view = await asyncio.to_thread(self.runner.completion_plan, body, start)
+        salt = P.request_salt(body, None if start is None else start.cache_salt)
+        return await self.runner.answer(request, body, tenant, specs, view, salt)
 
     async def chat(self, body: P.ChatRequest, request: Request):
         tenant = self._auth(request)
         P.refuse_unsupported(body)
-        specs, view = await asyncio.to_thread(self.runner.chat_plan, body)
-        return await self.runner.answer(request, body, tenant, specs, view)
+        start = await self._cached_content(tenant, body)
+        specs, view = await asyncio.to_thread(self.runner.chat_plan, body, start)
+        salt = P.request_salt(body, None if start is None else start.cache_salt)
+        return await self.runner.answer(request, body, tenant, specs, view, salt)
+
+    async def _cached_content(self, tenant, body):
+        """The tenant's cached content the request names (None if it names none); a 400 naming the
+        field for one that does not exist (or is another tenant's, or has expired)."""
+        if body.cached_content is None:
+            return None
+        found = await asyncio.to_thread(self._locked, lambda: self.cache.named.get(body.cached_content,
+                                                                                   tenant.namespace))
+        if found is None:
+            raise P.ProtocolError(f"cached_content: no cached content {body.cached_content!r} (expired, deleted, "
+                                  "or never made)", param="cached_content")
+        return found
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -201,10 +218,10 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
                disk_cache_bytes: int = 4 << 30, tenants: Tenants | None = None,
                write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, batch: BatchSettings = BatchSettings(),
                warmup: str = "none", pinned_bytes: int = 512 << 20, draft=None, access_log: bool = True,
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, shared=None) -> FastAPI:
     """The daemon's app. access_log: a line per request (cli/server/access_log.py); read_timeout_s:
     a request body that stalls this long is answered 408 (its headers' timeout is the HTTP protocol's:
-    `serve`)."""
+    `serve`); shared: the prefix cache's shared tier (cache/store/shared.py SharedStore), or None."""
     disk = None
     if cache_dir is not None and prefix_cache:
         from jaxsmol.cache.store.disk import DiskStore, identity
@@ -213,7 +230,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
         for name, reason in disk.skipped:
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk,
-                        pinned_bytes=pinned_bytes)
+                        pinned_bytes=pinned_bytes, shared=shared)
     metrics = Metrics(ROUTES + REPLICA_ROUTES)
     worker = Worker(cache, max_queue, metrics, batch, draft)
     model_name = model_name or engine.name
@@ -241,7 +258,10 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     app.post("/detokenize")(d.detokenize)
     app.post("/v1/completions")(d.completions)
     app.post("/v1/chat/completions")(d.chat)
-    install_messages_routes(app, Messages(d.runner, d._auth))  # Anthropic's Messages API
+    messages = Messages(d.runner, d._auth)
+    install_messages_routes(app, messages)  # Anthropic's Messages API
+    # Gemini's cached contents: named prefixes, their TTLs scaled by the Messages API's test hook
+    install_cached_contents_routes(app, CachedContents(d.runner, cache, d._auth, d._locked, messages.ttl_scale))
     install_responses_routes(app, Responses(d.runner, d._auth))  # OpenAI's Responses API
     return app
 

@@ -173,7 +173,7 @@ class Worker(threading.Thread):
         for prompt, specs in groups.items():
             self.scheduler.submit(Request(list(prompt), [s.sampling for s in specs], sink,
                                           indices=[s.index for s in specs], salt=job.salt, bypass=job.bypass,
-                                          pin=job.pin, keep=job.keep))
+                                          pin=job.pin, keep=job.keep, retain_s=job.retain_s))
 
     def _score_chunk(self) -> None:
         """One chunk of the first waiting job's prompt scores; the job is submitted once they are in, or
