@@ -165,6 +165,28 @@ def test_a_stored_response_is_retrieved_then_deleted_and_unstored_ones_are_not_k
         c.responses.retrieve(unstored.id)
 
 
+def test_a_responses_input_items_are_listed_in_pages_by_the_sdk(url):
+    c, kw = client(url, ROOT), greedy(max_output_tokens=2)
+    first = c.responses.create(model="m", input="Name a river.", **kw)
+    turn = [{"role": "user", "content": "Name a lake."}, {"role": "assistant", "content": "Say one word."},
+            {"role": "user", "content": "Now a sea."}]
+    second = c.responses.create(model="m", input=turn, previous_response_id=first.id, **kw)
+    newest = c.responses.input_items.list(second.id)  # its own input only, newest first (OpenAI's default)
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in newest.data] == [
+        ("user", "input_text", "Now a sea."), ("assistant", "output_text", "Say one word."),
+        ("user", "input_text", "Name a lake.")]
+    page = c.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["Name a lake.", "Say one word."] and page.has_more
+    rest = c.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["Now a sea."] and not rest.has_more
+    assert [i.content[0].text for i in c.responses.input_items.list(first.id).data] == ["Name a river."]
+    for bad in ({"limit": 0}, {"order": "up"}, {"after": "msg_nope"}):
+        with pytest.raises(openai.BadRequestError):
+            c.responses.input_items.list(second.id, **bad)
+    with pytest.raises(openai.NotFoundError):
+        client(url, OTHER).responses.input_items.list(second.id)
+
+
 def test_a_tenant_cannot_read_or_continue_another_tenants_response_nor_an_unknown_one(url):
     mine = client(url, ROOT).responses.create(model="m", input="Name a city.", **greedy(max_output_tokens=2))
     theirs = client(url, OTHER)
@@ -192,7 +214,7 @@ def test_stored_responses_are_counted_in_metrics(url):
 
 def test_the_store_is_bounded_in_count_and_bytes_and_evicts_the_oldest():
     def put(store, i, size=100, namespace=None):
-        store.put(namespace, {"id": f"r{i}", "text": "a" * size}, [{"role": "user", "content": "q"}], None)
+        store.put(namespace, {"id": f"r{i}", "text": "a" * size}, [{"role": "user", "content": "q"}], None, 1)
 
     store = ResponseStore(max_count=3, max_bytes=10_000)
     for i in range(5):

@@ -310,3 +310,25 @@ class Events:
 
 def deleted(response_id: str) -> dict:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def input_items(response_id: str, messages: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """GET /v1/responses/{id}/input_items: the response's input messages as OpenAI's items, a page of
+    `limit` (1-100) in `order` ("asc" or "desc", OpenAI's default), after the item `after`."""
+    if not 1 <= limit <= 100:
+        raise ProtocolError(f"limit: must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise ProtocolError(f"order: must be asc or desc, got {order!r}", param="order")
+    base = "msg_" + response_id.removeprefix("resp_")[:24]
+    items = [{"id": f"{base}{i:04d}", "type": "message", "role": m["role"], "status": "completed",
+              "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}]}
+             for i, m in enumerate(messages)]
+    items = items[::-1] if order == "desc" else items
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ProtocolError(f"after: no input item {after!r} in response {response_id}", param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -26,6 +26,7 @@ class Stored:
     response: dict
     conversation: tuple  # chat-template messages: the turns and the answer, without the instructions
     cache_key: str | None
+    inputs: int  # this request's input messages: the last ones before the answer
     size: int  # bytes, as JSON
 
 
@@ -36,13 +37,14 @@ class ResponseStore:
         self.bytes = self.evicted = 0
         self._lock = threading.Lock()  # routes run on the event loop; a metrics scrape reads from its thread
 
-    def put(self, namespace: str | None, response: dict, conversation: list[dict], cache_key: str | None) -> None:
+    def put(self, namespace: str | None, response: dict, conversation: list[dict], cache_key: str | None,
+            inputs: int) -> None:
         """Keep a response, evicting the oldest past the bounds; one larger than max_bytes alone is not kept."""
         size = len(json.dumps(response)) + len(json.dumps(conversation))  # ASCII JSON: its length is its bytes
         if size > self.max_bytes:
             return
         with self._lock:
-            self._items[response["id"]] = Stored(namespace, response, tuple(conversation), cache_key, size)
+            self._items[response["id"]] = Stored(namespace, response, tuple(conversation), cache_key, inputs, size)
             self.bytes += size
             while len(self._items) > self.max_count or self.bytes > self.max_bytes:
                 _, old = self._items.popitem(last=False)

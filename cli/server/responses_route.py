@@ -1,6 +1,6 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API, run on the completions'
-job driver (cli/server/completions.py `start`, `results`, `EventReader`), its protocol in
-cli/api/openai_responses.py.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: OpenAI's
+Responses API, run on the completions' job driver (cli/server/completions.py `start`, `results`,
+`EventReader`), its protocol in cli/api/openai_responses.py.
 
 `plan` (off the event loop) converts the input items, puts the earlier turns of a chained request
 (`previous_response_id`, from the store) before them and the instructions before all, renders them
@@ -14,6 +14,7 @@ request without one takes its previous response's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -38,6 +39,13 @@ def _not_found(response_id: str, param: str | None = None) -> P.ProtocolError:
     where = f"{param}: " if param else ""
     return P.ProtocolError(f"{where}no stored response with id {response_id!r} (never stored, deleted, or evicted)",
                            param=param, status=404)
+
+
+@dataclasses.dataclass(frozen=True)
+class Save:
+    """What a stored response keeps of its request: the conversation's turns, the last `inputs` of them its own."""
+    turns: list
+    inputs: int
 
 
 class Responses:
@@ -85,29 +93,31 @@ class Responses:
         previous = self._previous(tenant, body.previous_response_id)
         cache_key = body.prompt_cache_key if body.prompt_cache_key is not None or previous is None \
             else previous.cache_key
-        spec, turns = await asyncio.to_thread(self.plan, body, previous.conversation if previous else ())
+        earlier = previous.conversation if previous else ()
+        spec, turns = await asyncio.to_thread(self.plan, body, earlier)
+        save = Save(turns, len(turns) - len(earlier)) if body.store else None
         job = self.runner.start(tenant, [spec], cache_key, retain_s=P.RETENTION_S[body.prompt_cache_retention])
         head = O.Head(id="resp_" + uuid.uuid4().hex, item_id="msg_" + uuid.uuid4().hex, created_at=int(time.time()),
                       model=self.runner.model_name, echo=O.echo(body, cache_key))
         events = EventReader(request, job)
         if body.stream:
-            return StreamingResponse(self._stream(events, head, tenant, turns, body.store),
+            return StreamingResponse(self._stream(events, head, tenant, save),
                                      media_type="text/event-stream")
         [result] = await self.runner.results(events)
-        return JSONResponse(self._finish(events, head, result, tenant, turns, body.store))
+        return JSONResponse(self._finish(events, head, result, tenant, save))
 
-    def _finish(self, events: EventReader, head: O.Head, result: ChoiceResult, tenant: Tenant, turns: list[dict],
-                store: bool) -> dict:
-        """The response object of a done answer, noted in the access log and stored when asked."""
+    def _finish(self, events: EventReader, head: O.Head, result: ChoiceResult, tenant: Tenant,
+                save: Save | None) -> dict:
+        """The response object of a done answer, noted in the access log and stored where `save` says."""
         events.access.note_usage(R.usage([result], 1))
         usage = O.usage(result.prompt_tokens, result.cached_tokens, len(result.output_ids))
         response = O.final_response(head, result.text, result.finish_reason, usage, int(time.time()))
-        if store:
-            self.store.put(tenant.namespace, response, turns + [{"role": "assistant", "content": result.text}],
-                           head.echo["prompt_cache_key"])
+        if save is not None:
+            self.store.put(tenant.namespace, response, save.turns + [{"role": "assistant", "content": result.text}],
+                           head.echo["prompt_cache_key"], save.inputs)
         return response
 
-    async def _stream(self, events: EventReader, head: O.Head, tenant: Tenant, turns: list[dict], store: bool):
+    async def _stream(self, events: EventReader, head: O.Head, tenant: Tenant, save: Save | None):
         """The API's events: the response created, a text delta a token, the response done; a failure as
         an `error` event."""
         out = O.Events()
@@ -118,7 +128,7 @@ class Responses:
                     if event.step.text:  # "" while a character is held back
                         yield out.delta(head, event.step.text)
                 elif isinstance(event, ChoiceDone):
-                    yield out.closing(self._finish(events, head, event.result, tenant, turns, store))
+                    yield out.closing(self._finish(events, head, event.result, tenant, save))
                     break
                 elif isinstance(event, JobError):
                     e = job_failure(event.error)
@@ -135,6 +145,14 @@ class Responses:
             raise _not_found(response_id)
         return JSONResponse(stored.response)
 
+    async def input_items(self, response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                          after: str | None = None):
+        stored = self.store.get(self.authenticate(request).namespace, response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        inputs = list(stored.conversation[-1 - stored.inputs:-1])
+        return O.input_items(response_id, inputs, limit, order, after)
+
     async def delete(self, response_id: str, request: Request):
         if not self.store.delete(self.authenticate(request).namespace, response_id):
             raise _not_found(response_id)
@@ -145,4 +163,5 @@ def install_responses_routes(app, responses: Responses) -> None:
     app.post("/v1/responses")(responses.create)
     app.get("/v1/responses/{response_id}")(responses.retrieve)
     app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
     responses.runner.metrics.registry.register(responses.store)  # jaxsmol_responses_* in /metrics
