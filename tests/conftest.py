@@ -102,6 +102,35 @@ def real_engine(model_dir):
 
 
 @pytest.fixture(scope="session")
+def two_layer_engine(tiny_model_dir):
+    """The two-layer checkpoint (random weights) with the real tokenizer and chat template, 512 positions."""
+    from jaxsmol.runtime.engine import Engine
+
+    return Engine.load(tiny_model_dir, ctx=512, progress=False)
+
+
+@pytest.fixture
+def make_client(two_layer_engine):
+    """make_client(**create_app options) -> a started TestClient of the daemon's app on two_layer_engine
+    (its lifespan run: disk tier warmed, worker started); stopped after the test."""
+    from fastapi.testclient import TestClient
+
+    from jaxsmol.cli.server.serve import create_app
+
+    clients = []
+
+    def make(**kw):
+        client = TestClient(create_app(two_layer_engine, model_name="tiny", **kw))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
 def eng(tiny_engine):
     return tiny_engine
 

@@ -26,32 +26,6 @@ AS_MESSAGES = [{"role": "system", "content": SYSTEM},
 QUESTION = [{"role": "user", "content": "What colour is the sky?"}]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from jaxsmol.runtime.engine import Engine
-
-    return Engine.load(tiny_model_dir, ctx=512, progress=False)
-
-
-@pytest.fixture
-def make_client(engine):
-    from fastapi.testclient import TestClient
-
-    from jaxsmol.cli.server.serve import create_app
-
-    clients = []
-
-    def make(**kw):
-        client = TestClient(create_app(engine, model_name="tiny", **kw))
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
-
-
 def create(c, headers=None, **body):
     r = c.post("/v1/cached_contents", json={**CONTENT, "ttl": "600s", **body}, headers=headers or {})
     assert r.status_code == 200, r.text
@@ -187,11 +161,11 @@ def json_time(s: str) -> float:
     return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
 
 
-def test_a_24h_retention_keeps_the_prompt_on_disk_out_of_the_lru(make_client, engine, tmp_path):
+def test_a_24h_retention_keeps_the_prompt_on_disk_out_of_the_lru(make_client, two_layer_engine, tmp_path):
     from jaxsmol.cache.store.disk import list_dir
 
     d = tmp_path / "tier"
-    per_prompt = 60 * engine.kv_bytes_per_token + 4 * engine.cfg.vocab_size
+    per_prompt = 60 * two_layer_engine.kv_bytes_per_token + 4 * two_layer_engine.cfg.vocab_size
     # room in memory for about one prompt (others spill to disk), on disk for about three
     c = make_client(cache_dir=str(d), cache_bytes=int(1.5 * per_prompt), disk_cache_bytes=3 * per_prompt)
     kept = SYSTEM + " Q: Which one do we keep? A:"

@@ -17,33 +17,6 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, and say wh
           "Examples: Q: What is the capital of France? A: Paris. Q: What is 2 + 2? A: 4.")
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from jaxsmol.runtime.engine import Engine
-
-    return Engine.load(tiny_model_dir, ctx=512, progress=False)
-
-
-@pytest.fixture
-def make_client(engine):
-    """make_client(**create_app options) -> a started TestClient; stopped (shutdown run) after the test."""
-    from fastapi.testclient import TestClient
-
-    from jaxsmol.cli.server.serve import create_app
-
-    clients = []
-
-    def make(**kw):
-        client = TestClient(create_app(engine, model_name="tiny", **kw))
-        client.__enter__()  # the lifespan: disk tier warmed, worker started
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
-
-
 def complete(c, prompt, headers=None, **extra):
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "return_token_ids": True, **extra}
     r = c.post("/v1/completions", json=body, headers=headers or {})
@@ -66,7 +39,8 @@ def entries(c, headers=None, **page) -> dict:
     return r.json()
 
 
-def test_a_pinned_prompt_survives_lru_churn_and_is_restored_exactly(make_client, engine):
+def test_a_pinned_prompt_survives_lru_churn_and_is_restored_exactly(make_client, two_layer_engine):
+    engine = two_layer_engine
     bpt, logits = engine.kv_bytes_per_token, 4 * engine.cfg.vocab_size  # 512 and 196,608 bytes here
     lru = 1_000_000  # a few prompts (each with its logits, and its answer's)
     c = make_client(cache_bytes=lru, pinned_bytes=300_000)
@@ -93,12 +67,12 @@ def test_a_pinned_prompt_survives_lru_churn_and_is_restored_exactly(make_client,
     assert complete(c, SYSTEM)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_pins_are_refused_with_the_reason(make_client, engine):
+def test_pins_are_refused_with_the_reason(make_client, two_layer_engine):
     c = make_client(pinned_bytes=100_000)  # less than one prompt's logits
     r = c.post("/v1/cache/pin", json={"prompt": SYSTEM})
     assert r.status_code == 400 and "--pinned-bytes" in r.json()["error"]["message"], r.text
     assert c.post("/v1/cache/pin", json={}).status_code == 400  # neither prompt nor messages
-    assert c.post("/v1/cache/pin", json={"prompt": [engine.cfg.vocab_size]}).status_code == 400
+    assert c.post("/v1/cache/pin", json={"prompt": [two_layer_engine.cfg.vocab_size]}).status_code == 400
     assert c.request("DELETE", "/v1/cache/pin", json={"key": "0" * 32}).status_code == 404
     off = make_client(prefix_cache=False)
     r = off.post("/v1/cache/pin", json={"prompt": [5, 6, 7]})
@@ -147,7 +121,8 @@ def test_listing_pages_and_namespaces_with_api_keys(make_client, tmp_path):
     assert all(e["last_used"] > 0 and e["hits"] >= 0 for e in whole)
 
 
-def test_pins_survive_a_restart_through_the_disk_tier_and_the_cache_command(make_client, engine, tmp_path, capsys):
+def test_pins_survive_a_restart_through_the_disk_tier_and_the_cache_command(make_client, two_layer_engine, tmp_path,
+                                                                            capsys):
     d = tmp_path / "prefixes"
     c = make_client(cache_dir=d)
     pin = c.post("/v1/cache/pin", json={"prompt": SYSTEM, "cache_salt": "s1"}).json()
