@@ -44,7 +44,7 @@ from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
 from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
 from jaxsmol.cache.store.radix import RadixStore
-from jaxsmol.cache.store.shared import SharedStore, chunks_segment
+from jaxsmol.cache.store.shared import SharedStore, segment_over
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS
@@ -252,14 +252,19 @@ class PrefixCache:
         if end <= match.reused:
             return match
         self.store.release(match)
-        self.store.insert(ns, prompt[:end], chunks_segment(chunks, first * size, size))
+        self.store.insert(ns, prompt[:end], segment_over(chunks, first * size))
         self.stats.shared_loads += 1
         report.shared_loaded = end
         return self.store.lookup(ns, prompt, gather=False)
 
-    def _write_through(self, ns, prompt, kv) -> None:
-        """Write the prompt's whole chunks that the shared store lacks (one existence check, then a write each)."""
-        self.shared.write_missing(self.shared.keys(ns[1], prompt), prompt, kv.segment)
+    def _write_through(self, ns, prompt) -> None:
+        """Hand the stored prompt's whole chunks to the shared store, which writes those it lacks (on its
+        writer thread, from the store's segments: immutable, so nothing is copied here)."""
+        whole = len(prompt) // self.shared.chunk_tokens * self.shared.chunk_tokens
+        match = self.store.match(ns, prompt[:whole], touch=False)
+        if whole and match.length == whole:
+            self.shared.write_through(self.shared.keys(ns[1], prompt), prompt,
+                                      segment_over(self.store.parts(match, whole)))
 
     def persist_to_disk(self) -> int:
         """Write every stored key to the disk tier (least recently used first, so that the newest stay
@@ -334,7 +339,7 @@ class PrefixCache:
             payload = np.array(np.asarray(logits)[0])  # [V]: answers an identical prompt with no forward
             report.saved = self.store.insert(ns, prompt, kv.segment, payload=payload)
             if self.shared is not None:
-                self._write_through(ns, prompt, kv)
+                self._write_through(ns, prompt)
         else:  # the single snapshot: the first prompt_n - 1 positions
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)

@@ -7,7 +7,8 @@ router first (it finishes the requests it holds), then the replicas (each finish
 exits 0; if a child exits on its own, the others are stopped and the command fails naming it.
 The serve options are passed on to every replica as they were given (cli/serve_options.py): with API
 keys, each replica checks them and keeps each key's prompts in its own namespace; the router passes
-the client's Authorization header through.
+the client's Authorization header through. `--shared-cache redis` starts a redis-server on a free loopback
+port first, which every replica's shared cache names, and stops it last; a directory or URL is passed on.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxsmol.cli.replicas import (POLICIES, Replica, Router, start_replicas, start_router, stop, usable_cpus,
-                                  split_cpus, wait_until)
+from jaxsmol.cli.replicas import (POLICIES, Replica, RedisServer, Router, start_redis, start_replicas, start_router,
+                                  stop, usable_cpus, split_cpus, wait_until)
 from jaxsmol.cli.serve_options import add_serve_options, serve_argv
 from jaxsmol.errors import JaxsmolError
 
@@ -70,13 +71,19 @@ def _check(args) -> None:
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
 
 
-def replica_args(args, i: int) -> list[str]:
+def replica_args(args, i: int, shared_url: str | None = None) -> list[str]:
     """Replica i's `jaxsmol serve` arguments: the serve options given, a --cache-dir of its own below the
-    one given (two daemons must not share a disk tier's files)."""
+    one given (two daemons must not share a disk tier's files), and one --shared-cache for all: `shared_url`
+    (the redis-server started for `redis`), a URL as given, or the directory's absolute path (the replicas
+    run in another directory)."""
     out = serve_argv(args)
     if args.cache_dir:
         at = out.index("--cache-dir") + 1
         out[at] = str(Path(args.cache_dir) / f"replica-{i}")
+    if args.shared_cache:
+        at = out.index("--shared-cache") + 1
+        out[at] = shared_url or (args.shared_cache if "://" in args.shared_cache else
+                                 str(Path(args.shared_cache).resolve()))
     return out
 
 
@@ -100,8 +107,13 @@ def run_cluster(args) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     replicas: list[Replica] = []
     routers: list[Router] = []
+    servers: list[RedisServer] = []
     try:
-        replicas += start_replicas([replica_args(args, i) for i in range(args.replicas)], log_dir,
+        if args.shared_cache == "redis":
+            servers.append(start_redis(log_dir / "redis.log"))
+            wait_until(servers, RedisServer.ready, 30, "ready")
+        shared_url = servers[0].url if servers else None
+        replicas += start_replicas([replica_args(args, i, shared_url) for i in range(args.replicas)], log_dir,
                                    pin=not args.no_pin)
         wait_until(replicas, Replica.ready, args.start_timeout, "ready")
         urls = [r.url for r in replicas]
@@ -110,7 +122,7 @@ def run_cluster(args) -> int:
         wait_until(routers, Router.ready, 300, "ready with every replica healthy")
         print(f"jaxsmol cluster serving on http://{args.host}:{args.port} (sglang-router, {args.policy}) in front of "
               f"{' '.join(urls)}", file=sys.stderr, flush=True)
-        _watch(routers + replicas)
+        _watch(routers + replicas + servers)
     except Stopped:
         print("jaxsmol cluster: stopping (the router, then the replicas, each finishing its requests)",
               file=sys.stderr, flush=True)
@@ -118,7 +130,7 @@ def run_cluster(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stop(routers, replicas)
+        stop(routers, replicas, servers)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0  # not reached: _watch returns only by raising

@@ -119,7 +119,8 @@ def _cacheprobe(args) -> int:
 
 def _serve(args) -> int:
     from jaxsmol.cache.scheduler.settings import CHUNK_ROWS_CHOICES, BatchSettings
-    from jaxsmol.cli.serve_options import daemon_options
+    from jaxsmol.cache.store.shared import SharedStore, model_identity
+    from jaxsmol.cli.serve_options import daemon_options, shared_backend
     from jaxsmol.cli.server.serve import serve
     from jaxsmol.cli.server.tenants import Tenants
     from jaxsmol.errors import JaxsmolError
@@ -143,8 +144,11 @@ def _serve(args) -> int:
         print(f"warning: serving on {args.host} without API keys: anyone who can reach it shares the prefix "
               "cache (cached_tokens reveals what others sent) and may flush it", file=sys.stderr)
     options = daemon_options(args)  # a bad --read-timeout fails before the model loads
+    backend = shared_backend(args)  # a bad URL or an unreachable server too
     engine = load_engine(args)
+    shared = None if backend is None else SharedStore(backend, model_identity(engine), background=True)
     serve(engine, args.host, args.port, draft=load_draft(args, engine), cache_bytes=args.cache_bytes, **options,
+          shared=shared,
           prefix_cache=not args.no_prefix_cache,
           max_queue=args.max_queue, cache_mode=args.cache_mode, cache_dir=args.cache_dir,
           disk_cache_bytes=args.disk_cache_bytes, tenants=tenants, max_connections=args.max_connections,

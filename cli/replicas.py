@@ -6,8 +6,9 @@ CPUs this process may use (`split_cpus`): the kernel's affinity is set in the ch
 and XLA's intra-op thread pool, which the C++ kernels run on, sizes itself from that affinity, as do
 the tokenizer's threads, so two replicas do not fight over the same cores. Its output goes to a log
 file, whose tail an error quotes. `Router` is `python -m sglang_router.launch_router` (the optional
-extra `pip install 'jaxsmol[cluster]'`) with the replicas as --worker-urls. `stop` sends SIGTERM and
-waits: a daemon finishes the requests in flight, then exits (docs/serving.md).
+extra `pip install 'jaxsmol[cluster]'`) with the replicas as --worker-urls. `RedisServer` is the redis-server
+of `--shared-cache redis`, the replicas' shared prefix store. `stop` sends SIGTERM and waits: a daemon
+finishes the requests in flight, then exits (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -204,6 +206,32 @@ def start_router(worker_urls: list[str], policy: str, host: str, port: int, log:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     return Router("router", router_command(worker_urls, policy, host, port, list(extra)), log, url=url,
                   workers=len(worker_urls)).start()
+
+
+@dataclasses.dataclass(eq=False)
+class RedisServer(Process):
+    """The redis-server of `jaxsmol cluster --shared-cache redis`: loopback only, nothing saved to disk."""
+    url: str = ""
+
+    def ready(self) -> bool:
+        host, port = self.url.removeprefix("redis://").split("/")[0].split(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def start_redis(log: Path) -> RedisServer:
+    """A redis-server on a free loopback port, for the replicas' shared cache; a JaxsmolError without one."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise JaxsmolError("--shared-cache redis starts a redis-server, and none is on PATH (apt-get install "
+                           "redis-server), or give redis://HOST:PORT[/DB] of a running one, or a directory")
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return RedisServer("redis-server", cmd, log, url=f"redis://127.0.0.1:{port}/0").start()
 
 
 def stop(*groups: list[Process], timeout_s: float = 180) -> None:

@@ -5,6 +5,7 @@ arguments."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jaxsmol.cli.common import ArgumentParser, add_model_args, add_speculate_args
 from jaxsmol.errors import JaxsmolError
@@ -21,6 +22,14 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-dir", metavar="DIR", help="keep prefix snapshots in DIR too: entries evicted from "
                    "memory, and all of them at shutdown; loaded back at start and on a memory miss")
     s.add_argument("--disk-cache-bytes", type=int, default=4 << 30, help="byte budget of --cache-dir (default 4 GiB)")
+    s.add_argument("--shared-cache", metavar="URL|DIR",
+                   help="a prefix store several daemons share, below memory and --cache-dir: redis://HOST:PORT[/DB] "
+                        "or a directory (on one filesystem, NFS too); a prompt's whole 64-token chunks are read "
+                        "from it when memory lacks them and written to it after a prompt is computed (jaxsmol "
+                        "cluster: `redis` starts a redis-server for its replicas)")
+    s.add_argument("--shared-cache-bytes", type=int, default=None, metavar="BYTES",
+                   help="with a --shared-cache directory: its byte budget, the oldest chunks removed beyond it "
+                        "(default: no limit; a Redis server's is its own maxmemory)")
     s.add_argument("--pinned-bytes", type=int, default=512 << 20, metavar="BYTES",
                    help="budget of the prefixes pinned with POST /v1/cache/pin, apart from --cache-bytes: they are "
                         "never evicted; a pin beyond it is refused (default 512 MiB)")
@@ -82,6 +91,26 @@ def daemon_options(args: argparse.Namespace) -> dict:
         raise JaxsmolError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
     return {"read_timeout_s": args.read_timeout, "model_name": args.served_model_name,
             "access_log": not args.no_access_log}
+
+
+def shared_backend(args: argparse.Namespace):
+    """The backend of --shared-cache (cache/store/shared_backends.py), None without one; a JaxsmolError
+    naming what is wrong (a bad URL, an unreachable server, an unusable directory, a combination)."""
+    if not args.shared_cache or args.no_prefix_cache:
+        return None
+    if args.shared_cache == "redis":
+        raise JaxsmolError("--shared-cache redis is jaxsmol cluster's (it starts a redis-server); jaxsmol serve "
+                           "takes redis://HOST:PORT[/DB] or a directory (./redis for one named so)")
+    if args.shared_cache_bytes is not None and "://" in args.shared_cache:
+        raise JaxsmolError("--shared-cache-bytes bounds a --shared-cache directory; a Redis server's bound is its "
+                           "own maxmemory")
+    if args.cache_mode != "radix":
+        raise JaxsmolError("--shared-cache needs --cache-mode radix (the single snapshot keeps one prefix)")
+    from jaxsmol.cache.store.shared_backends import open_backend
+
+    backend = open_backend(args.shared_cache, args.shared_cache_bytes)
+    print(f"shared cache: {backend.describe()}", file=sys.stderr, flush=True)
+    return backend
 
 
 def serve_argv(args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,7 @@ import pytest
 
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.many import generate
-from jaxsmol.cache.store import shared_backends
+from jaxsmol.cache.store import shared, shared_backends
 from jaxsmol.cache.store.shared import (Refused, SharedStore, chunk_keys, decode, encode, model_identity,
                                         open_shared)
 from jaxsmol.cache.store.shared_backends import DirBackend, open_backend
@@ -45,9 +45,9 @@ def replicas(tiny_engine):
     return tiny_engine, other
 
 
-def pair(replicas, spec):
+def pair(replicas, spec, background=False):
     a, b = replicas
-    return (PrefixCache(a, shared=open_shared(spec, a, chunk_tokens=C)),
+    return (PrefixCache(a, shared=open_shared(spec, a, chunk_tokens=C, background=background)),
             PrefixCache(b, shared=open_shared(spec, b, chunk_tokens=C)))
 
 
@@ -117,13 +117,33 @@ def test_directory_round_trip_and_budget(tmp_path):
     seg = lambda a, b: {"k": k[:, :, :, a:b], "v": -k[:, :, :, a:b]}  # noqa: E731
     assert store.write_missing(keys, t, seg) == 4 and store.write_missing(keys, t, seg) == 0  # present: skipped
     run = store.read_run(keys, t, 1)
-    assert len(run) == 3 and np.array_equal(run[0][0], k[:, :, :, C:2 * C]) and store.hits == 3
+    assert len(run) == 3 and np.array_equal(run[0]["k"], k[:, :, :, C:2 * C]) and store.hits == 3
     value = len(encode(keys[0], t[:C], *chunk(0)))
     budget = DirBackend(tmp_path / "b", budget_bytes=int(2.5 * value))
     for i, key in enumerate(keys):
         budget.put(key, encode(key, t[i * C:(i + 1) * C], *chunk(i)))
         time.sleep(0.01)  # distinct mtimes: the oldest go first
     assert budget.evicted >= 2 and budget.exists(keys)[-1] and not budget.exists(keys)[0]
+
+
+def test_the_writer_thread_drops_what_it_cannot_queue(tmp_path):
+    gate = threading.Event()
+
+    class Slow(DirBackend):
+        def put(self, key, data):
+            gate.wait(30)
+            super().put(key, data)
+
+    store = SharedStore(Slow(tmp_path), IDENT, C, background=True)
+    k = np.zeros((2, 1, 2, C, 16), np.float32)
+    prompts = [toks(C, 100 + i) for i in range(shared.WRITE_QUEUE + 2)]
+    for t in prompts:  # the first is taken (and blocks), WRITE_QUEUE wait, the last is dropped
+        store.write_through(store.keys("", t), t, lambda a, b: {"k": k, "v": k})
+        while t is prompts[0] and not store._queue.empty():  # until the writer holds it
+            time.sleep(0.001)
+    gate.set()
+    store.drain()
+    assert store.dropped["busy"] == 1 and store.writes == len(prompts) - 1
 
 
 _WRITER = """
@@ -177,9 +197,11 @@ def test_bad_locations_are_named():
 
 # ---- two replicas sharing one directory -------------------------------------------------------------------
 def test_a_replica_restores_another_replicas_prefix_exactly(replicas, tmp_path):
-    a, b = pair(replicas, tmp_path)
+    a, b = pair(replicas, tmp_path, background=True)  # A writes on its writer thread, as the daemon does
     P = toks(3 * C + 10, 7)
     generate(a, P, SP)
+    a.shared.drain()
+    a.sync()
     assert a.stats.shared_writes == 3
     prompt = P + toks(6, 8)
     gen = generate(b, prompt, SP)
@@ -286,3 +308,46 @@ def test_a_full_redis_refuses_writes_without_failing_a_request(replicas, tmp_pat
         assert_same(gen, generate(replicas[1], P, SP))
     finally:
         server.stop()
+
+
+# ---- the daemon ---------------------------------------------------------------------------------------
+@pytest.mark.real
+def test_the_daemon_reads_what_it_wrote_after_a_flush(tiny_model_dir, tmp_path):
+    """`jaxsmol serve --shared-cache DIR`: a flush forgets memory, not the shared store, which then
+    serves the prompt's whole chunks (as another replica would find them)."""
+    from daemon import Server, post
+
+    server = Server("--model", str(tiny_model_dir), "--shared-cache", str(tmp_path / "kv")).wait_ready()
+    try:
+        prompt = toks(600, 13, hi=5000)
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+        first = post(server.url, "/v1/completions", body).json()
+        for _ in range(100):  # the writer thread's
+            if len(list((tmp_path / "kv").glob("*/*.kv"))) == 9:  # 600 tokens: 9 whole 64-token chunks
+                break
+            time.sleep(0.1)
+        assert post(server.url, "/v1/cache/flush", {}).status_code == 200
+        second = post(server.url, "/v1/completions", body).json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 576
+        assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("spec, says", [("redis://127.0.0.1:1", "cannot reach the shared cache"),
+                                        ("redis", "jaxsmol cluster's"), ("gopher://x", "unknown scheme")])
+def test_serve_names_a_bad_shared_cache_before_loading_the_model(spec, says):
+    r = subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "serve", "--shared-cache", spec], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cluster_gives_every_replica_one_shared_cache(tmp_path, monkeypatch):
+    from jaxsmol.cli.cluster import replica_args
+    from jaxsmol.cli.main import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["cluster", "--shared-cache", "kv"])
+    assert replica_args(args, 0) == replica_args(args, 1) == ["--shared-cache", str(tmp_path / "kv")]
+    args = build_parser().parse_args(["cluster", "--shared-cache", "redis"])
+    assert replica_args(args, 1, "redis://127.0.0.1:7/0") == ["--shared-cache", "redis://127.0.0.1:7/0"]

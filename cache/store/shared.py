@@ -3,18 +3,27 @@ read and write (`jaxsmol serve --shared-cache DIR|redis://HOST:PORT[/DB]`). Cont
 prompts' KV state; the backends (a directory, Redis) are in cache/store/shared_backends.py, and the
 prefix cache (cache/prefix_cache.py) calls `read_run` on a lookup and `write_missing` after a save.
 
-A chunk is CHUNK_TOKENS (256) positions. Chunk i's key is a chain, key_i = blake2b(key_{i-1}, token ids
+A chunk is CHUNK_TOKENS (64) positions. Chunk i's key is a chain, key_i = blake2b(key_{i-1}, token ids
 of chunk i), from key_-1 = blake2b(format version, chunk size, the model's identity, the namespace's
 salt): it names every token up to the end of chunk i, so any daemon finds any prefix it shares, and the
 identity (`model_identity`: Engine.fingerprint, which hashes config, dtype, weights and the numerics'
 sources; the tokenizer, KV dims and dtype, --matmul; and the kernels class: the C++ kernels' vector
 width, or XLA's backend, device and the CPU's vector flags) keeps apart daemons whose states differ in
-a bit. Why 256: a chunk is a round trip and a file; at 256 positions of the 135M's float32 KV (11.8 MB)
-the per-chunk costs (the key's hashing, a Redis round trip, a file's open and rename) are under 2% of its
-transfer (tools/time_shared_cache.py), and a prompt loses at most 255 positions to the last partial
-chunk, which the engine prefills; LMCache picks 256 too. A restore at any position is exact
-(docs/design.md: a prompt row's bits do not depend on the chunk that carries it), so chunk boundaries
-need no alignment with the prefill buckets.
+a bit. A restore at any position is exact (docs/design.md: a prompt row's bits do not depend on the chunk
+that carries it), so chunk boundaries need no alignment with the prefill buckets.
+
+Why 64 (LMCache's 256 is for GPUs): what a replica still prefills is the prompt's tail past its last whole
+chunk, up to C - 1 positions, and on a CPU that costs far more than moving a chunk. Measured on 2 cores
+(tools/time_shared_cache.py, a 2000-token prefix of the 135M, float32 KV: 46 kB a position), B's time to
+first token from a directory was 532 ms at C = 64, 796 at 128, 943 at 256, 1075 at 512 (its cold prefill
+3-4 s), from Redis 592, 621, 866 and 1237 ms; reads ran at 450-640 MB/s whatever C, so a chunk's own
+costs (its key, a round trip, a file) do not show at 64. Below 64 the gain ends where XLA's exact chunks
+start (a tail of 1-64 positions costs one 64-row chunk there).
+
+Writes: `write_through` queues a prompt's chunks for a writer thread (WRITE_QUEUE prompts at most; beyond
+that they are dropped, counted "busy"), which checks which exist and writes the others: a 2000-token
+prompt's write-through took 300-420 ms, which on the request's thread would delay every stream's next
+decode step.
 
 A value: MAGIC, a little-endian u32 header length, a JSON header (format version, key, the chunk's token
 ids, dtype, shape [L, 1, K, C, H]), the keys' bytes, the values' bytes, and a blake2b-256 over all of it.
@@ -29,7 +38,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import struct
+import threading
 from collections import Counter
 
 import numpy as np
@@ -38,7 +49,8 @@ from jaxsmol.cache.store.shared_backends import BackendError, open_backend
 from jaxsmol.cache.store.snapshot import _dtype, identity
 from jaxsmol.model.kv_layout import SEQ_AXIS, seq_index
 
-CHUNK_TOKENS = 256
+CHUNK_TOKENS = 64
+WRITE_QUEUE = 16  # prompts waiting for the writer thread
 FORMAT_VERSION = 1
 MAGIC = b"JXSMOLKV"
 _HEAD = struct.Struct("<8sI")  # magic, header length
@@ -137,9 +149,10 @@ def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[n
 
 class SharedStore:
     """Chunks of prompts' KV state in a backend, keyed by content (module docstring). Never raises for the
-    backend's faults: a read that fails is a miss, a write that fails is dropped, both counted."""
+    backend's faults: a read that fails is a miss, a write that fails is dropped, both counted. Reads run
+    on the caller's thread, writes on the writer thread with background=True (each counter has one writer)."""
 
-    def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS, background: bool = False):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.backend, self.ident, self.chunk_tokens = backend, ident, chunk_tokens
@@ -150,8 +163,12 @@ class SharedStore:
         self.shape = tuple(self.shape)
         self.hits = self.misses = self.writes = self.bytes_read = self.bytes_written = 0
         self.refused: Counter = Counter()  # Refused.reason -> values refused (and deleted)
-        self.dropped: Counter = Counter()  # BackendError.reason -> writes not stored
-        self.unavailable = 0  # reads and existence checks that found the backend unreachable
+        self.dropped: Counter = Counter()  # BackendError.reason (or "busy": the queue full) -> chunks not written
+        self.unavailable = 0  # reads that found the backend unreachable
+        self._queue: queue.Queue | None = None
+        if background:
+            self._queue = queue.Queue(WRITE_QUEUE)
+            threading.Thread(target=self._writer, name="jaxsmol-shared-writes", daemon=True).start()
 
     def describe(self) -> str:
         return f"{self.backend.describe()}, chunks of {self.chunk_tokens} tokens"
@@ -159,8 +176,8 @@ class SharedStore:
     def keys(self, salt: str, tokens) -> list[str]:
         return chunk_keys(self.ident, salt, tokens, self.chunk_tokens)
 
-    def read_run(self, keys: list[str], tokens, first: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(k, v) of chunks first, first + 1, ... of `tokens` under `keys`, up to the first one missing,
+    def read_run(self, keys: list[str], tokens, first: int) -> list[dict]:
+        """{"k", "v"} of chunks first, first + 1, ... of `tokens` under `keys`, up to the first one missing,
         refused or unreadable."""
         out = []
         for i in range(first, len(keys)):
@@ -174,7 +191,7 @@ class SharedStore:
                 self.misses += 1
                 break
             try:
-                out.append(decode(data, keys[i], ids, self.dtype, self.shape))
+                out.append(dict(zip(("k", "v"), decode(data, keys[i], ids, self.dtype, self.shape))))
             except Refused as e:
                 self.refused[e.reason] += 1
                 LOGGER.warning("shared cache: refused chunk %s (%s): %s", keys[i][:16], e.reason, e)
@@ -190,7 +207,6 @@ class SharedStore:
         try:
             present = self.backend.exists(keys)
         except BackendError as e:
-            self.unavailable += 1
             self.dropped[e.reason] += len(keys)
             return 0
         written = 0
@@ -210,29 +226,58 @@ class SharedStore:
         self.writes += written
         return written
 
+    def write_through(self, keys: list[str], tokens, segment) -> None:
+        """`write_missing` now, or on the writer thread with background=True (`segment` must stay valid:
+        immutable arrays); dropped and counted "busy" while WRITE_QUEUE prompts wait."""
+        if self._queue is None:
+            self.write_missing(keys, tokens, segment)
+            return
+        try:
+            self._queue.put_nowait((keys, tokens, segment))
+        except queue.Full:
+            self.dropped["busy"] += len(keys)
+
+    def _writer(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                self.write_missing(*job)
+            except Exception:  # a write costs its chunks, never the thread
+                LOGGER.exception("shared cache: a write failed")
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Until the queued writes are done."""
+        if self._queue is not None:
+            self._queue.join()
+
     def close(self) -> None:
+        self.drain()
         self.backend.close()
 
 
-def chunks_segment(chunks: list, base: int, chunk_tokens: int):
-    """`segment(start, stop)` over consecutive chunks [(k, v), ...] whose first starts at position `base`:
-    one copy of just the positions asked for (what RadixStore.insert takes)."""
+def segment_over(parts: list[dict], base: int = 0):
+    """`segment(start, stop)` over consecutive segments {"k", "v"} ([L, B, K, n, H]) whose first starts at
+    position `base`: the positions asked for, a copy where they span several (what RadixStore.insert and
+    SharedStore.write_missing take)."""
+    bounds, at = [], base
+    for part in parts:
+        bounds.append((at, part))
+        at += part["k"].shape[SEQ_AXIS]
+
     def segment(start: int, stop: int) -> dict:
-        out = {}
-        for j, name in enumerate(("k", "v")):
-            parts = []
-            for i, pair in enumerate(chunks):
-                lo = base + i * chunk_tokens
-                a, b = max(start, lo), min(stop, lo + chunk_tokens)
-                if a < b:
-                    parts.append(pair[j][seq_index(a - lo, b - lo)])
-            out[name] = np.concatenate(parts, axis=SEQ_AXIS)
-        return out
+        pieces = [(max(start, lo) - lo, min(stop, lo + p["k"].shape[SEQ_AXIS]) - lo, p) for lo, p in bounds]
+        pieces = [(a, b, p) for a, b, p in pieces if a < b]
+        return {name: pieces[0][2][name][seq_index(*pieces[0][:2])] if len(pieces) == 1 else
+                np.concatenate([p[name][seq_index(a, b)] for a, b, p in pieces], axis=SEQ_AXIS)
+                for name in ("k", "v")}
 
     return segment
 
 
-def open_shared(spec: str, engine, chunk_tokens: int = CHUNK_TOKENS, budget_bytes: int | None = None) -> SharedStore:
+def open_shared(spec: str, engine, chunk_tokens: int = CHUNK_TOKENS, budget_bytes: int | None = None,
+                background: bool = False) -> SharedStore:
     """The shared store at `spec` (a directory or redis://HOST:PORT[/DB]) for `engine`; JaxsmolError naming
     what is wrong with `spec` (a bad URL, an unreachable server, an unusable directory)."""
-    return SharedStore(open_backend(spec, budget_bytes), model_identity(engine), chunk_tokens)
+    return SharedStore(open_backend(spec, budget_bytes), model_identity(engine), chunk_tokens, background)
