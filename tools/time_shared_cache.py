@@ -1,6 +1,6 @@
 """Time the shared KV store (cache/store/shared.py): a prefix written by replica A, requested on replica B.
 
-    python tools/time_shared_cache.py [--prefix 2000] [--suffix 16] [--rounds 3] [--chunks 256]
+    python tools/time_shared_cache.py [--prefix 2000] [--suffix 16] [--rounds 3] [--chunks 64 256]
         [--backends dir redis] [--redis redis://HOST:PORT/DB] [--model PATH]
 
 A and B are two engines over the bundled model's weights (the default: its Q4_1 GGUF file, as the daemon
@@ -97,13 +97,13 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2000)
     ap.add_argument("--suffix", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[256])
+    ap.add_argument("--chunks", type=int, nargs="+", help="chunk sizes to time (default: CHUNK_TOKENS, 64)")
     ap.add_argument("--backends", nargs="+", default=["dir", "redis"], choices=["dir", "redis"])
     ap.add_argument("--redis", help="a running server's URL (default: start one)")
     ap.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
     args = ap.parse_args()
 
-    from jaxsmol.cache.store.shared import SharedStore, model_identity
+    from jaxsmol.cache.store.shared import CHUNK_TOKENS, SharedStore, model_identity
     from jaxsmol.cache.store.shared_backends import open_backend
     from jaxsmol.runtime.engine import Engine
 
@@ -124,7 +124,7 @@ def main() -> None:
             if backend == "redis" and url is None:
                 print("redis: no redis-server on PATH and no --redis: skipped", file=sys.stderr)
                 continue
-            for chunk in args.chunks:
+            for chunk in args.chunks or [CHUNK_TOKENS]:
                 where = url if backend == "redis" else tempfile.mkdtemp(prefix="jaxsmol-shared-")
                 store_a = SharedStore(open_backend(where), ident, chunk)
                 store_b = SharedStore(open_backend(where), ident, chunk)

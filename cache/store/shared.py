@@ -22,7 +22,7 @@ start (a tail of 1-64 positions costs one 64-row chunk there).
 
 Writes: `write_through` queues a prompt's chunks for a writer thread (WRITE_QUEUE prompts at most; beyond
 that they are dropped, counted "busy"), which checks which exist and writes the others: a 2000-token
-prompt's write-through took 300-420 ms, which on the request's thread would delay every stream's next
+prompt's write-through took 190-420 ms, which on the request's thread would delay every stream's next
 decode step.
 
 A value: MAGIC, a little-endian u32 header length, a JSON header (format version, key, the chunk's token
