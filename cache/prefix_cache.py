@@ -74,6 +74,8 @@ class PrefixCache:
             self.stats.disk_refused = self.disk.refused  # counted where the files are read
         if self.disk is not None and mode == "radix":
             self.store.on_evict = self._spill
+        if shared is not None and not exact:  # its states would reach exact caches through the store
+            raise JaxsmolError("a shared store takes exact states only: PrefixCache(exact=False) cannot use one")
         self.shared = shared if mode == "radix" else None
         if self.shared is not None:  # counted where the values are read and written
             self.stats.shared_refused, self.stats.shared_dropped = self.shared.refused, self.shared.dropped

@@ -342,6 +342,21 @@ def test_serve_names_a_bad_shared_cache_before_loading_the_model(spec, says):
     assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("argv, says", [(["--shared-cache", "redis://h:1", "--shared-cache-bytes", "9"], "maxmemory"),
+                                        (["--shared-cache", "d", "--cache-mode", "single"], "--cache-mode radix")])
+def test_serve_options_that_do_not_go_together_are_named(argv, says):
+    from jaxsmol.cli.main import build_parser
+    from jaxsmol.cli.serve_options import shared_backend
+
+    with pytest.raises(JaxsmolError, match=says):
+        shared_backend(build_parser().parse_args(["serve", *argv]))
+
+
+def test_an_inexact_cache_takes_no_shared_store(tiny_engine, tmp_path):
+    with pytest.raises(JaxsmolError, match="exact states only"):
+        PrefixCache(tiny_engine, exact=False, shared=open_shared(tmp_path, tiny_engine))
+
+
 def test_cluster_gives_every_replica_one_shared_cache(tmp_path, monkeypatch):
     from jaxsmol.cli.cluster import replica_args
     from jaxsmol.cli.main import build_parser

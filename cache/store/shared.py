@@ -166,6 +166,7 @@ class SharedStore:
         self.dropped: Counter = Counter()  # BackendError.reason (or "busy": the queue full) -> chunks not written
         self.unavailable = 0  # reads that found the backend unreachable
         self._queue: queue.Queue | None = None
+        self._dropping = threading.Lock()  # `dropped` counts on both threads
         if background:
             self._queue = queue.Queue(WRITE_QUEUE)
             threading.Thread(target=self._writer, name="jaxsmol-shared-writes", daemon=True).start()
@@ -207,7 +208,7 @@ class SharedStore:
         try:
             present = self.backend.exists(keys)
         except BackendError as e:
-            self.dropped[e.reason] += len(keys)
+            self._drop(e.reason, len(keys))
             return 0
         written = 0
         for i, (key, there) in enumerate(zip(keys, present)):
@@ -219,7 +220,7 @@ class SharedStore:
             try:
                 self.backend.put(key, data)
             except BackendError as e:
-                self.dropped[e.reason] += 1
+                self._drop(e.reason, 1)
                 continue
             written += 1
             self.bytes_written += len(data)
@@ -235,7 +236,11 @@ class SharedStore:
         try:
             self._queue.put_nowait((keys, tokens, segment))
         except queue.Full:
-            self.dropped["busy"] += len(keys)
+            self._drop("busy", len(keys))
+
+    def _drop(self, reason: str, chunks: int) -> None:
+        with self._dropping:
+            self.dropped[reason] += chunks
 
     def _writer(self) -> None:
         while True:
