@@ -79,6 +79,7 @@ class PrefixCache:
         self.shared = shared if mode == "radix" else None
         if self.shared is not None:  # counted where the values are read and written
             self.stats.shared_refused, self.stats.shared_dropped = self.shared.refused, self.shared.dropped
+            self.shared.on_written = self._sync_shared  # its writer thread's counts reach the stats at once
         if mode != "off":  # hash the weights now, not inside the first request's time to first token
             _ = engine.fingerprint
 
@@ -117,10 +118,13 @@ class PrefixCache:
         if self.disk is not None:
             self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
         if self.shared is not None:
-            sh, st = self.shared, self.stats
-            st.shared_hits, st.shared_misses, st.shared_writes = sh.hits, sh.misses, sh.writes
-            st.shared_bytes_read, st.shared_bytes_written, st.shared_unavailable = (sh.bytes_read, sh.bytes_written,
-                                                                                    sh.unavailable)
+            self._sync_shared()
+
+    def _sync_shared(self) -> None:
+        sh, st = self.shared, self.stats
+        st.shared_hits, st.shared_misses, st.shared_writes = sh.hits, sh.misses, sh.writes
+        st.shared_bytes_read, st.shared_bytes_written = sh.bytes_read, sh.bytes_written
+        st.shared_unavailable = sh.unavailable
 
     def _bypass_reason(self, n: int, bypass: bool) -> str | None:
         if self.mode == "off" or bypass:

@@ -167,6 +167,7 @@ class SharedStore:
         self.unavailable = 0  # reads that found the backend unreachable
         self._queue: queue.Queue | None = None
         self._dropping = threading.Lock()  # `dropped` counts on both threads
+        self.on_written = None  # called after each queued prompt's writes (the cache copies the counts)
         if background:
             self._queue = queue.Queue(WRITE_QUEUE)
             threading.Thread(target=self._writer, name="jaxsmol-shared-writes", daemon=True).start()
@@ -247,6 +248,8 @@ class SharedStore:
             job = self._queue.get()
             try:
                 self.write_missing(*job)
+                if self.on_written is not None:
+                    self.on_written()
             except Exception:  # a write costs its chunks, never the thread
                 LOGGER.exception("shared cache: a write failed")
             finally:
