@@ -14,6 +14,7 @@
 * `server`, `nocache_server`, `queue_server`, `sigterm_server` — real `jaxsmol serve` daemons shared by
                   tests/test_serve*.py (see tests/test_serve.py); `serve_daemons` starts them on first use
                   and `pytest_runtest_teardown` stops them as soon as the next test uses none of them.
+                  `main_server`: the "main" one (`server`'s) alone, for the files that ask no other.
 * `eng`, `bpt`, `payload_bytes` — for the prefix-cache tests: the tiny engine, its KV bytes per token
                   (512), and the bytes of one position's float32 logits (vocab * 4).
 
@@ -183,6 +184,13 @@ def server(serve_daemons) -> str:
     servers["nocache"].wait_ready()
     serve_daemons.launch("queue1", "sigterm")  # their start-up overlaps the tests that follow
     return servers["main"].url
+
+
+@pytest.fixture
+def main_server(serve_daemons) -> str:
+    """The "main" daemon alone, for the files that ask no other: `server` starts all four (and waits for
+    "nocache"), and a daemon's start-up and compiles only compete with the tests' requests for the cores."""
+    return serve_daemons.launch("main")["main"].wait_ready().url
 
 
 @pytest.fixture
