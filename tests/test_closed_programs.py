@@ -94,15 +94,8 @@ def _send(url: str, route: str, body: dict, leave_after: int | None) -> int:
             return r.status_code
 
 
-@pytest.fixture
-def server(serve_daemons) -> str:
-    """The "main" daemon alone: conftest's `server` also starts "nocache" (and "queue1" and "sigterm"
-    behind it) for tests/test_serve*.py, daemons this test never asks, whose start-up and compiles would
-    only compete with its requests for the cores."""
-    return serve_daemons.launch("main")["main"].wait_ready().url
-
-
-def test_any_request_runs_on_the_programs_made_before_ready(server):
+def test_any_request_runs_on_the_programs_made_before_ready(main_server):
+    server = main_server  # the "main" daemon alone: this test asks no other (conftest's main_server)
     before = metrics(server)
     assert before["jaxsmol_programs_after_ready"] == 0
 
