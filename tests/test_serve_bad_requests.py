@@ -1,6 +1,6 @@
 """Bad requests to a real `jaxsmol serve` daemon: each answers its status (400, 404, 405, 413) with an
 OpenAI error object, and the daemon stays healthy; then the edge values that are valid. The daemon is
-shared with tests/test_serve.py (the `server` fixture in conftest).
+shared with tests/test_serve.py (the "main" one: the `main_server` fixture in conftest).
 """
 
 from __future__ import annotations
@@ -76,35 +76,35 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("method,path,body,status", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_request(server, method, path, body, status):
+def test_bad_request(main_server, method, path, body, status):
     kw = {}
     if isinstance(body, bytes):
         kw = {"content": body, "headers": {"content-type": "application/json"}}
     elif body is not None:
         kw = {"json": body}
-    r = httpx.request(method, server + path, timeout=60, **kw)
+    r = httpx.request(method, main_server + path, timeout=60, **kw)
     _assert_error_body(r, status)
-    _assert_healthy(server)
+    _assert_healthy(main_server)
 
 
-def test_body_over_size_limit_without_content_length(server):
+def test_body_over_size_limit_without_content_length(main_server):
     """A chunked body carries no Content-Length: the limit must hold for it too."""
     def chunks():
         yield b'{"prompt": "'
         for _ in range(5):
             yield b"a " * (512 << 10)
         yield b'", "max_tokens": 1}'
-    r = httpx.post(server + _C, content=chunks(), headers={"content-type": "application/json"}, timeout=120)
+    r = httpx.post(main_server + _C, content=chunks(), headers={"content-type": "application/json"}, timeout=120)
     _assert_error_body(r, 413)
-    _assert_healthy(server)
+    _assert_healthy(main_server)
 
 
-def test_edge_values_that_are_valid(server):
+def test_edge_values_that_are_valid(main_server):
     # the largest seed is valid, also for n > 1 (choice i samples with seed + i)
-    r = _post(server, _C, {"prompt": "hi", "max_tokens": 2, "n": 2, "seed": 2**63 - 1, "temperature": 1.0})
+    r = _post(main_server, _C, {"prompt": "hi", "max_tokens": 2, "n": 2, "seed": 2**63 - 1, "temperature": 1.0})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     # max_tokens 0: no tokens, no error
-    r = _post(server, _C, {"prompt": "hi", "max_tokens": 0})
+    r = _post(main_server, _C, {"prompt": "hi", "max_tokens": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
