@@ -1,7 +1,7 @@
 """The daemon under pressure, end to end (cli/server/worker.py, cache/scheduler/scheduler.py): a client that leaves
 frees the model, a full queue answers 503 with Retry-After, SIGTERM finishes the requests in flight.
 
-Real `jaxsmol serve` daemons (on the two-layer checkpoint) shared with tests/test_serve.py (the `server`,
+Real `jaxsmol serve` daemons (on the two-layer checkpoint) shared with tests/test_serve.py (the `main_server`,
 `queue_server` and `sigterm_server` fixtures in conftest).
 """
 
@@ -35,25 +35,25 @@ _LONG_STORY = "Once upon a time, in a land far away, there lived a dragon who"
 _LONG = {"prompt": _LONG_STORY, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
 
-def test_client_disconnect_mid_stream(server):
-    before = _metrics(server)["jaxsmol_cancelled_total"]
+def test_client_disconnect_mid_stream(main_server):
+    before = _metrics(main_server)["jaxsmol_cancelled_total"]
     body = {**_LONG, "stream": True}
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as c:
-        with c.stream("POST", server + _C, json=body) as r:
+        with c.stream("POST", main_server + _C, json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
                     break
-    _assert_abandoned_job_cancelled(server, before)
+    _assert_abandoned_job_cancelled(main_server, before)
 
 
-def test_client_disconnect_before_a_non_streamed_answer(server):
+def test_client_disconnect_before_a_non_streamed_answer(main_server):
     """A client that gives up on a non-streamed request (here: its read timeout) frees the model too."""
-    before = _metrics(server)["jaxsmol_cancelled_total"]
+    before = _metrics(main_server)["jaxsmol_cancelled_total"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + _C, json=_LONG, timeout=httpx.Timeout(60, read=1))
-    _assert_abandoned_job_cancelled(server, before)
+        httpx.post(main_server + _C, json=_LONG, timeout=httpx.Timeout(60, read=1))
+    _assert_abandoned_job_cancelled(main_server, before)
 
 
 def _assert_abandoned_job_cancelled(server: str, cancelled_before: float) -> None:
@@ -94,7 +94,7 @@ def test_queue_full_answers_503_with_retry_after(queue_server):
 
 
 # ---- SIGTERM drains -----------------------------------------------------------------------------------
-def test_sigterm_finishes_requests_in_flight(sigterm_server, server):
+def test_sigterm_finishes_requests_in_flight(sigterm_server, main_server):
     url, proc = sigterm_server.url, sigterm_server.proc
     # the daemon has one decode row: the first request runs while the second waits for it
     bodies = [{"prompt": f"Chapter {i}. The old lighthouse keeper", "max_tokens": 120, "temperature": 0,
@@ -128,7 +128,7 @@ def test_sigterm_finishes_requests_in_flight(sigterm_server, server):
     for body, r in zip(bodies, results):
         assert isinstance(r, httpx.Response), r
         assert r.status_code == 200, r.text
-        ref = _post(server, _C, body).json()["choices"][0]  # the full answer, from the other server
+        ref = _post(main_server, _C, body).json()["choices"][0]  # the full answer, from the other server
         got = r.json()["choices"][0]
         assert (got["text"], got["token_ids"], got["finish_reason"]) == \
             (ref["text"], ref["token_ids"], ref["finish_reason"])
