@@ -29,6 +29,13 @@ CACHE_COUNTERS = (
     ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
     ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
     ("disk_writes", "Entries written to the disk tier."),
+    ("shared_loads", "Prefixes restored with chunks of the shared store (--shared-cache)."),
+    ("shared_hits", "Chunks read from the shared store and used."),
+    ("shared_misses", "Chunk reads that found nothing in the shared store (an unreachable one included)."),
+    ("shared_writes", "Chunks written to the shared store."),
+    ("shared_bytes_read", "Bytes read from the shared store."),
+    ("shared_bytes_written", "Bytes written to the shared store."),
+    ("shared_unavailable", "Shared-store reads that found it unreachable."),
 )
 
 
@@ -63,6 +70,9 @@ BATCH_COUNTERS = (("steps", "Decode steps."), ("decoded_tokens", "Tokens sampled
 READ_PHASES = ("headers", "body")  # where a request's read timed out (cli/server/limits.py)
 # the reasons a disk-tier file is refused (cache/store/snapshot.py SnapshotError.reason)
 DISK_REFUSALS = ("checksum", "corrupted", "unreadable", "mismatch")
+# why a shared-store value is refused when read, and why a chunk is not written (cache/store/shared.py)
+SHARED_REFUSALS = ("truncated", "checksum", "malformed", "foreign")
+SHARED_DROPS = ("unavailable", "full", "error", "busy")
 # (vLLM's name, attribute of cli/server/replica.py Load, help): the gauges the Gateway API Inference
 # Extension reads by default, aliases of the queue, the rows in use and the decode KV in use
 VLLM_ALIASES = (
@@ -186,6 +196,10 @@ class _ScrapeTime:
                         stats["bypasses"])
         yield _by_label("jaxsmol_cache_disk_refused", "Disk-tier files refused when read, and deleted, by reason "
                         "(--cache-dir).", "reason", stats["disk_refused"], DISK_REFUSALS)
+        yield _by_label("jaxsmol_cache_shared_refused", "Shared-store values refused when read, and deleted, by "
+                        "reason (--shared-cache).", "reason", stats["shared_refused"], SHARED_REFUSALS)
+        yield _by_label("jaxsmol_cache_shared_dropped", "Chunks not written to the shared store, by reason.", "reason",
+                        stats["shared_dropped"], SHARED_DROPS)
         yield GaugeMetricFamily("jaxsmol_cache_bytes", "Bytes held by the prefix cache.", value=stats["bytes_held"])
         yield GaugeMetricFamily("jaxsmol_cache_pinned_bytes", "Bytes of pinned prefixes (part of jaxsmol_cache_bytes; "
                                 "bounded by --pinned-bytes).", value=stats.get("pinned_bytes", 0))
