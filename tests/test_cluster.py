@@ -9,7 +9,9 @@ cluster section (cli/bench/cluster.py), with the router itself (pip install 'jax
   checkpoint whose KV cache, like the real model's, is much bigger than the logits kept per stored
   prompt (on the two-layer one the logits are as big as a prefix, and the cache budget means nothing):
   every tenant's first request at once, the rest by one client, answers independent of their batch,
-  so the counts are the same on every run.
+  so the counts are the same on every run. Then the same replicas with `--shared-cache DIR`: no prefix
+  prefilled twice across the fleet, and after every replica restarts on the directory, each tenant's
+  first request restores its prefix's whole chunks from it.
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ def test_cache_aware_reuses_prefixes_round_robin_spreads_them(small_engine):
     from jaxsmol.cli.bench.plans import FULL
 
     plan = dict(FULL, cluster_clients=1, cluster_first_together=True, cluster_batch_invariant=True,
-                cluster_max_batch=4, cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400)
+                cluster_max_batch=4, cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400,
+                cluster_shared=("completions",))
     args = types.SimpleNamespace(model=str(small_engine.model_dir), ctx=2048, dtype="float32", tp=1, dp=1, seed=0,
                                  kv_dtype=None)
     res = section_cluster(args, small_engine, plan)
@@ -158,6 +161,13 @@ def test_cache_aware_reuses_prefixes_round_robin_spreads_them(small_engine):
     ca, rr = rows["chat", "cache_aware"], rows["chat", "round_robin"]
     assert ca["hit_rate"] >= 0.7 and ca["hit_rate"] >= rr["hit_rate"] + 0.2, (ca, rr)
     assert ca["prefilled"] <= 0.5 * rr["prefilled"], (ca, rr)
+
+    # the same replicas sharing a directory (--shared-cache): no prefix prefilled twice across the fleet,
+    # and after every replica restarts, each tenant's first request restores its prefix's whole chunks
+    shared, ca = rows["completions", "cache_aware + shared"], rows["completions", "cache_aware"]
+    assert shared["prefilled"] <= ca["prefilled"] and shared["hit_rate"] >= 0.8, (shared, ca)
+    restart = res["restart"]
+    assert restart["shared_loads"] == tenants and restart["reused"] >= tenants * (prefix_tokens // 64) * 64, restart
 
 
 def _prefixes(plan, seed, engine) -> list[str]:

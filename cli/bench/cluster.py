@@ -1,4 +1,5 @@
-"""`--only cluster`: replicas of `jaxsmol serve` behind sglang-router, cache_aware against round_robin.
+"""`--only cluster`: replicas of `jaxsmol serve` behind sglang-router, cache_aware against round_robin, and
+with a shared cache.
 
 Starts `--replicas` daemons (cli/replicas.py: free loopback ports, the CPUs split between them) with
 `--cache-bytes` sized so that one holds about half the tenants' prefixes (and a few of their latest
@@ -18,23 +19,25 @@ a prompt that matches no replica's past prompts well to the replica with the few
 replicas), the rest by one client, and with `cluster_batch_invariant` an answer does not depend on
 its batch, so the counts are the same on every run (tests/test_cluster.py holds them). The times are
 this machine's.
+
+With `cluster_shared` (the full plan's variants), the replicas then run cache_aware again with `--shared-cache`, and
+are restarted on it (cli/bench/cluster_shared.py): rows "cache_aware + shared" against cache_aware, and
+the hit rate of each tenant's first request after the restart. The runs themselves are in
+cli/bench/cluster_runs.py.
 """
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
+from jaxsmol.cli.bench.cluster_runs import run_policy, warm
+from jaxsmol.cli.bench.cluster_shared import shared_runs
 from jaxsmol.cli.bench.measure import log
 from jaxsmol.cli.tables import format_table
 
 POLICIES = ("round_robin", "cache_aware")
-VARIANTS = ("completions", "chat")
-COUNTERS = ("jaxsmol_cache_tokens_reused_total", "jaxsmol_cache_tokens_prefilled_total")
+SHARED = "cache_aware + shared"  # the policy of the runs with a shared cache (cli/bench/cluster_shared.py)
 
 
 def cache_bytes_for(plan, prefix_tokens: int, bytes_per_token: int, payload_bytes: int) -> int:
@@ -46,76 +49,16 @@ def cache_bytes_for(plan, prefix_tokens: int, bytes_per_token: int, payload_byte
     return half * (prefix_tokens * bytes_per_token + (plan["cluster_room"] + 1) * per_entry)
 
 
-def counters(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in COUNTERS}
-
-
-def _work_counts(replicas, before: list[dict]) -> dict:
-    after = [counters(r.url) for r in replicas]
-    reused = [int(a[COUNTERS[0]] - b[COUNTERS[0]]) for a, b in zip(after, before)]
-    prefilled = [int(a[COUNTERS[1]] - b[COUNTERS[1]]) for a, b in zip(after, before)]
-    total = sum(reused) + sum(prefilled)
-    return {"reused": sum(reused), "prefilled": sum(prefilled), "hit_rate": sum(reused) / total if total else 0.0,
-            "reused_per_replica": reused, "prefilled_per_replica": prefilled}
-
-
-def _settle(replicas, flush: bool) -> None:
-    """Wait until no replica has work left (answers being stored included); then empty their caches."""
-    from jaxsmol.cli.bench.clients import wait_idle
-
-    for r in replicas:
-        wait_idle(r.url, timeout_s=1800)
-        if flush:
-            httpx.post(r.url + "/flush_cache", timeout=300).raise_for_status()
-
-
-def run_policy(replicas, work, variant: str, policy: str, plan, log_dir: Path) -> dict:
-    """One run: a fresh router with `policy` in front of the (flushed) replicas, the variant's requests."""
-    from jaxsmol.cli.bench.tenants import send
-    from jaxsmol.cli.replicas import Router, free_port, start_router, stop, wait_until
-
-    _settle(replicas, flush=True)
-    router = start_router([r.url for r in replicas], policy, "127.0.0.1", free_port(), log_dir / f"router-{policy}.log")
-    try:
-        wait_until([router], Router.ready, 300, "ready with every replica healthy")
-        before = [counters(r.url) for r in replicas]
-        ttfts, wall = send(router.url, work, variant, plan["cluster_clients"], plan["cluster_tokens"],
-                           plan["cluster_first_together"])
-        _settle(replicas, flush=False)
-        row = {"variant": variant, "policy": policy, "requests": len(ttfts), **_work_counts(replicas, before),
-               "wall_s": wall, "req_s": len(ttfts) / wall, "ttft_p50_ms": 1e3 * statistics.median(ttfts)}
-    finally:
-        stop([router])
-    log(f"cluster {variant} {policy}: hit rate {row['hit_rate']:.3f}, prefilled {row['prefilled']}, "
-        f"{row['req_s']:.2f} req/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms")
-    return row
-
-
-def _warm(replicas, work, plan) -> None:
-    """Each replica alone sends a few of the workload's requests (both variants), so the programs their
-    lengths take are compiled before any run."""
-    import dataclasses
-
-    from jaxsmol.cli.bench.tenants import send
-
-    some = dataclasses.replace(work, completions=work.completions[:4], chats=work.chats[:1])
-    for r in replicas:
-        for variant in VARIANTS:
-            send(r.url, some, variant, min(plan["cluster_clients"], 4), plan["cluster_tokens"])
-
-
-def compare(rows: list[dict]) -> list[dict]:
-    """Per variant, cache_aware against round_robin."""
+def compare(rows: list[dict], new: str = "cache_aware", old: str = "round_robin") -> list[dict]:
+    """Per variant, the rows of policy `new` against those of `old`."""
     out = []
     for variant in dict.fromkeys(r["variant"] for r in rows):
         by = {r["policy"]: r for r in rows if r["variant"] == variant}
-        if set(POLICIES) <= set(by):
-            ca, rr = by["cache_aware"], by["round_robin"]
-            out.append({"variant": variant, "hit_rate_gain": ca["hit_rate"] - rr["hit_rate"],
-                        "prefilled_ratio": ca["prefilled"] / rr["prefilled"] if rr["prefilled"] else float("nan"),
-                        "req_s_ratio": ca["req_s"] / rr["req_s"],
-                        "ttft_p50_ratio": ca["ttft_p50_ms"] / rr["ttft_p50_ms"]})
+        if {new, old} <= set(by):
+            a, b = by[new], by[old]
+            out.append({"variant": variant, "new": new, "old": old, "hit_rate_gain": a["hit_rate"] - b["hit_rate"],
+                        "prefilled_ratio": a["prefilled"] / b["prefilled"] if b["prefilled"] else float("nan"),
+                        "req_s_ratio": a["req_s"] / b["req_s"], "ttft_p50_ratio": a["ttft_p50_ms"] / b["ttft_p50_ms"]})
     return out
 
 
@@ -138,17 +81,25 @@ def section_cluster(args, engine, plan) -> dict:
     rows = []
     try:
         wait_until(replicas, Replica.ready, 3600, "ready")
-        _warm(replicas, work, plan)
+        warm(replicas, work, plan)
         for variant in plan["cluster_variants"]:
             for policy in POLICIES:
                 rows.append(run_policy(replicas, work, variant, policy, plan, log_dir))
     finally:
         stop(replicas)
+    shared = None
+    if plan["cluster_shared"]:
+        other = build_workload(args.seed + 1, plan["cluster_tenants"], plan["cluster_per_tenant"],
+                               plan["cluster_prefix"], plan["cluster_suffix"], plan["cluster_turns"],
+                               lambda text: len(tok.encode(text)))
+        shared = shared_runs(flags, work, other, plan, log_dir)
+        rows += shared["rows"]
     return {"replicas": n, "cpus": [list(r.cpus or ()) for r in replicas], "daemon_flags": flags,
             "cache_bytes": cache_bytes, "tenants": plan["cluster_tenants"], "per_tenant": plan["cluster_per_tenant"],
             "prefix_tokens": plan["cluster_prefix"], "suffix_tokens": plan["cluster_suffix"],
             "turns": plan["cluster_turns"], "clients": plan["cluster_clients"], "tokens": plan["cluster_tokens"],
-            "rows": rows, "compare": compare(rows)}
+            "rows": rows, "compare": compare(rows) + compare(rows, SHARED, "cache_aware"),
+            "restart": shared and shared["restart"]}
 
 
 def format_cluster(c: dict) -> list[str]:
@@ -162,7 +113,12 @@ def format_cluster(c: dict) -> list[str]:
                                 f"{c['suffix_tokens']} new tokens), {c['clients']} clients, --cache-bytes "
                                 f"{c['cache_bytes']} (`jaxsmol serve {' '.join(c['daemon_flags'])}`)")]
     for x in c["compare"]:
-        lines.append(f"cluster {x['variant']}: cache_aware against round_robin: hit rate +{x['hit_rate_gain']:.3f}, "
-                     f"prefilled {x['prefilled_ratio']:.2f}x, requests/s {x['req_s_ratio']:.2f}x, "
-                     f"TTFT p50 {x['ttft_p50_ratio']:.2f}x")
+        lines.append(f"cluster {x['variant']}: {x.get('new', 'cache_aware')} against {x.get('old', 'round_robin')}: "
+                     f"hit rate {x['hit_rate_gain']:+.3f}, prefilled {x['prefilled_ratio']:.2f}x, requests/s "
+                     f"{x['req_s_ratio']:.2f}x, TTFT p50 {x['ttft_p50_ratio']:.2f}x")
+    if c.get("restart"):
+        r = c["restart"]
+        lines.append(f"cluster restarted on its shared cache: each tenant's first request ({r['requests']}): hit rate "
+                     f"{r['hit_rate']:.3f} ({r['reused']} positions restored, {r['prefilled']} prefilled; "
+                     f"{r['shared_loads']} prefixes from the shared store), TTFT p50 {r['ttft_p50_ms']:.0f} ms")
     return lines

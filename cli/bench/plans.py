@@ -28,6 +28,7 @@ FULL = dict(
     cluster_replicas=2, cluster_tenants=6, cluster_per_tenant=12, cluster_prefix=800, cluster_suffix=30,
     cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=2, cluster_max_batch=8,
     cluster_variants=("completions", "chat"), cluster_first_together=False, cluster_batch_invariant=False,
+    cluster_shared=("completions", "chat"),  # the variants run again with --shared-cache (none: not at all)
     admission_workloads=("bursts", "churn"), admission_blocks=2, admission_hot=0.75, admission_churn_blocks=6,
     admission_block_tokens=400, admission_question=20, admission_clients=12, admission_requests=4,
     admission_max_batch=4, admission_cache_blocks=2.5, admission_rounds=1, admission_tokens=16,
@@ -47,7 +48,7 @@ QUICK = dict(
     serve_clients=(1, 4), serve_tokens=16, serve_max_batch=4,
     burst_idle=5.0, burst_clients=4, burst_tokens=8, burst_rounds=1,
     ready_tokens=16, ready_settled=2,
-    cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400, cluster_tokens=4,
+    cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400, cluster_tokens=4, cluster_shared=(),
     admission_churn_blocks=3, admission_block_tokens=64, admission_question=8, admission_clients=4,
     admission_requests=2, admission_max_batch=2, admission_cache_blocks=1.5, admission_tokens=4,
     spec_tokens=24, spec_rounds=1,
