@@ -53,7 +53,7 @@ class NamedContents:
 
     def _alive(self, n: Named) -> bool:
         self.pins.expire()
-        if self.pins.expiry(n.ns, n.tokens) is not None and n.name in self.pins.expires[(n.ns, n.tokens)]:
+        if n.name in self.pins.expires.get((n.ns, n.tokens), {}):
             return True
         self._items.pop(n.name, None)
         return False

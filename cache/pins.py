@@ -47,7 +47,8 @@ class Pins:
             raise JaxsmolError(f"pinned budget must be >= 0 bytes, got {budget_bytes}")
         self.cache, self.budget_bytes, self.clock = cache, int(budget_bytes), clock
         self.restored, self.warnings = 0, []  # pins restored from the disk tier at start, and those that were not
-        # (namespace, tokens) of each expiring pin -> {holder: when its hold expires (on `clock`)}
+        self.lasting: set[tuple] = set()  # (namespace, tokens) of the pins that last until `unpin`
+        # (namespace, tokens) of each held pin -> {holder: when its hold expires (on `clock`)}
         self.expires: dict[tuple, dict] = {}
         self._soonest = float("inf")  # at most the earliest key's expiry: `expire` is a comparison until then
 
@@ -57,12 +58,12 @@ class Pins:
 
     def keys(self, lasting: bool = False) -> list[tuple]:
         """(namespace, tokens) of every pinned key (lasting: of those that do not expire)."""
-        keys = [k for k in self.cache.store.pinned if not (lasting and k in self.expires)]
+        keys = self.lasting if lasting else self.cache.store.pinned
         return sorted(keys, key=lambda k: (str(k[0]), k[1]))
 
     def is_pinned(self, ns, tokens, lasting: bool = False) -> bool:
         key = (ns, tuple(tokens))
-        return key in self.cache.store.pinned and not (lasting and key in self.expires)
+        return key in (self.lasting if lasting else self.cache.store.pinned)
 
     def check(self, lk) -> None:
         """Before a prompt is prefilled to be pinned: JaxsmolError if it cannot be, naming why (the
@@ -91,8 +92,9 @@ class Pins:
 
     def expiry(self, ns, tokens) -> float | None:
         """When an expiring pin's last hold expires (on `clock`); None for a lasting pin or none."""
-        holds = self.expires.get((ns, tuple(tokens)))
-        return max(holds.values()) if holds else None
+        key = (ns, tuple(tokens))
+        holds = self.expires.get(key)
+        return max(holds.values()) if holds and key not in self.lasting else None
 
     def pin(self, ns, tokens, write: bool = True, ttl_s: float | None = None, holder: str | None = None,
             record: dict | None = None) -> Pinned:
@@ -100,24 +102,24 @@ class Pins:
         (JaxsmolError if it is not stored or would exceed the budget). Without `ttl_s` the pin lasts
         until `unpin`, and with a disk tier and `write` it is written there marked pinned; with it, the
         pin is held `ttl_s` seconds from now by `holder` (None: a breakpoint's hold, extended by a later
-        one; a lasting pin stays lasting), and a named holder's pin is written with its `record`."""
+        one; a lasting pin stays lasting, its holds kept), and a named holder's pin is written with its
+        `record` (a lasting one's file stays as it is)."""
         store, key = self.cache.store, (ns, tuple(tokens))
         self.expire()
         cost = store.pin_cost(*key)
         if cost is None:
             raise JaxsmolError(f"cannot pin {len(tokens)} tokens: they are not stored (evicted meanwhile?)")
         self._refuse_over_budget(len(tokens), cost)
-        lasting = key in store.pinned and key not in self.expires
         store.pin(*key)
         on_disk = False
         if ttl_s is None:
-            self.expires.pop(key, None)
+            self.lasting.add(key)
             on_disk = write and self.write(*key)
-        elif not lasting:
+        else:
             holds, until = self.expires.setdefault(key, {}), self.clock() + ttl_s
             holds[holder] = until if holder is not None else max(holds.get(None, 0.0), until)
             self._soonest = min(self._soonest, until)
-            on_disk = write and holder is not None and self.write(*key, ttl_s, record)
+            on_disk = write and holder is not None and key not in self.lasting and self.write(*key, ttl_s, record)
         self.cache.sync()
         return Pinned(len(tokens), cost, self.held, on_disk)
 
@@ -129,7 +131,8 @@ class Pins:
             return False
         self.expires[key][holder] = self.clock() + ttl_s
         self._soonest = min(self._soonest, self.expires[key][holder])
-        self.write(*key, ttl_s, record)
+        if key not in self.lasting:
+            self.write(*key, ttl_s, record)
         return True
 
     def release(self, ns, tokens, holder: str) -> bool:
@@ -141,7 +144,9 @@ class Pins:
             return False
         del holds[holder]
         if not holds:
-            self.unpin(*key)
+            del self.expires[key]
+            if key not in self.lasting:
+                self.unpin(*key)
         return True
 
     def keep(self, ns, prompt, breakpoints, read: int) -> int:
@@ -170,15 +175,20 @@ class Pins:
         if now < self._soonest:
             return 0
         due = [key for key, holds in self.expires.items() if max(holds.values()) <= now]
+        returned = 0
         for key in due:
-            self.unpin(*key)
+            del self.expires[key]  # a lasting pin's holds end, the pin stays
+            if key not in self.lasting:
+                returned += self.unpin(*key)
         self._soonest = min((max(h.values()) for h in self.expires.values()), default=float("inf"))
         self.cache.sync()
-        return len(due)
+        return returned
 
     def unpin(self, ns, tokens) -> bool:
-        """Return a pinned key to the LRU (and delete its pinned file); False if it was not pinned."""
+        """Return a pinned key to the LRU (and delete its pinned file), its holds dropped; False if it was
+        not pinned."""
         self.expires.pop((ns, tuple(tokens)), None)
+        self.lasting.discard((ns, tuple(tokens)))
         if not self.cache.store.unpin(ns, tuple(tokens)):
             return False
         if self.cache.disk is not None:

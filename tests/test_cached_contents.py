@@ -179,3 +179,15 @@ def test_a_24h_retention_keeps_the_prompt_on_disk_out_of_the_lru(make_client, tw
     assert [e.path for e in list_dir(d)[0] if e.expires_at] == [entry.path]
     r = c.post("/v1/completions", json={**body, "prompt_cache_retention": "sometimes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_retention"
+
+
+def test_a_content_over_a_lasting_pin_lives_its_ttl_and_leaves_the_pin(make_client):
+    c = make_client()
+    pin = c.post("/v1/cache/pin", json={"messages": AS_MESSAGES}).json()
+    made = create(c, messages=AS_MESSAGES, contents=None, system_instruction=None)
+    assert made["usage_metadata"]["total_token_count"] == pin["tokens"]
+    assert c.get(f"/v1/cached_contents/{made['name']}").status_code == 200
+    [entry] = [e for e in c.get("/v1/cache").json()["entries"] if e["pinned"]]
+    assert entry["names"] == [made["name"]] and entry["expires_at"] is None  # lasting: it does not expire
+    assert c.delete(f"/v1/cached_contents/{made['name']}").status_code == 200
+    assert c.get("/v1/cache").json()["pinned_bytes"] == pin["pinned_bytes"]  # the lasting pin stays
