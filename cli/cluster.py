@@ -37,7 +37,8 @@ def add_cluster_parser(sub) -> None:
     c.add_argument("--policy", choices=POLICIES, default="cache_aware",
                    help="the router's policy: cache_aware (default: a prompt goes to the replica whose past prompts "
                         "share the longest prefix with it, or the least loaded when the loads differ much), "
-                        "round_robin, power_of_two, random")
+                        "round_robin, power_of_two, random, manual (requests with the same x-smg-routing-key header, "
+                        "e.g. a prompt_cache_key, go to one replica; those without one at random)")
     c.add_argument("--host", default="127.0.0.1", help="the router's address (the replicas listen on loopback)")
     c.add_argument("--port", type=int, default=8000, help="the router's port")
     c.add_argument("--no-pin", action="store_true", help="leave every replica on all the CPUs (default: each on its "

@@ -28,7 +28,7 @@ import jaxsmol
 from jaxsmol.errors import JaxsmolError
 
 PACKAGE_ROOT = Path(jaxsmol.__file__).resolve().parents[1]  # where `python -m jaxsmol.cli.main` finds the package
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "manual")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
