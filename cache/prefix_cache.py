@@ -72,11 +72,11 @@ class PrefixCache:
         self.disk = disk if mode != "off" else None
         if self.disk is not None:
             self.stats.disk_refused = self.disk.refused  # counted where the files are read
-        if self.disk is not None and mode == "radix":
-            self.store.on_evict = self._spill
         if shared is not None and not exact:  # its states would reach exact caches through the store
             raise JaxsmolError("a shared store takes exact states only: PrefixCache(exact=False) cannot use one")
         self.shared = shared if mode == "radix" else None
+        if mode == "radix" and (self.disk is not None or self.shared is not None and self.shared.write_back):
+            self.store.on_evict = self._evicted
         if self.shared is not None:  # counted where the values are read and written
             self.stats.shared_refused, self.stats.shared_dropped = self.shared.refused, self.shared.dropped
             self.shared.on_written = self._sync_shared  # its writer thread's counts reach the stats at once
@@ -213,10 +213,17 @@ class PrefixCache:
                            snap.logits)
         self.sync()
 
-    def _spill(self, ns, match) -> None:
-        """The radix store is evicting this key: keep it on disk if the disk budget allows."""
+    def _evicted(self, ns, match) -> None:
+        """The radix store is evicting this key: to the disk tier, and to a write-back shared store."""
         if ns[0] != self.engine.fingerprint:
             return
+        if self.disk is not None:
+            self._spill(ns, match)
+        if self.shared is not None and self.shared.write_back:
+            self._write_through(ns, self.store.tokens(match))
+
+    def _spill(self, ns, match) -> None:
+        """Keep an evicted key on disk if the disk budget allows."""
         seg = self.store.gather(match)
         snap = Snapshot(self.store.tokens(match), seg["k"], seg["v"], self.store.payloads(match), salt=ns[1])
         try:
@@ -263,14 +270,29 @@ class PrefixCache:
         report.shared_loaded = end
         return self.store.lookup(ns, prompt, gather=False)
 
-    def _write_through(self, ns, prompt) -> None:
-        """Hand the stored prompt's whole chunks to the shared store, which writes those it lacks (on its
-        writer thread, from the store's segments: immutable, so nothing is copied here)."""
+    def _write_through(self, ns, prompt, now: bool = False) -> int:
+        """Hand the stored prompt's whole chunks to the shared store, which writes those it lacks: on its
+        writer thread, from the store's segments (immutable, so nothing is copied here), or `now` on
+        this one (the chunks written)."""
         whole = len(prompt) // self.shared.chunk_tokens * self.shared.chunk_tokens
         match = self.store.match(ns, prompt[:whole], touch=False)
-        if whole and match.length == whole:
-            self.shared.write_through(self.shared.keys(ns[1], prompt), prompt,
-                                      segment_over(self.store.parts(match, whole)))
+        if not whole or match.length < whole:
+            return 0
+        args = (self.shared.keys(ns[1], prompt), prompt, segment_over(self.store.parts(match, whole)))
+        if now:
+            return self.shared.write_missing(*args)
+        self.shared.write_through(*args)
+        return 0
+
+    def persist_to_shared(self) -> int:
+        """A write-back shared store's shutdown: every stored key's whole chunks it lacks, written now (on
+        this thread); the chunks written."""
+        if self.shared is None or not self.shared.write_back:
+            return 0
+        written = sum(self._write_through(ns, tokens, now=True) for ns, tokens in self.store.entries()
+                      if ns[0] == self.engine.fingerprint)
+        self._sync_shared()
+        return written
 
     def persist_to_disk(self) -> int:
         """Write every stored key to the disk tier (least recently used first, so that the newest stay
@@ -344,7 +366,7 @@ class PrefixCache:
         if self.keeps_last_position:
             payload = np.array(np.asarray(logits)[0])  # [V]: answers an identical prompt with no forward
             report.saved = self.store.insert(ns, prompt, kv.segment, payload=payload)
-            if self.shared is not None:
+            if self.shared is not None and not self.shared.write_back:
                 self._write_through(ns, prompt)
         else:  # the single snapshot: the first prompt_n - 1 positions
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)

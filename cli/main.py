@@ -146,7 +146,8 @@ def _serve(args) -> int:
     options = daemon_options(args)  # a bad --read-timeout fails before the model loads
     backend = shared_backend(args)  # a bad URL or an unreachable server too
     engine = load_engine(args)
-    shared = None if backend is None else SharedStore(backend, model_identity(engine), background=True)
+    shared = None if backend is None else SharedStore(backend, model_identity(engine), background=True,
+                                                      write_back=args.shared_cache_write == "back")
     serve(engine, args.host, args.port, draft=load_draft(args, engine), cache_bytes=args.cache_bytes, **options,
           shared=shared,
           prefix_cache=not args.no_prefix_cache,

@@ -141,7 +141,7 @@ def test_cache_aware_reuses_prefixes_round_robin_spreads_them(small_engine):
 
     plan = dict(FULL, cluster_clients=1, cluster_first_together=True, cluster_batch_invariant=True,
                 cluster_max_batch=4, cluster_tenants=4, cluster_per_tenant=8, cluster_prefix=400,
-                cluster_shared=("completions",))
+                cluster_shared=("completions",), cluster_shared_write=("through",))
     args = types.SimpleNamespace(model=str(small_engine.model_dir), ctx=2048, dtype="float32", tp=1, dp=1, seed=0,
                                  kv_dtype=None)
     res = section_cluster(args, small_engine, plan)

@@ -212,6 +212,24 @@ def test_a_replica_restores_another_replicas_prefix_exactly(replicas, tmp_path):
     assert generate(b, P, SP, salt="tenant").report.shared_loaded == 0  # namespaces stay apart
 
 
+def test_write_back_writes_what_memory_evicts_and_the_rest_at_shutdown(replicas, tmp_path):
+    a_engine, b_engine = replicas
+    P, Q = toks(3 * C + 10, 7), toks(3 * C + 10, 9)
+    room = (len(P) + 8) * a_engine.kv_bytes_per_token + 4 * a_engine.cfg.vocab_size  # one prompt at a time
+    a = PrefixCache(a_engine, budget_bytes=room, shared=open_shared(tmp_path, a_engine, chunk_tokens=C,
+                                                                     write_back=True))
+    b = PrefixCache(b_engine, shared=open_shared(tmp_path, b_engine, chunk_tokens=C))
+    generate(a, P, SP)
+    assert a.stats.shared_writes == 0  # not once computed
+    generate(a, Q, SP)  # evicts P: its 3 chunks are written back
+    assert a.stats.evictions >= 1 and a.stats.shared_writes == 3
+    assert a.persist_to_shared() == 3 and a.stats.shared_writes == 6  # Q's, at shutdown
+    for prompt in (P + toks(6, 8), Q + toks(6, 8)):
+        gen = generate(b, prompt, SP)
+        assert gen.report.shared_loaded == 3 * C
+        assert_same(gen, generate(b_engine, prompt, SP))  # B's cold run, bit for bit
+
+
 def test_damaged_values_are_refused_counted_and_the_answer_stays_exact(replicas, tmp_path):
     a, b = pair(replicas, tmp_path)
     P = toks(3 * C + 3, 9)

@@ -152,10 +152,13 @@ class SharedStore:
     backend's faults: a read that fails is a miss, a write that fails is dropped, both counted. Reads run
     on the caller's thread, writes on the writer thread with background=True (each counter has one writer)."""
 
-    def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS, background: bool = False):
+    def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS, background: bool = False,
+                 write_back: bool = False):
+        """write_back: a prompt's chunks are written when memory evicts it (and at shutdown), not once it is
+        computed (write-through): fewer writes, later seen by the other daemons."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.backend, self.ident, self.chunk_tokens = backend, ident, chunk_tokens
+        self.backend, self.ident, self.chunk_tokens, self.write_back = backend, ident, chunk_tokens, write_back
         L, B, K, H = ident["kv_dims"]
         self.dtype = _dtype(ident["kv_dtype"])
         self.shape = [L, B, K, H]
@@ -285,7 +288,8 @@ def segment_over(parts: list[dict], base: int = 0):
 
 
 def open_shared(spec: str, engine, chunk_tokens: int = CHUNK_TOKENS, budget_bytes: int | None = None,
-                background: bool = False) -> SharedStore:
+                background: bool = False, write_back: bool = False) -> SharedStore:
     """The shared store at `spec` (a directory or redis://HOST:PORT[/DB]) for `engine`; JaxsmolError naming
     what is wrong with `spec` (a bad URL, an unreachable server, an unusable directory)."""
-    return SharedStore(open_backend(spec, budget_bytes), model_identity(engine), chunk_tokens, background)
+    return SharedStore(open_backend(spec, budget_bytes), model_identity(engine), chunk_tokens, background,
+                       write_back)

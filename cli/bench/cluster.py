@@ -32,12 +32,12 @@ import tempfile
 from pathlib import Path
 
 from jaxsmol.cli.bench.cluster_runs import run_policy, warm
-from jaxsmol.cli.bench.cluster_shared import shared_runs
+from jaxsmol.cli.bench.cluster_shared import label, shared_runs
 from jaxsmol.cli.bench.measure import log
 from jaxsmol.cli.tables import format_table
 
 POLICIES = ("round_robin", "cache_aware")
-SHARED = "cache_aware + shared"  # the policy of the runs with a shared cache (cli/bench/cluster_shared.py)
+SHARED = label("through")  # the policy of the runs with a shared cache (cli/bench/cluster_shared.py)
 
 
 def cache_bytes_for(plan, prefix_tokens: int, bytes_per_token: int, payload_bytes: int) -> int:
@@ -98,7 +98,8 @@ def section_cluster(args, engine, plan) -> dict:
             "cache_bytes": cache_bytes, "tenants": plan["cluster_tenants"], "per_tenant": plan["cluster_per_tenant"],
             "prefix_tokens": plan["cluster_prefix"], "suffix_tokens": plan["cluster_suffix"],
             "turns": plan["cluster_turns"], "clients": plan["cluster_clients"], "tokens": plan["cluster_tokens"],
-            "rows": rows, "compare": compare(rows) + compare(rows, SHARED, "cache_aware"),
+            "rows": rows, "compare": compare(rows) + compare(rows, SHARED, "cache_aware")
+            + compare(rows, label("back"), SHARED),
             "restart": shared and shared["restart"]}
 
 

@@ -1,10 +1,12 @@
-"""`--only cluster`'s shared-cache runs: the same replicas with `--shared-cache DIR` (a fresh directory),
-cache_aware, then the whole cluster restarted on that directory.
+"""`--only cluster`'s shared-cache runs: the same replicas with `--shared-cache DIR` (a fresh directory for
+each `--shared-cache-write` mode of `cluster_shared_write`: through, back), cache_aware, then the whole
+cluster restarted on the last directory.
 
 The replicas are warmed on another seed's tenants (the store then holds none of the measured prefixes),
 their memory flushed, and each workload variant runs as in cli/bench/cluster.py's `run_policy`: a
 prefix one replica computed is found by the other in the shared store, so the fleet prefills each
-tenant's prefix about once whatever the router decides. Then every replica is stopped and started
+tenant's prefix about once whatever the router decides (written back, a prefix reaches the store only
+when memory evicts it, or at shutdown). Then every replica is stopped and started
 again on the same directory, and each tenant's next question is sent once, alternating between the
 replicas, with no warm-up (their times include loading the programs, as a restarted cluster's first
 requests do): with the shared store, they restore their prefixes from it.
@@ -54,21 +56,29 @@ def _after_restart(replicas, work, plan) -> dict:
             "shared_loads": got["jaxsmol_cache_shared_loads_total"], "ttft_p50_ms": 1e3 * statistics.median(ttfts)}
 
 
+def label(write: str) -> str:
+    """The policy column of a shared run's row."""
+    return "cache_aware + shared" + ("" if write == "through" else f" (write-{write})")
+
+
 def shared_runs(flags: list[str], work, other, plan, log_dir: Path) -> dict:
-    """The cache_aware runs with a shared directory, and the restart's first requests; `other`: the
-    warm-up's workload (other tenants)."""
+    """The cache_aware runs with a fresh shared directory for each `cluster_shared_write` mode, and the
+    restart's first requests (on the last one's directory); `other`: the warm-up's workload (other tenants)."""
     from jaxsmol.cli.replicas import stop
 
-    store = Path(tempfile.mkdtemp(prefix="jaxsmol-bench-shared-"))
-    flags, n = flags + ["--shared-cache", str(store)], plan["cluster_replicas"]
-    log(f"cluster: {n} replicas again, sharing {store}")
-    replicas = _start(flags, n, log_dir / "shared")
-    try:
-        warm(replicas, other, plan)
-        rows = [run_policy(replicas, work, variant, "cache_aware", plan, log_dir, label="cache_aware + shared")
-                for variant in plan["cluster_shared"]]
-    finally:
-        stop(replicas)
+    rows, n = [], plan["cluster_replicas"]
+    for write in plan["cluster_shared_write"]:
+        store = Path(tempfile.mkdtemp(prefix="jaxsmol-bench-shared-"))
+        with_store = flags + ["--shared-cache", str(store), "--shared-cache-write", write]
+        log(f"cluster: {n} replicas again, sharing {store} (write-{write})")
+        replicas = _start(with_store, n, log_dir / f"shared-{write}")
+        try:
+            warm(replicas, other, plan)
+            rows += [run_policy(replicas, work, variant, "cache_aware", plan, log_dir, label=label(write))
+                     for variant in plan["cluster_shared"]]
+        finally:
+            stop(replicas)  # a write-back store gets the rest of the replicas' prefixes now
+    flags = with_store
     log("cluster: every replica restarted on the same shared directory")
     replicas = _start(flags, n, log_dir / "restarted")  # no warm-up: a restarted cluster's first requests
     try:

@@ -29,6 +29,7 @@ FULL = dict(
     cluster_turns=4, cluster_clients=4, cluster_tokens=8, cluster_room=2, cluster_max_batch=8,
     cluster_variants=("completions", "chat"), cluster_first_together=False, cluster_batch_invariant=False,
     cluster_shared=("completions", "chat"),  # the variants run again with --shared-cache (none: not at all)
+    cluster_shared_write=("through", "back"),  # --shared-cache-write of those runs, each its own directory
     admission_workloads=("bursts", "churn"), admission_blocks=2, admission_hot=0.75, admission_churn_blocks=6,
     admission_block_tokens=400, admission_question=20, admission_clients=12, admission_requests=4,
     admission_max_batch=4, admission_cache_blocks=2.5, admission_rounds=1, admission_tokens=16,

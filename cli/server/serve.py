@@ -87,6 +87,9 @@ class Daemon:
         if cache.disk is not None:
             n = await asyncio.to_thread(self._locked, cache.persist_to_disk)
             print(f"prefix cache: {n} entries on disk in {cache.disk.dir}", file=sys.stderr, flush=True)
+        if cache.shared is not None and cache.shared.write_back:
+            n = await asyncio.to_thread(self._locked, cache.persist_to_shared)
+            print(f"prefix cache: {n} chunks written back to the shared cache", file=sys.stderr, flush=True)
 
     def _locked(self, fn):
         with self.worker.lock:  # not while a request is using the model or the cache
