@@ -153,9 +153,11 @@ def test_two_cli_runs_share_a_prompt_cache(tiny_model_dir, tmp_path):
 
 def _start_server(model: Path, cache_dir: Path, log):
     port = free_port()
+    # --no-compile-ahead: ready at once, as tests/daemon.py's daemons (what a restart keeps is the subject here)
     proc = subprocess.Popen([sys.executable, "-m", "jaxsmol.cli.main", "serve", "--port", str(port), "--ctx", "2048",
-                             "--model", str(model), "--cache-dir", str(cache_dir)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                             "--model", str(model), "--cache-dir", str(cache_dir), "--no-compile-ahead"], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     import httpx
 
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
