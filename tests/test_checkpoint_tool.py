@@ -36,15 +36,18 @@ def test_written_checkpoint_loads_with_the_expected_shapes(tiny_dir):
     assert np.all(np.abs(norm - 1) < 1)  # norms near 1, stored as bfloat16, read back as float32
 
 
-def _generate(model, *extra):
+def _generate(model, programs, *extra):
     return subprocess.run([sys.executable, "-m", "jaxsmol.cli.main", "generate", "--model", str(model),
                            "--ids", "1", "2", "3", "--max-tokens", "4", *extra], capture_output=True, text=True,
                           timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSMOL_COMPILE_CACHE": "off"})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSMOL_COMPILE_CACHE": str(programs)})
 
 
-def test_generate_reports_load_and_compile_apart(tiny_dir):
-    r = _generate(tiny_dir, "--json")
+def test_generate_reports_load_and_compile_apart(tiny_dir, tmp_path):
+    # an empty program store of this test's own: the first run compiles every program (the session's
+    # store may hold them), the second loads what the first stored (its summary line is the subject)
+    programs = tmp_path / "programs"
+    r = _generate(tiny_dir, programs, "--json")
     assert r.returncode == 0, r.stderr
     t = json.loads(r.stdout)["timings"]
     assert len(json.loads(r.stdout)["output_ids"]) == 4
@@ -53,7 +56,7 @@ def test_generate_reports_load_and_compile_apart(tiny_dir):
     assert t["load_s"] > 0 and t["compile_s"] > 0  # the programs were compiled, in the background
     assert t["startup_s"] >= max(t["load_s"], t["compile_s"]) - 1e-6  # they overlap, both within start-up
     assert t["total_s"] >= t["prefill_s"] + t["decode_s"] - 1e-6
-    r = _generate(tiny_dir)
+    r = _generate(tiny_dir, programs)
     assert r.returncode == 0, r.stderr
     summary = r.stderr.strip().splitlines()[-1]
     assert "load " in summary and "compile " in summary and "prefill " in summary and "decode " in summary
