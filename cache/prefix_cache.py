@@ -15,6 +15,7 @@ first, and `persist_to_disk` / `warm_from_disk` carry the whole store across a r
 A third tier several daemons share (`shared=SharedStore(...)`, cache/store/shared.py), radix mode: a lookup
 that finds more whole chunks of the prompt there than memory and disk matched brings them into memory
 first (`_from_shared`); a saved prompt's whole chunks the store lacks are written to it (`_write_through`).
+Both lower tiers' methods are in cache/tiers.py (`LowerTiers`, this class's base).
 `snapshot_of` / `add_snapshot` move one stored key out of and into the cache, in either mode.
 Pinned prefixes (`cache.pins`, cache/pins.py) are radix keys kept out of eviction under a budget of
 their own, for good or until an expiry (a request's cache breakpoints); `cached_prefix` tells how much
@@ -34,17 +35,16 @@ Requests run through the scheduler (cache/scheduler/), the library's one at a ti
 
 from __future__ import annotations
 
-import contextlib
-import time
 
 import numpy as np
 
 from jaxsmol.cache.named import NamedContents
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
-from jaxsmol.cache.store.disk import DiskStore, Snapshot, SnapshotError
+from jaxsmol.cache.store.disk import DiskStore, Snapshot
 from jaxsmol.cache.store.radix import RadixStore
-from jaxsmol.cache.store.shared import SharedStore, segment_over
+from jaxsmol.cache.store.shared import SharedStore
+from jaxsmol.cache.tiers import LowerTiers
 from jaxsmol.runtime.engine import Engine
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.model.kv import SEQ_AXIS
@@ -52,7 +52,7 @@ from jaxsmol.model.kv import SEQ_AXIS
 MODES = ("radix", "single", "off")
 
 
-class PrefixCache:
+class PrefixCache(LowerTiers):
     def __init__(self, engine: Engine, mode: str = "radix", budget_bytes: int = 2 << 30, salt: str = "",
                  save_generated: bool = True, exact: bool = True, disk: DiskStore | None = None,
                  pinned_bytes: int = DEFAULT_BUDGET_BYTES, shared: SharedStore | None = None):
@@ -75,6 +75,7 @@ class PrefixCache:
         if shared is not None and not exact:  # its states would reach exact caches through the store
             raise JaxsmolError("a shared store takes exact states only: PrefixCache(exact=False) cannot use one")
         self.shared = shared if mode == "radix" else None
+        self.prefill_timed, self.skipped_reads = [0, 0.0], 0  # positions prefilled and their seconds (note_prefill)
         if mode == "radix" and (self.disk is not None or self.shared is not None and self.shared.write_back):
             self.store.on_evict = self._evicted
         if self.shared is not None:  # counted where the values are read and written
@@ -98,7 +99,9 @@ class PrefixCache:
         return self.store.bytes_held
 
     def flush(self) -> None:
-        """Forget every entry but the pinned ones, the disk tier's too (unpin a prefix to forget it)."""
+        """Forget every entry but the pinned ones, the disk tier's too (unpin a prefix to forget it); a
+        write-back shared store first gets what it lacks (it is every daemon's: it is not flushed)."""
+        self.persist_to_shared()
         self.store.clear(keep_pinned=True)
         if self.disk is not None:
             self.disk.clear(keep_pinned=True)
@@ -119,12 +122,6 @@ class PrefixCache:
             self.stats.disk_writes, self.stats.disk_bytes = self.disk.writes, self.disk.bytes_held
         if self.shared is not None:
             self._sync_shared()
-
-    def _sync_shared(self) -> None:
-        sh, st = self.shared, self.stats
-        st.shared_hits, st.shared_misses, st.shared_writes = sh.hits, sh.misses, sh.writes
-        st.shared_bytes_read, st.shared_bytes_written = sh.bytes_read, sh.bytes_written
-        st.shared_unavailable = sh.unavailable
 
     def _bypass_reason(self, n: int, bypass: bool) -> str | None:
         if self.mode == "off" or bypass:
@@ -212,148 +209,6 @@ class PrefixCache:
             self.store.add(self.namespace(snap.salt if salt is None else salt), snap.tokens, snap.segment,
                            snap.logits)
         self.sync()
-
-    def _evicted(self, ns, match) -> None:
-        """The radix store is evicting this key: to the disk tier, and to a write-back shared store."""
-        if ns[0] != self.engine.fingerprint:
-            return
-        if self.disk is not None:
-            self._spill(ns, match)
-        if self.shared is not None and self.shared.write_back:
-            self._write_through(ns, self.store.tokens(match))
-
-    def _spill(self, ns, match) -> None:
-        """Keep an evicted key on disk if the disk budget allows."""
-        seg = self.store.gather(match)
-        snap = Snapshot(self.store.tokens(match), seg["k"], seg["v"], self.store.payloads(match), salt=ns[1])
-        try:
-            self.disk.put(snap)
-        except OSError:  # a full or broken disk costs the entry, never the request
-            pass
-
-    def _from_disk(self, ns, prompt, match, report: CacheReport):
-        """On a memory miss or partial match: if the disk tier holds a longer usable prefix, bring it
-        into memory and look up again."""
-        n = len(prompt)
-        entry, common = self.disk.find(ns[1], prompt)
-        if entry is None:
-            return match
-        usable = n if common == n and n in entry.logits_at else min(common, n - 1)
-        if usable <= match.reused:
-            return match
-        try:
-            snap = self.disk.load(entry, prompt)
-        except SnapshotError:  # the store deleted it, saying why
-            return match
-        self.store.release(match)
-        self.add_snapshot(snap, salt=ns[1])
-        self.stats.disk_loads += 1
-        report.disk_loaded = usable
-        return self.store.lookup(ns, prompt, gather=False)
-
-    def _from_shared(self, ns, prompt, match, report: CacheReport):
-        """If the shared store holds more whole chunks of the prompt than `match` reuses (up to prompt_n - 1
-        positions: a chunk carries no logits, so the last token is computed), bring those past the match
-        into memory and look up again."""
-        size = self.shared.chunk_tokens
-        usable = (len(prompt) - 1) // size
-        if usable * size <= match.reused:
-            return match
-        first = match.length // size  # the positions before match.length are in memory already
-        chunks = self.shared.read_run(self.shared.keys(ns[1], prompt[: usable * size]), prompt, first)
-        end = (first + len(chunks)) * size
-        if end <= match.reused:
-            return match
-        self.store.release(match)
-        self.store.insert(ns, prompt[:end], segment_over(chunks, first * size))
-        self.stats.shared_loads += 1
-        report.shared_loaded = end
-        return self.store.lookup(ns, prompt, gather=False)
-
-    def _write_through(self, ns, prompt, now: bool = False) -> int:
-        """Hand the stored prompt's whole chunks to the shared store, which writes those it lacks: on its
-        writer thread, from the store's segments (immutable, so nothing is copied here), or `now` on
-        this one (the chunks written)."""
-        whole = len(prompt) // self.shared.chunk_tokens * self.shared.chunk_tokens
-        match = self.store.match(ns, prompt[:whole], touch=False)
-        if not whole or match.length < whole:
-            return 0
-        args = (self.shared.keys(ns[1], prompt), prompt, segment_over(self.store.parts(match, whole)))
-        if now:
-            return self.shared.write_missing(*args)
-        self.shared.write_through(*args)
-        return 0
-
-    def persist_to_shared(self) -> int:
-        """A write-back shared store's shutdown: every stored key's whole chunks it lacks, written now (on
-        this thread); the chunks written."""
-        if self.shared is None or not self.shared.write_back:
-            return 0
-        written = sum(self._write_through(ns, tokens, now=True) for ns, tokens in self.store.entries()
-                      if ns[0] == self.engine.fingerprint)
-        self._sync_shared()
-        return written
-
-    def persist_to_disk(self) -> int:
-        """Write every stored key to the disk tier (least recently used first, so that the newest stay
-        when the disk budget is short). Returns the number of keys on disk afterwards."""
-        if self.disk is None:
-            return 0
-        keys = [(ns, tokens) for ns, tokens in self.store.entries() if ns[0] == self.engine.fingerprint]
-        for ns, tokens in self.pins.keys(lasting=True):  # an expiring pin is written as an ordinary entry
-            self.pins.write(ns, tokens)
-        for ns, tokens in keys:
-            snap = self.snapshot_of(tokens, salt=ns[1])
-            if snap is not None:
-                snap.pinned = self.pins.is_pinned(ns, tokens, lasting=True)
-                self.disk.put(snap)
-        self.sync()
-        return len(self.disk)
-
-    def retain(self, lk: Lookup, seconds: float) -> bool:
-        """Keep lk's stored prompt in the disk tier for `seconds` (out of its LRU's reach until then; a
-        file pinned, or retained for more than half of that already, is left as it is); False without a disk tier,
-        or where it does not fit (the rest of the disk budget is retained) or the disk fails."""
-        if self.disk is None or lk.report.bypass is not None or self.mode != "radix":
-            return False
-        held = self.disk.entries.get(self.disk.name_of(lk.ns[1], lk.prompt))
-        if held is not None and (held.pinned or held.expires_at is not None and
-                                 held.expires_at - time.time() > seconds / 2):
-            return True
-        snap = self.snapshot_of(lk.prompt, salt=lk.ns[1])
-        if snap is None or snap.length != len(lk.prompt):
-            return False
-        snap.expires_at = time.time() + seconds
-        try:
-            return self.disk.put(snap)
-        except OSError:  # a full or broken disk costs the retention, never the request
-            return False
-
-    def warm_from_disk(self) -> int:
-        """Pin the disk tier's pinned entries again (while the pinned budget allows: a warning in
-        `pins.warnings` for each one that did not fit), then fill memory with the others, most recently
-        used first, while they fit the memory budget. Returns the number of entries loaded."""
-        if self.disk is None:
-            return 0
-        pinned = [e for e in self.disk.entries.values() if e.pinned]
-        if self.mode == "radix" and pinned:
-            self.pins.restored, self.pins.warnings = self.pins.restore(pinned)
-        chosen, total = [], 0
-        for e in self.disk.newest_first():
-            if e.pinned and self.mode == "radix":
-                continue
-            if total + e.nbytes > self.budget_bytes or len(chosen) == self.store.max_keys:
-                break
-            chosen.append(e)
-            total += e.nbytes
-        loaded = 0
-        for e in reversed(chosen):  # oldest first, so the newest end up most recently used
-            with contextlib.suppress(SnapshotError):  # a refused file: the store deleted it, saying why
-                self.add_snapshot(self.disk.load(e))
-                loaded += 1
-        self.stats.disk_loads += loaded
-        self.sync()
-        return loaded + self.pins.restored
 
     # ---- saving -----------------------------------------------------------------------------------
     def save_prompt(self, lk: Lookup, kv, logits) -> None:
