@@ -40,6 +40,7 @@ class CacheStats:
     shared_bytes_read: int = 0
     shared_bytes_written: int = 0
     shared_unavailable: int = 0  # reads and existence checks that found it unreachable
+    shared_skipped: int = 0  # lookups that prefilled what it held: reading it was measured slower
     shared_refused: Counter = dataclasses.field(default_factory=Counter)  # values refused (deleted), by reason
     shared_dropped: Counter = dataclasses.field(default_factory=Counter)  # writes not stored, by reason
 

@@ -29,8 +29,8 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                         "cluster: `redis` starts a redis-server for its replicas)")
     s.add_argument("--shared-cache-write", choices=("through", "back"), default="through",
                    help="when a prompt's chunks reach the --shared-cache: through (default: once it is computed, "
-                        "on a writer thread: other daemons find it at once) or back (when memory evicts it, and at "
-                        "shutdown: fewer writes, found later)")
+                        "on a writer thread: other daemons find it at once) or back (when memory evicts it, at a "
+                        "flush and at shutdown: fewer writes, found later)")
     s.add_argument("--shared-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="with a --shared-cache directory: its byte budget, the oldest chunks removed beyond it "
                         "(default: no limit; a Redis server's is its own maxmemory)")

@@ -21,6 +21,7 @@ import pytest
 from jaxsmol.cache.prefix_cache import PrefixCache
 from jaxsmol.cache.scheduler.many import generate
 from jaxsmol.cache.store import shared, shared_backends
+from jaxsmol.cache.tiers import PROBE_EVERY
 from jaxsmol.cache.store.shared import (Refused, SharedStore, chunk_keys, decode, encode, model_identity,
                                         open_shared)
 from jaxsmol.cache.store.shared_backends import DirBackend, open_backend
@@ -224,10 +225,38 @@ def test_write_back_writes_what_memory_evicts_and_the_rest_at_shutdown(replicas,
     generate(a, Q, SP)  # evicts P: its 3 chunks are written back
     assert a.stats.evictions >= 1 and a.stats.shared_writes == 3
     assert a.persist_to_shared() == 3 and a.stats.shared_writes == 6  # Q's, at shutdown
-    for prompt in (P + toks(6, 8), Q + toks(6, 8)):
+    R = toks(3 * C + 10, 13)
+    generate(a, R, SP)
+    a.flush()  # a flush forgets memory, not what the other daemons may read: R's chunks are written first
+    assert a.stats.shared_writes == 9
+    for prompt in (P + toks(6, 8), Q + toks(6, 8), R + toks(6, 8)):
         gen = generate(b, prompt, SP)
         assert gen.report.shared_loaded == 3 * C
         assert_same(gen, generate(b_engine, prompt, SP))  # B's cold run, bit for bit
+
+
+def test_a_store_measured_slower_than_prefilling_is_not_read(replicas, tmp_path):
+    a, b = pair(replicas, tmp_path)
+    P = toks(3 * C + 10, 11)
+    generate(a, P, SP)
+    first = generate(b, P + toks(6, 12), SP)  # nothing measured yet: read
+    assert first.report.shared_loaded == 3 * C
+    # as measured: reading a chunk took a second, prefilling took a millisecond a position
+    b.shared.read_s, b.shared.bytes_read = 3.0, 3 * b.shared.chunk_bytes
+    b.prefill_timed = [1000, 1.0]
+    cold = b.stats.shared_skipped
+    for i in range(1, PROBE_EVERY + 1):
+        b.flush()
+        prompt = P + toks(6, 20 + i)
+        gen = generate(b, prompt, SP)
+        if i < PROBE_EVERY:  # prefilled, not read, and exact
+            assert gen.report.shared_loaded == 0 and gen.report.reused == 0
+            assert_same(gen, generate(replicas[1], prompt, SP))
+    # the 16th reads all the same, measuring the store again
+    assert b.stats.shared_skipped == cold + PROBE_EVERY - 1 and gen.report.shared_loaded == 3 * C
+    b.shared.read_s, b.prefill_timed = 3 * b.shared.chunk_bytes / 1e12, [1000, 1.0]  # now fast: read at once
+    b.flush()
+    assert generate(b, P + toks(6, 99), SP).report.shared_loaded == 3 * C
 
 
 def test_damaged_values_are_refused_counted_and_the_answer_stays_exact(replicas, tmp_path):

@@ -153,6 +153,7 @@ class PrefillStage:
         the others a fork of it each, as their KV grants fit (`_start_forks`)."""
         req, lk = p.request, p.lookup
         prefill_s = time.perf_counter() - p.started
+        self.cache.note_prefill(len(lk.prompt) - lk.report.reused, prefill_s)
         out = first_tokens(logits, req.samplings, p.constraints, self.engine.cfg.vocab_size, self.first_widths)
         # stored once the first tokens are out, not on their time to first token (a fresh host copy of a
         # 700-token prompt: ~70 ms), and before a finished choice's answer extends it; but first where

@@ -41,6 +41,7 @@ import logging
 import queue
 import struct
 import threading
+import time
 from collections import Counter
 
 import numpy as np
@@ -165,6 +166,7 @@ class SharedStore:
         self.shape.insert(SEQ_AXIS, chunk_tokens)
         self.shape = tuple(self.shape)
         self.hits = self.misses = self.writes = self.bytes_read = self.bytes_written = 0
+        self.read_s = 0.0  # the time of the reads counted in bytes_read
         self.refused: Counter = Counter()  # Refused.reason -> values refused (and deleted)
         self.dropped: Counter = Counter()  # BackendError.reason (or "busy": the queue full) -> chunks not written
         self.unavailable = 0  # reads that found the backend unreachable
@@ -187,6 +189,7 @@ class SharedStore:
         out = []
         for i in range(first, len(keys)):
             ids = tokens[i * self.chunk_tokens:(i + 1) * self.chunk_tokens]
+            t0 = time.perf_counter()
             try:
                 data = self.backend.get(keys[i])
             except BackendError:
@@ -204,7 +207,18 @@ class SharedStore:
                 break
             self.hits += 1
             self.bytes_read += len(data)
+            self.read_s += time.perf_counter() - t0
         return out
+
+    @property
+    def read_rate(self) -> float | None:
+        """Bytes a second its reads have taken (fetched, verified, decoded), None before the first."""
+        return self.bytes_read / self.read_s if self.read_s > 0 else None
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A chunk's keys and values, in bytes (its value's header aside)."""
+        return 2 * int(np.prod(self.shape)) * self.dtype.itemsize
 
     def write_missing(self, keys: list[str], tokens, segment) -> int:
         """Write the chunks under `keys` the backend lacks, their state from `segment(start, stop)` ({"k",

@@ -36,6 +36,7 @@ CACHE_COUNTERS = (
     ("shared_bytes_read", "Bytes read from the shared store."),
     ("shared_bytes_written", "Bytes written to the shared store."),
     ("shared_unavailable", "Shared-store reads that found it unreachable."),
+    ("shared_skipped", "Lookups that prefilled what the shared store held: reading it was measured slower."),
 )
 
 
