@@ -83,7 +83,8 @@ class LowerTiers:
         if end <= match.reused:
             return match
         self.store.release(match)
-        self.store.insert(ns, prompt[:end], segment_over(chunks, first * size))
+        for i, chunk in enumerate(chunks, first):  # a node a chunk: its arrays kept as read, not joined
+            self.store.insert(ns, prompt[:(i + 1) * size], segment_over([chunk], i * size))
         self.stats.shared_loads += 1
         report.shared_loaded = end
         return self.store.lookup(ns, prompt, gather=False)

@@ -26,7 +26,9 @@ prompt's write-through took 190-420 ms, which on the request's thread would dela
 decode step.
 
 A value: MAGIC, a little-endian u32 header length, a JSON header (format version, key, the chunk's token
-ids, dtype, shape [L, 1, K, C, H]), the keys' bytes, the values' bytes, and a blake2b-256 over all of it.
+ids, dtype, shape [L, 1, K, C, H]), the keys' bytes, the values' bytes, and a SHA-256 over all of it
+(SHA-256 for the values, not blake2b: CPUs hash it in hardware, 1.8 GB/s here against 0.8, and every
+restored chunk is hashed on the request's path).
 `decode` refuses, with a reason (`Refused.reason`), a value that is shorter than its header says
 ("truncated"), whose checksum fails ("checksum"), whose header does not parse ("malformed"), or which is
 intact but not this key's (another key, tokens, version, dtype or shape: "foreign"). A refused value is
@@ -55,7 +57,7 @@ WRITE_QUEUE = 16  # prompts waiting for the writer thread
 FORMAT_VERSION = 1
 MAGIC = b"JXSMOLKV"
 _HEAD = struct.Struct("<8sI")  # magic, header length
-_SUM = 32  # blake2b-256 checksum bytes
+_SUM = 32  # SHA-256 checksum bytes
 LOGGER = logging.getLogger("jaxsmol.cache")
 
 
@@ -115,7 +117,7 @@ def encode(key: str, ids, k: np.ndarray, v: np.ndarray) -> bytes:
     header = json.dumps({"version": FORMAT_VERSION, "key": key, "tokens": [int(t) for t in ids],
                          "dtype": k.dtype.name, "shape": list(k.shape)}).encode()
     body = b"".join((_HEAD.pack(MAGIC, len(header)), header, memoryview(k).cast("B"), memoryview(v).cast("B")))
-    return body + hashlib.blake2b(body, digest_size=_SUM).digest()
+    return body + hashlib.sha256(body).digest()
 
 
 def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +134,7 @@ def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[n
         raise Refused(f"{len(data)} bytes where this chunk's value has {want}",
                       "truncated" if len(data) < want else "foreign")
     view = memoryview(data)
-    if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != view[-_SUM:]:
+    if hashlib.sha256(view[:-_SUM]).digest() != view[-_SUM:]:
         raise Refused("checksum mismatch", "checksum")
     try:
         header = json.loads(bytes(view[_HEAD.size:_HEAD.size + header_len]))
