@@ -79,7 +79,8 @@ def test_a_half_sent_request_is_answered_408_and_closed(url, phase, data):
     out, seconds = _send_and_read(url, data)
     assert out.startswith(b"HTTP/1.1 408 "), out
     assert b"connection: close" in out.lower() and b"--read-timeout" in out, out
-    assert READ_TIMEOUT_S <= seconds < READ_TIMEOUT_S + 5
+    # the event loop runs a timer's callback up to a selector wake-up early (seen: 47 us): 10 ms of slack
+    assert READ_TIMEOUT_S - 0.01 <= seconds < READ_TIMEOUT_S + 5
     after = _timeouts(url)
     assert after[phase] == before.get(phase, 0) + 1 and set(after) == {"headers", "body"}
     r = httpx.post(url + "/v1/completions", json=COMPLETION, headers=AUTH, timeout=60)  # the daemon goes on
