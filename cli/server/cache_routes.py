@@ -28,7 +28,6 @@ from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.api.events import ChoiceSpec
 from jaxsmol.cli.server.completions import Completions, EventReader
 from jaxsmol.cli.server.tenants import cache_salt
-from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 
 
@@ -62,24 +61,9 @@ class CacheRoutes:
         """The prompt's token ids (off the event loop); ProtocolError naming the field at fault."""
         if (body.prompt is None) == (body.messages is None):
             raise P.ProtocolError("give either prompt or messages", param="prompt")
-        tok = self.engine.tokenizer
-        if body.messages is not None:
-            if tok is None:
-                raise P.ProtocolError("messages: this model has no tokenizer", param="messages")
-            text = tok.apply_chat_template(P.template_messages(body.messages),
-                                           add_generation_prompt=body.add_generation_prompt)
-            ids = tok.encode(text)
-        elif isinstance(body.prompt, str):
-            if tok is None:
-                raise P.ProtocolError("prompt: this model has no tokenizer; give token ids", param="prompt")
-            ids = tok.encode(P.check_text(body.prompt, "prompt"))
-        else:
-            ids = body.prompt
-        where = "messages" if body.messages is not None else "prompt"
-        try:
-            return self.engine.check_prompt(ids, 0)
-        except JaxsmolError as e:
-            raise P.ProtocolError(f"{where}: {e}", param=where) from None
+        if body.messages is None:
+            return self.runner.prefix_ids(None, body.prompt, "prompt")
+        return self.runner.prefix_ids(P.template_messages(body.messages), None, "messages", body.add_generation_prompt)
 
     def _described(self, salt: str | None, ids) -> dict:
         ns = self.cache.namespace(salt)

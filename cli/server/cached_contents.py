@@ -27,32 +27,14 @@ from jaxsmol.cli.api import protocol as P
 from jaxsmol.cli.api.events import ChoiceSpec
 from jaxsmol.cli.server.completions import Completions, EventReader
 from jaxsmol.cli.server.tenants import Tenant, cache_salt
-from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
 
 
 class CachedContents:
     def __init__(self, runner: Completions, cache, authenticate, locked, ttl_scale: float = 1.0):
         """authenticate(request) -> Tenant; locked(fn) runs fn under the worker's lock."""
-        self.runner, self.engine, self.cache = runner, runner.engine, cache
+        self.runner, self.cache = runner, cache
         self.authenticate, self.locked, self.ttl_scale = authenticate, locked, ttl_scale
-
-    def _ids(self, body: G.CreateRequest, messages: list[dict] | None) -> list[int]:
-        """The content's token ids: messages through the chat template (no assistant turn opened), or
-        the prompt; ProtocolError naming the field."""
-        tok, where = self.engine.tokenizer, "prompt" if body.prompt is not None else "contents"
-        if tok is None and not isinstance(body.prompt, list):
-            raise P.ProtocolError(f"{where}: this model has no tokenizer; give a prompt of token ids", param=where)
-        if messages is not None:
-            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
-        elif isinstance(body.prompt, str):
-            ids = tok.encode(P.check_text(body.prompt, "prompt"))
-        else:
-            ids = body.prompt
-        try:
-            return self.engine.check_prompt(ids, 0)
-        except JaxsmolError as e:
-            raise P.ProtocolError(f"{where}: {e}", param=where) from None
 
     def _object(self, n: Named) -> dict:
         return G.content_object(n.name, self.runner.model_name, n.display_name, len(n.tokens), n.created, n.updated,
@@ -69,7 +51,8 @@ class CachedContents:
         now = time.time()
         seconds = G.ttl_seconds(body, now) * self.ttl_scale
         messages = G.chat_messages(body)
-        ids = await asyncio.to_thread(self._ids, body, messages)
+        where = "prompt" if body.prompt is not None else "messages" if body.messages is not None else "contents"
+        ids = await asyncio.to_thread(self.runner.prefix_ids, messages, body.prompt, where)
         await asyncio.to_thread(self.locked, self.cache.named.check_room)
         ns = self.cache.namespace(cache_salt(tenant, body.cache_salt))
         n = Named(new_name(), tenant.namespace, body.cache_salt, ns, tuple(ids),

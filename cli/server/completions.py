@@ -105,6 +105,22 @@ class Completions:
             text = P.check_text(body.prompt, "prompt")
         return tok.encode(text)
 
+    def prefix_ids(self, messages: list[dict] | None, prompt, where: str, generation: bool = False) -> list[int]:
+        """The token ids of chat-template `messages` (the assistant's turn opened with `generation`) or
+        else of `prompt` (text or token ids), checked to fit the context: a prefix to pin (POST
+        /v1/cache/pin, /v1/cached_contents); ProtocolError naming `where`."""
+        tok = self.engine.tokenizer
+        if tok is None and not isinstance(prompt, list):
+            raise P.ProtocolError(f"{where}: this model has no tokenizer; give a prompt of token ids", param=where)
+        if messages is not None:
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=generation))
+        else:
+            ids = tok.encode(P.check_text(prompt, where)) if isinstance(prompt, str) else prompt
+        try:
+            return self.engine.check_prompt(ids, 0)
+        except JaxsmolError as e:
+            raise P.ProtocolError(f"{where}: {e}", param=where) from None
+
     def checked_prompt(self, ids: list[int], max_tokens: int | None, kind: str, where: str) -> tuple[list[int], int]:
         """(ids, max_tokens) with the default max_tokens, or a ProtocolError naming the prompt."""
         if max_tokens is None:
