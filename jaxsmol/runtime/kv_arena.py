@@ -10,8 +10,9 @@ requests' lengths, so the set of programs a daemon runs is closed once it is rea
 other shapes (a prompt is prefilled in the row it decodes in; the batch grows and shrinks by naming
 other rows). Its memory is what the rows have written, not R x S: on CPU it is allocated without
 touching it (cpu_prefix.cc `Reserve`), a page is backed when first written, and `release` hands a row's
-pages back to the OS (host_memory.give_back). This is vAttention's idea (Prabhu et al., 2024: contiguous
-virtual memory per request, physical pages on demand), with the OS's page tables as the page table.
+pages back to the OS (host_memory.give_back; that code is arena_memory.py's `ArenaMemory`). This is
+vAttention's idea (Prabhu et al., 2024: contiguous virtual memory per request, physical pages on
+demand), with the OS's page tables as the page table.
 Without the CPU kernels (and on other devices) XLA writes the whole buffer once when it is made; on CPU
 its pages are then handed back at once.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import weakref
 
@@ -38,23 +38,14 @@ from jaxsmol.model.kv import KVCache
 from jaxsmol.model.sharding import kv_sharding
 from jaxsmol.runtime import programs
 from jaxsmol.runtime.arena_handles import Lease, RowView
+from jaxsmol.runtime.arena_memory import ArenaMemory, locked
 from jaxsmol.runtime.arena_size import arena_shape
 from jaxsmol.runtime.batch import BLOCK
 from jaxsmol.runtime.common_prefix import common_prefix_len
 from jaxsmol.system import host_memory
 
 
-def _locked(method):
-    """The method under the arena's lock: each program call reads k and v and replaces them (they are
-    donated), so two threads using one engine's arena (a library's) take turns, call by call."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-    return run
-
-
-class KVArena:
+class KVArena(ArenaMemory):
     def __init__(self, engine, rows: int):
         """An arena of `rows` rows (plus the pad row) of the engine's context each."""
         cfg = engine.cfg
@@ -89,7 +80,7 @@ class KVArena:
         """Whether its buffers went with a failed program (they were donated to it)."""
         return self.k.is_deleted() or self.v.is_deleted()
 
-    @_locked
+    @locked
     def recover(self) -> None:
         """New buffers after a loss: every row free and empty (the leases' rows forgotten)."""
         for lease in list(self._leases):
@@ -111,7 +102,7 @@ class KVArena:
     def free_rows(self) -> int:
         return len(self._free)
 
-    @_locked
+    @locked
     def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
         """A free row for a new sequence -> (row, how many positions of `prefix` it already holds
         exactly). With `prefix` (the exact tokens to be restored), the free row sharing its longest
@@ -137,22 +128,7 @@ class KVArena:
             self._trim(row, max(expect, held))
         return row, held
 
-    def _trim(self, row: int, keep: int) -> None:
-        """Hand back the pages of `row` past its first `keep` slots (each kv head's slab of each layer)."""
-        if not self.host:
-            return
-        jax.block_until_ready((self.k, self.v))  # no program may be writing them meanwhile
-        L, R, K, S, H = self.shape
-        slab, itemsize = S * H * self.dtype.itemsize, self.dtype.itemsize
-        for base in self._base:
-            for layer in range(L):
-                for kh in range(K):
-                    start = base + ((layer * R + row) * K + kh) * slab
-                    host_memory.give_back(start + keep * H * itemsize, slab - keep * H * itemsize)
-        self.touched[row] = keep
-        self.marks[row] = self.marks[row][:keep]
-
-    @_locked
+    @locked
     def give(self, row: int) -> None:
         """Hand a row back; its mark and pages stay for a later take until released."""
         if row in self._free or not 0 <= row < self.pad:
@@ -191,7 +167,7 @@ class KVArena:
         chunk[:n] = ids[begin:begin + n]
         return chunk, n, begin
 
-    @_locked
+    @locked
     def prefill(self, items: list[tuple[int, list[int]]], T: int, exact_rows: bool, all_logits: bool = False):
         """The next chunk, T rows padded, of each (row, ids) in one forward (ids[pos:] of each row).
         exact_rows: T is an exact bucket (its rows have a cold prefill's bits), so a row holding ids'
@@ -221,7 +197,7 @@ class KVArena:
             logits = self.prefill([(row, ids)], T, exact_rows=T in self.engine.buckets(True))
         return logits
 
-    @_locked
+    @locked
     def decode(self, rows: list[int], tokens: np.ndarray, sampling: dict) -> dict:
         """One decode step of `rows` (the pad row for padding entries) with their last tokens [W] and
         sampling arrays (batch.row_settings). Returns the step's output on the host."""
@@ -234,7 +210,7 @@ class KVArena:
                 self.touched[r] = max(self.touched[r], self.pos[r])
         return jax.device_get(out)
 
-    @_locked
+    @locked
     def verify(self, rows: list[int], tokens: np.ndarray, lengths: np.ndarray, sampling: dict) -> dict:
         """One verify step (batch.verify_step) of `rows`: tokens [W, T] (each row's last token and its
         drafts), lengths [W]. Returns its output on the host; each row's position moves past what it
@@ -249,7 +225,7 @@ class KVArena:
                 self.pos[r] += int(out["count"][i])
         return out
 
-    @_locked
+    @locked
     def greedy_drafts(self, row: int, tokens: np.ndarray, length: int, k: int) -> list[int]:
         """A draft model's k greedy tokens after feeding tokens [1, P] (the first `length` real) at the
         row's position (batch.greedy_drafts); the row's position then counts the drafts but the last."""
@@ -260,7 +236,7 @@ class KVArena:
         self.touched[row] = max(self.touched[row], self.pos[row] + 1)
         return jax.device_get(drafts).tolist()
 
-    @_locked
+    @locked
     def fork(self, source: int, dest: int, n: int | None = None) -> None:
         """Row `dest` (taken) gets the first n positions of `source` (default: all it wrote) and its mark
         as far as they go."""
@@ -270,7 +246,7 @@ class KVArena:
         self.pos[dest], self.marks[dest] = n, self.marks[source][:n]
         self.touched[dest] = max(self.touched[dest], n)
 
-    @_locked
+    @locked
     def restore(self, row: int, parts, start: int, stop: int, tokens=None) -> None:
         """Positions [start, stop) of a stored prefix into `row` (it holds the positions before start):
         `parts` are the prefix's host segments {"k", "v"} [L, 1, K, n_i, H], in order from position 0,
@@ -314,7 +290,7 @@ class KVArena:
         """Bytes of the host staging blocks restores copy through (kept between restores)."""
         return 0 if self._staging is None else sum(a.nbytes for a in self._staging)
 
-    @_locked
+    @locked
     def segment(self, row: int, start: int, stop: int) -> dict:
         """Positions [start, stop) of `row` as read-only host arrays {"k", "v"} [L, 1, K, stop - start, H]
         (a copy: what the prefix store keeps)."""
@@ -343,65 +319,3 @@ class KVArena:
             n = min(T, len(ids) - begin)
             logits = self.prefill([(row, ids)], T, exact_rows=True, all_logits=True)
             yield begin, np.asarray(logits)[0, :n]  # sliced on the host: a device slice is a program of its own
-
-    # ---- memory ---------------------------------------------------------------------------------
-    @_locked
-    def release(self, rows) -> int:
-        """Hand the pages of these free rows back to the OS (they read as zeros; their marks go).
-        Returns the bytes handed back (0 where the arena is not this process's memory). A row's kv heads
-        are contiguous in each layer, and so are neighbouring rows: the ranges are merged, so that only
-        the pages a released range shares with a row still held stay."""
-        rows = sorted(r for r in rows if self.touched[r])
-        if not rows or not self.host:
-            return 0
-        jax.block_until_ready((self.k, self.v))  # no program may be writing them meanwhile
-        L, R, K, S, H = self.shape
-        block = K * S * H * self.dtype.itemsize  # row r of layer l: [(l R + r) block, + block)
-        ranges = []
-        for base in self._base:
-            for layer in range(L):
-                for r in rows:
-                    start = base + (layer * R + r) * block
-                    if ranges and ranges[-1][1] == start:
-                        ranges[-1][1] = start + block
-                    else:
-                        ranges.append([start, start + block])
-        for r in rows:
-            self.touched[r], self.marks[r], self.pos[r] = 0, (), 0
-        return sum(host_memory.give_back(start, end - start) for start, end in ranges)
-
-    @_locked
-    def release_free(self, keep_slots: int = 0) -> int:
-        """Release free rows, least recently used first, until those left hold at most `keep_slots`
-        slots written. Returns the bytes handed back."""
-        held = sum(self.touched[r] for r in self._free)
-        victims = []
-        for r in self._free:
-            if held <= keep_slots:
-                break
-            if self.touched[r]:
-                victims.append(r)
-                held -= self.touched[r]
-        return self.release(victims)
-
-    def slots_held(self, free: bool | None = None) -> int:
-        """Slots written (touched) by the rows: all of them, the free ones (True), the taken ones (False)."""
-        free_rows = set(self._free)
-        return sum(t for r, t in enumerate(self.touched) if free is None or (r in free_rows) == free)
-
-    @property
-    def span_bytes(self) -> int:
-        """Bytes k and v span (allocated whole; backed only where written, on CPU)."""
-        return 2 * int(np.prod(self.shape)) * self.dtype.itemsize
-
-    def resident_bytes(self) -> int:
-        """The arena's memory now: its resident pages (mincore) where it is this process's memory, else
-        all of it (device memory allocated whole)."""
-        if not self.host:
-            return self.span_bytes
-        nbytes = self.span_bytes // 2
-        return sum(host_memory.resident_in(base, nbytes) or 0 for base in self._base)
-
-    def check_in_place(self) -> bool:
-        """Whether the arena is still the buffers it was allocated as (every program updated it in place)."""
-        return not self.host or (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) == self._base
