@@ -29,10 +29,8 @@ class AnswerPrefill:
             if self.row is None:
                 if arena.free_rows < 2:
                     return False  # a row left for a scoring: later
-                n = len(self.save.lookup.prompt)
-                self.row, held = lease.take(cache.exact_state(tokens[:n]), len(tokens))
-                if held < n and not cache.answer_prefix(self.save, held, lambda parts, have, stop: arena.restore(
-                        self.row, parts, have, stop, cache.exact_state(tokens))):
+                self.row = cache.answer_row(self.save, lease)
+                if self.row is None:
                     self.drop(cache, lease)  # its prompt was evicted meanwhile: the next turn runs colder
                     return True
             T = engine.chunk_rows(len(tokens) - arena.pos[self.row], max_rows)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxsmol.cache.device_rows import DeviceRows
 from jaxsmol.cache.named import NamedContents
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
@@ -67,6 +68,7 @@ class PrefixCache(LowerTiers):
         self.store = RadixStore(budget_bytes, seq_axis=SEQ_AXIS, max_keys=1 if mode == "single" else None)
         self.keeps_last_position = mode == "radix"  # a whole prompt, its last logits as the payload
         self.stats = CacheStats()
+        self.device = DeviceRows(self)
         self.pins = Pins(self, pinned_bytes)
         self.named = NamedContents(self.pins)
         self.disk = disk if mode != "off" else None
@@ -137,11 +139,6 @@ class PrefixCache(LowerTiers):
         """Up to `most` tokens stored after lk's prompt in its namespace (an earlier answer to it, or a
         longer prompt it begins): speculation's drafts from the cache."""
         return [] if lk.ns is None or self.mode == "off" else self.store.continuation(lk.ns, lk.prompt, most)
-
-    def exact_state(self, tokens):
-        """tokens, where this cache's entries are their exact state (exact mode), else None: what
-        Engine.restore takes so that a kept cache holding that state may stand in for a copy."""
-        return tokens if self.exact else None
 
     # ---- a request ------------------------------------------------------------------------------
     def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> Lookup:
@@ -225,6 +222,7 @@ class PrefixCache(LowerTiers):
                 self._write_through(ns, prompt)
         else:  # the single snapshot: the first prompt_n - 1 positions
             report.saved = self.store.insert(ns, prompt[: n - 1], kv.segment)
+        self.device.tag(kv, ns, prompt)
         report.snapshot_bytes = max(report.snapshot_bytes, (n - 1) * self.bytes_per_token)
         self.stats.saves += 1
         self.sync()
@@ -249,25 +247,25 @@ class PrefixCache(LowerTiers):
             return None
         return AnswerSave(lk, tokens)
 
-    def answer_prefix(self, save: AnswerSave, have: int, write) -> bool:
-        """Hand the stored prompt's positions from `have` on to `write(parts, have, n)` (a restore into an
-        arena row), holding its entries only meanwhile; False if they were evicted since."""
+    def answer_row(self, save: AnswerSave, lease) -> int | None:
+        """A row taken by `lease` holding the stored prompt of an answer to store (its entries held only
+        meanwhile); None if they were evicted since."""
         n = len(save.lookup.prompt)
         match = self.store.match(save.lookup.ns, save.tokens[:n])
         if match.length < n:
-            return False
+            return None
         self.store.acquire(match)
         try:
-            write(self.store.parts(match, n), have, n)
+            return self.device.row_for(lease, match, n, len(save.tokens), self.store.parts(match, n))
         finally:
             self.store.release(match)
-        return True
 
     def finish_answer(self, save: AnswerSave, kv, logits) -> None:
         """Store prompt + answer from `kv` holding all of it (None: give up)."""
         if kv is not None:
             added = self.store.insert(save.lookup.ns, save.tokens, kv.segment,
                                       payload=np.array(np.asarray(logits)[0]))
+            self.device.tag(kv, save.lookup.ns, save.tokens)
             save.lookup.report.saved += added
             self.stats.saves += 1
         self.sync()

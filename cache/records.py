@@ -29,6 +29,8 @@ class CacheStats:
     bytes_held: int = 0
     pinned_bytes: int = 0  # bytes of pinned prefixes (part of bytes_held; bounded by their own budget)
     evictions: int = 0
+    device_hits: int = 0  # rows taken holding (part of) their stored prefix already (cache/device_rows.py)
+    device_tokens: int = 0  # positions such rows held: restored with no copy
     disk_loads: int = 0  # entries brought back from the disk tier
     disk_writes: int = 0  # entries written to the disk tier
     disk_refused: Counter = dataclasses.field(default_factory=Counter)  # disk files refused (deleted), by reason

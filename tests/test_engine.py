@@ -322,10 +322,10 @@ def test_restore_reuses_its_staging_buffers_and_counts_them(tiny_cfg):
 
 
 def test_an_arena_row_holds_only_exact_states(tiny_engine):
-    """The tokens whose exact state a row holds after a decode step (its mark: what a later take of a
-    prefix of them reuses without a copy): the prompt after a cold prefill or exact chunks onto a prefix
-    restored with its tokens; nothing after a one-row chunk (the fast path's, not exact) or onto a
-    prefix restored without them."""
+    """How many of a row's first positions hold exact state after a decode step (what a later take of
+    the row may reuse without a copy): the prompt after a cold prefill or exact chunks onto a prefix
+    restored as exact; the restored prefix alone after a one-row chunk (the fast path's, not exact);
+    nothing onto a prefix restored as not exact."""
     from jaxsmol.runtime.batch import free_mask, row_settings
 
     prompt = _ids(40, 1)
@@ -337,17 +337,17 @@ def test_an_arena_row_holds_only_exact_states(tiny_engine):
 
     def held(prefix_len=0, told=False, exact=True):
         with arena.borrowed() as row:
-            arena.pos[row], arena.marks[row] = 0, ()
+            assert arena.pos[row] == arena.exact[row] == 0
             if prefix_len:
-                arena.restore(row, [snapshot], 0, prefix_len, prompt if told else None)
+                arena.restore(row, [snapshot], 0, prefix_len, exact=told)
             arena.fill(row, prompt, exact)
             arena.decode([row], np.array([7], np.int32), greedy)
-            return arena.marks[row]
+            return arena.exact[row]
 
-    assert held() == tuple(prompt)
-    assert held(30, told=True) == tuple(prompt)
-    assert held(39, told=True, exact=False) == ()
-    assert held(30) == ()
+    assert held() == len(prompt)
+    assert held(30, told=True) == len(prompt)
+    assert held(39, told=True, exact=False) == 39
+    assert held(30) == 0
 
 
 def test_a_snapshot_that_does_not_fit_is_a_clear_error(tiny_engine):

@@ -301,8 +301,9 @@ def test_answers_are_stored_when_no_row_decodes(tiny_engine):
 
 def test_arena_rows_restore_fork_read_and_release_against_numpy(tiny_engine):
     """A KV arena's rows against NumPy: a prefix restored from parts of several lengths reads back as
-    their concatenation, at any window; a fork copies it with its mark; a take of a prefix the row holds
-    copies nothing; a released row's pages go back to the OS; every program updated the arena in place."""
+    their concatenation, at any window; a fork copies it with its exact positions and tag; a take of a
+    row holding a prefix keeps what it is told; a released row's pages go back to the OS; every program
+    updated the arena in place."""
     from jaxsmol.runtime.kv_arena import KVArena
 
     arena, rng = KVArena(tiny_engine, 3), np.random.default_rng(4)
@@ -310,25 +311,29 @@ def test_arena_rows_restore_fork_read_and_release_against_numpy(tiny_engine):
     parts = [{name: rng.standard_normal((L, 1, K, n, H)).astype(np.float32) for name in ("k", "v")}
              for n in (100, 200, 37)]
     whole = {name: np.concatenate([p[name] for p in parts], axis=3) for name in ("k", "v")}
-    tokens = tuple(range(337))
-    row, held = arena.take()
-    assert held == 0
-    arena.restore(row, parts, 0, 337, tokens)
+    row = arena.take()
+    arena.restore(row, parts, 0, 337, exact=True)
+    arena.tags[row] = "the taker's"
     for start, stop in [(0, 337), (250, 300), (255, 257)]:
         got = arena.segment(row, start, stop)
         assert all(np.array_equal(got[n], whole[n][:, :, :, start:stop]) for n in ("k", "v"))
-    other, _ = arena.take()
-    arena.fork(row, other)
-    assert np.array_equal(arena.segment(other, 0, 337)["v"], whole["v"]) and arena.marks[other] == tokens
+    other = arena.take()
+    assert other != row and arena.exact[other] == 0 and arena.tags[other] is None
+    arena.fork(row, other, 300)
+    assert np.array_equal(arena.segment(other, 0, 300)["v"], whole["v"][:, :, :, :300])
+    assert (arena.exact[other], arena.tags[other]) == (300, "the taker's")
     arena.give(row)
-    again, held = arena.take(tokens[:300] + (999,))
-    assert again == row and held == 300 and arena.pos[row] == 300 and arena.taken_holding >= 1
+    with pytest.raises(ValueError, match="does not hold 338"):
+        arena.take(row, 338)
+    again = arena.take(row, 300)
+    assert again == row and arena.pos[row] == arena.exact[row] == 300 and arena.tags[row] is None
+    assert arena.taken_holding >= 1
     arena.give(again)
     held = arena.resident_bytes()
     slab_edges = 2 * L * K * 2 * 4096  # a slab's first and last page may be shared with its neighbours
     assert arena.release([again]) >= 2 * L * K * 337 * H * 4 - slab_edges  # the 337 slots the restore wrote
     assert arena.resident_bytes() <= held - 2 * L * K * 337 * H * 4 + slab_edges
-    assert arena.marks[again] == () and arena.touched[again] == 0 and arena.check_in_place()
+    assert arena.exact[again] == 0 and arena.touched[again] == 0 and arena.check_in_place()
 
 
 def test_programs_do_not_depend_on_lengths_or_fields(tiny_engine):

@@ -56,6 +56,7 @@ class DraftModel:
     def __init__(self, engine: Engine, target: PrefixCache, rows: int = 16):
         check_pair(engine, target.engine)
         self.engine, self.arena = engine, engine.arena(rows)
+        self.lease = self.arena.lease()
         share = engine.kv_bytes_per_token / target.engine.kv_bytes_per_token  # as many positions as the target's
         self.cache = PrefixCache(engine, mode="off" if target.mode == "off" else "radix",
                                  budget_bytes=int(target.budget_bytes * share), salt=target.salt,
@@ -93,9 +94,7 @@ class DraftModel:
         lk = self.cache.lookup(lookup.prompt, max_tokens, salt=salt, bypass=lookup.ns is None)
         n, reused, row = len(lk.prompt), lk.report.reused, None
         try:
-            row, _ = self.arena.take(expect=n + max_tokens)
-            if reused:
-                self.arena.restore(row, lk.parts, 0, reused)
+            row = self.cache.device.row_for(self.lease, lk.match, reused, n + max_tokens, lk.parts)
             self.cache.release(lk)
             if reused < n:
                 started = time.perf_counter()
@@ -105,7 +104,7 @@ class DraftModel:
             self.cache.finish(lk, n - reused)
         except BaseException:
             if row is not None:
-                self.arena.give(row)
+                self.lease.give(row)
             raise
         finally:
             self.cache.release(lk)
@@ -207,7 +206,7 @@ class ModelDrafts:
     def release(self) -> None:
         """Hand its draft row back (once; later calls do nothing)."""
         if self.row is not None:
-            self.model.arena.give(self.row)
+            self.model.lease.give(self.row)
         self.row, self.failed = None, True
 
     def verified(self, drafted: int, accepted: int) -> None:

@@ -103,10 +103,8 @@ class PrefillStage:
             if req.pin:
                 self.cache.pins.check(lk)  # before any work: a prompt that cannot be pinned is refused
             if reused < n or req.decode_rows:  # a row to prefill or decode in (an exact full hit without
-                exact = self.cache.exact_state(lk.prompt[:reused])  # decode rows needs none)
-                row, held = self.lease.take(exact if reused else None, req.reservation(self.arena.slots))
-                if held < reused:
-                    self.arena.restore(row, lk.parts, held, reused, exact)
+                row = self.cache.device.row_for(  # decode rows needs none)
+                    self.lease, lk.match, reused, req.reservation(self.arena.slots), lk.parts)
         except BaseException:
             if row is not None:
                 self.lease.give(row)

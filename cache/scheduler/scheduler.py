@@ -265,7 +265,7 @@ class Scheduler(PrefillStage):
         budget, others = self.budget.slots, self.granted_slots
         while self.forks and others + self.forks[0].reserved <= budget and self.arena.free_rows > 1:
             row = self.forks.pop(0)
-            row.slot = self.lease.take(expect=row.reserved)[0]
+            row.slot = self.lease.take(expect=row.reserved)
             self.arena.fork(row.source.slot, row.slot, len(row.lookup.prompt))
             row.source = None
             self.live.append(row)

@@ -337,6 +337,7 @@ class RadixStore(PinnedKeys):
             del parent.children[victim.tokens[0]]
             self._nodes -= 1
             self.bytes_held -= victim.nbytes
+            victim.segment = victim.payload = None  # a spot (cache/device_rows.py) may keep the edge: never the value
             self.evictions += 1
             if parent.parent is None:
                 if not parent.children:
@@ -352,6 +353,8 @@ class RadixStore(PinnedKeys):
 
     def clear(self, keep_pinned: bool = False) -> None:
         """Forget every key (keep_pinned: every key but the pinned ones and the nodes they run through)."""
+        for root in self._roots.values():
+            self._drop_values(root, keep_pinned)
         if not keep_pinned:
             self._roots.clear()
             self.pinned.clear()
@@ -370,6 +373,17 @@ class RadixStore(PinnedKeys):
         self._nodes = sum(1 for _ in self.walk(keys_only=False))
         self._heap = [(n.last_used, next(self._order), n) for n in self._leaves()]
         heapq.heapify(self._heap)
+
+    @staticmethod
+    def _drop_values(root: Node, keep_pinned: bool) -> None:
+        """Drop the values of the nodes `clear` forgets (those no request holds): a spot
+        (cache/device_rows.py) may keep their edges, never their values."""
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not (node.leases or keep_pinned and node.pins):
+                node.segment = node.payload = None
 
     def walk(self, keys_only: bool = True):
         """(namespace, tokens, node, bytes of its whole state) of every stored key: a node that ends a

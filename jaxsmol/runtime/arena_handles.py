@@ -11,10 +11,10 @@ class Lease:
     def __init__(self, arena):
         self.arena, self.rows = arena, set()
 
-    def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
-        row, held = self.arena.take(prefix, expect)
+    def take(self, row: int | None = None, held: int = 0, expect: int | None = None) -> int:
+        row = self.arena.take(row, held, expect)
         self.rows.add(row)
-        return row, held
+        return row
 
     def give(self, row: int) -> None:
         self.rows.discard(row)

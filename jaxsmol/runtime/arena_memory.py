@@ -2,7 +2,7 @@
 short: handing rows' pages back to the OS (a row's tail past what its sequence may use, whole free rows,
 the least recently used first) and counting what is written and resident. On CPU the arena is this
 process's memory, allocated without touching it: a page is backed when first written (see kv_arena.py).
-Its methods use the arena's `shape`, `dtype`, `host`, `_base`, `_free`, `touched`, `marks`, `pos`, `k`, `v`
+Its methods use the arena's `shape`, `dtype`, `host`, `_base`, `_free`, `touched`, `exact`, `tags`, `pos`, `k`, `v`
 and `lock`.
 """
 
@@ -40,11 +40,11 @@ class ArenaMemory:
                     start = base + ((layer * R + row) * K + kh) * slab
                     host_memory.give_back(start + keep * H * itemsize, slab - keep * H * itemsize)
         self.touched[row] = keep
-        self.marks[row] = self.marks[row][:keep]
+        self.exact[row] = min(self.exact[row], keep)
 
     @locked
     def release(self, rows) -> int:
-        """Hand the pages of these free rows back to the OS (they read as zeros; their marks go).
+        """Hand the pages of these free rows back to the OS (they read as zeros; their exact positions and tags go).
         Returns the bytes handed back (0 where the arena is not this process's memory). A row's kv heads
         are contiguous in each layer, and so are neighbouring rows: the ranges are merged, so that only
         the pages a released range shares with a row still held stay."""
@@ -64,7 +64,7 @@ class ArenaMemory:
                     else:
                         ranges.append([start, start + block])
         for r in rows:
-            self.touched[r], self.marks[r], self.pos[r] = 0, (), 0
+            self.touched[r], self.exact[r], self.tags[r], self.pos[r] = 0, 0, None, 0
         return sum(host_memory.give_back(start, end - start) for start, end in ranges)
 
     @locked

@@ -16,10 +16,13 @@ demand), with the OS's page tables as the page table.
 Without the CPU kernels (and on other devices) XLA writes the whole buffer once when it is made; on CPU
 its pages are then handed back at once.
 
-Host-side, each row has the position written up to (`pos`), the exact prefix its first slots hold
-(`marks`: the tokens whose exact-prefill state they are; a request restoring a prefix of them takes the
-row as it is, and a restore copies only what the row lacks), and how far it was written since it was
-last released (`touched`: what its pages may hold).
+Host-side, each row has the position written up to (`pos`), how many of its first positions hold the
+state an exact (cold) prefill computes (`exact`: restores and prefills of exact chunks extend it; a
+chunk off the exact buckets, a trim or a release lowers it), how far it was written since it was last
+released (`touched`: what its pages may hold), and its taker's `tag`. The arena never knows which tokens
+a row holds: the prefix cache does. Its radix tree is the one index of prefixes, and a free row is its
+device tier: the tag is the tree's spot for the row's tokens (cache/device_rows.py), and a request
+restoring a prefix a free row holds takes that row as it is, the restore copying only what it lacks.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from jaxsmol.runtime.arena_handles import Lease, RowView
 from jaxsmol.runtime.arena_memory import ArenaMemory, locked
 from jaxsmol.runtime.arena_size import arena_shape
 from jaxsmol.runtime.batch import BLOCK
-from jaxsmol.runtime.common_prefix import common_prefix_len
 from jaxsmol.system import host_memory
 
 
@@ -55,8 +57,8 @@ class KVArena(ArenaMemory):
         self.dtype = np.dtype(engine.cache_dtype)
         self.kernel = cfg.cpu_kernels and engine.mesh is None
         self.host = engine.mesh is None and jax.devices()[0].platform == "cpu"  # its pages are this process's
-        self.pos, self.touched = [0] * self.rows, [0] * self.rows
-        self.marks: list[tuple] = [()] * self.rows
+        self.pos, self.touched, self.exact = [0] * self.rows, [0] * self.rows, [0] * self.rows
+        self.tags: list = [None] * self.rows  # the taker's: what the row's positions are (never read here)
         self._free = collections.OrderedDict.fromkeys(range(rows))  # least recently given back first
         self.taken_holding = 0  # takes whose row already held (part of) the prefix to restore
         self._leases: weakref.WeakSet = weakref.WeakSet()
@@ -88,7 +90,8 @@ class KVArena(ArenaMemory):
         self.k = self.v = None
         self.k, self.v = self._allocate()
         self._base = (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) if self.host else None
-        self.pos, self.touched, self.marks = [0] * self.rows, [0] * self.rows, [()] * self.rows
+        self.pos, self.touched, self.exact = [0] * self.rows, [0] * self.rows, [0] * self.rows
+        self.tags = [None] * self.rows
         self._free = collections.OrderedDict.fromkeys(range(self.pad))
 
     @property
@@ -102,35 +105,38 @@ class KVArena(ArenaMemory):
     def free_rows(self) -> int:
         return len(self._free)
 
+    @property
+    def free(self) -> list[int]:
+        """The free rows, least recently given back first."""
+        return list(self._free)
+
     @locked
-    def take(self, prefix=None, expect: int | None = None) -> tuple[int, int]:
-        """A free row for a new sequence -> (row, how many positions of `prefix` it already holds
-        exactly). With `prefix` (the exact tokens to be restored), the free row sharing its longest
-        beginning with them, if any; else one whose pages are backed already (holding nothing reusable
-        first, then the least recently used: memory is reused, not grown), else an untouched one.
-        `expect`: the positions the sequence is granted; a row's pages past them (an earlier, longer
-        sequence's) go back to the OS, so that a row holds what its sequence may use, not the most any
-        sequence wrote in it. JaxsmolError when none is free."""
+    def take(self, row: int | None = None, held: int = 0, expect: int | None = None) -> int:
+        """A free row for a new sequence: `row` where the caller chose one (the prefix cache: a row whose
+        first `held` positions, exact, are the sequence's own), else one whose pages are backed already
+        (holding nothing tagged first, then the least recently used: memory is reused, not grown), else
+        an untouched one. Its position is `held`, its tag None (the taker tags it). `expect`: the
+        positions the sequence is granted; a row's pages past them (an earlier, longer sequence's) go
+        back to the OS, so that a row holds what its sequence may use, not the most any sequence wrote
+        in it. JaxsmolError when none is free."""
         if not self._free:
             raise JaxsmolError("no free row in the KV arena")
-        held, row = 0, None
-        if prefix:
-            prefix = tuple(prefix)
-            held, row = max(((common_prefix_len(self.marks[r], prefix), r) for r in self._free), default=(0, None))
-        if not held:
+        if row is None:
             order = {r: i for i, r in enumerate(self._free)}
-            row = min(self._free, key=lambda r: (self.touched[r] == 0, bool(self.marks[r]), order[r]))
+            row = min(self._free, key=lambda r: (self.touched[r] == 0, self.tags[r] is not None, order[r]))
+        elif row not in self._free or held > self.exact[row]:
+            raise ValueError(f"row {row} is not free or does not hold {held} exact positions")
         del self._free[row]
         self.taken_holding += held > 0
-        self.marks[row] = prefix[:held] if held else ()
-        self.pos[row] = held
+        self.pos[row], self.exact[row], self.tags[row] = held, min(self.exact[row], held), None
         if expect is not None and self.touched[row] > max(expect, held) + BLOCK:
             self._trim(row, max(expect, held))
-        return row, held
+        return row
 
     @locked
     def give(self, row: int) -> None:
-        """Hand a row back; its mark and pages stay for a later take until released."""
+        """Hand a row back; what it holds (its pages, exact positions and tag) stays for a later take until
+        released."""
         if row in self._free or not 0 <= row < self.pad:
             raise ValueError(f"row {row} is not taken")
         self._free[row] = None
@@ -144,7 +150,7 @@ class KVArena(ArenaMemory):
     @contextlib.contextmanager
     def borrowed(self, expect: int | None = None):
         """A row for the duration of a with-block (scoring), `expect` positions of it used (see take)."""
-        row, _ = self.take(expect=expect)
+        row = self.take(expect=expect)
         try:
             yield row
         finally:
@@ -180,10 +186,8 @@ class KVArena(ArenaMemory):
         logits, kv = programs.prefill_rows(self.engine.params, tokens, lengths, self._kv([b for _, _, b in chunks]),
                                            rows, self.engine.cfg, all_logits=all_logits)
         self._took(kv.k, kv.v)
-        for (row, ids), (_, n, begin) in zip(items, chunks):
-            held = self.marks[row]
-            exact = exact_rows and len(held) >= begin and held[:begin] == tuple(ids[:begin])
-            self.marks[row] = tuple(ids[:begin + n]) if exact else ()
+        for (row, _), (_, n, begin) in zip(items, chunks):
+            self.exact[row] = begin + n if exact_rows and self.exact[row] >= begin else min(self.exact[row], begin)
             self.pos[row] = begin + n
             self.touched[row] = max(self.touched[row], begin + T)
         return logits
@@ -238,20 +242,20 @@ class KVArena(ArenaMemory):
 
     @locked
     def fork(self, source: int, dest: int, n: int | None = None) -> None:
-        """Row `dest` (taken) gets the first n positions of `source` (default: all it wrote) and its mark
-        as far as they go."""
+        """Row `dest` (taken) gets the first n positions of `source` (default: all it wrote), and its exact
+        positions and tag as far as they go."""
         n = self.pos[source] if n is None else n
         self._took(*programs.copy_row(self.k, self.v, np.int32(source), np.int32(dest), np.int32(n),
                                       kernel=self.kernel))
-        self.pos[dest], self.marks[dest] = n, self.marks[source][:n]
+        self.pos[dest], self.exact[dest], self.tags[dest] = n, min(self.exact[source], n), self.tags[source]
         self.touched[dest] = max(self.touched[dest], n)
 
     @locked
-    def restore(self, row: int, parts, start: int, stop: int, tokens=None) -> None:
+    def restore(self, row: int, parts, start: int, stop: int, exact: bool = False) -> None:
         """Positions [start, stop) of a stored prefix into `row` (it holds the positions before start):
         `parts` are the prefix's host segments {"k", "v"} [L, 1, K, n_i, H], in order from position 0,
-        copied a block of BLOCK slots at a time through staging buffers. `tokens`: the tokens whose
-        exact state the prefix is (an exact cache's entry), marked on the row."""
+        copied a block of BLOCK slots at a time through staging buffers. `exact`: the prefix is the
+        exact state of its tokens (an exact cache's entry)."""
         first = start // BLOCK * BLOCK  # blocks begin at multiples of BLOCK: a whole block fits the row
         kb, vb = self._staging_buffers()
         offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
@@ -270,7 +274,7 @@ class KVArena(ArenaMemory):
             self._took(*jax.block_until_ready((k, v)))  # read before the staging buffers are refilled
         self.pos[row] = stop
         self.touched[row] = max(self.touched[row], stop if self.kernel else -(-stop // BLOCK) * BLOCK)
-        self.marks[row] = tuple(tokens[:stop]) if tokens is not None and len(tokens) >= stop else ()
+        self.exact[row] = stop if exact and self.exact[row] >= start else min(self.exact[row], start)
 
     def _staging_buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """Two host blocks [L, 1, K, BLOCK, H] in 64-byte aligned memory (a device_put may then alias them)."""
@@ -313,7 +317,7 @@ class KVArena(ArenaMemory):
     def logits_chunks(self, row: int, ids: list[int], T: int):
         """Every position's logits of `ids` prefilled into `row` from position 0 in exact chunks of T rows:
         yields (first position, logits [n, V] NumPy) per chunk (scoring: the whole [len, V] is never held)."""
-        self.pos[row], self.marks[row] = 0, ()
+        self.pos[row], self.exact[row], self.tags[row] = 0, 0, None
         while self.pos[row] < len(ids):
             begin = self.next_chunk(row, ids, T)[2]
             n = min(T, len(ids) - begin)
