@@ -19,7 +19,7 @@ from scheduler_runs import prompts, run_alone
 
 def _started(arena, prompt, start):
     """A row of `arena` holding prompt[:start], computed alone (as a restored prefix would be)."""
-    row, _ = arena.take()
+    row = arena.take()
     if start:
         arena.fill(row, prompt[:start])
     return row
