@@ -2,12 +2,13 @@
 short: handing rows' pages back to the OS (a row's tail past what its sequence may use, whole free rows,
 the least recently used first) and counting what is written and resident. On CPU the arena is this
 process's memory, allocated without touching it: a page is backed when first written (see kv_arena.py).
-Its methods use the arena's `shape`, `dtype`, `host`, `_base`, `_free`, `touched`, `exact`, `tags`, `pos`, `k`, `v`
-and `lock`.
+Its methods use the arena's `shape`, `dtype`, `host`, `kernel`, `_base`, `_views`, `_free`, `touched`,
+`exact`, `tags`, `pos`, `k`, `v` and `lock`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import jax
@@ -85,6 +86,20 @@ class ArenaMemory:
         """Slots written (touched) by the rows: all of them, the free ones (True), the taken ones (False)."""
         free_rows = set(self._free)
         return sum(t for r, t in enumerate(self.touched) if free is None or (r in free_rows) == free)
+
+    def host_views(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """k and v as NumPy arrays over the arena's own pages, no program writing them meanwhile, where
+        the arena is this process's raw memory (the CPU kernels' reserved buffers, which every program
+        updates in place); else None. A restore or a read of a row is then one strided copy at memory
+        speed, not a program and a staging copy per block."""
+        if not (self.host and self.kernel) or not self.check_in_place():
+            return None
+        jax.block_until_ready((self.k, self.v))
+        if self._views is None or self._views[0] != self._base:
+            nbytes = self.span_bytes // 2
+            self._views = (self._base, tuple(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(base))
+                                             .view(self.dtype).reshape(self.shape) for base in self._base))
+        return self._views[1]
 
     @property
     def span_bytes(self) -> int:

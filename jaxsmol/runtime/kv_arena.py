@@ -66,6 +66,7 @@ class KVArena(ArenaMemory):
         self.k, self.v = self._allocate()
         self._base = (self.k.unsafe_buffer_pointer(), self.v.unsafe_buffer_pointer()) if self.host else None
         self._staging: tuple[np.ndarray, np.ndarray] | None = None
+        self._views = None  # (the bases they view, NumPy views of k and v): host_views
 
     def _allocate(self) -> tuple[jax.Array, jax.Array]:
         if self.engine.mesh is not None:
@@ -256,10 +257,16 @@ class KVArena(ArenaMemory):
         `parts` are the prefix's host segments {"k", "v"} [L, 1, K, n_i, H], in order from position 0,
         copied a block of BLOCK slots at a time through staging buffers. `exact`: the prefix is the
         exact state of its tokens (an exact cache's entry)."""
-        first = start // BLOCK * BLOCK  # blocks begin at multiples of BLOCK: a whole block fits the row
-        kb, vb = self._staging_buffers()
         offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
-        for b0 in range(first, stop, BLOCK):
+        views = self.host_views()
+        if views is not None:  # straight into the row's pages
+            for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
+                lo, hi = max(start, p0), min(stop, p1)
+                for view, name in zip(views, ("k", "v")) if lo < hi else ():
+                    view[:, row, :, lo:hi] = part[name][:, 0, :, lo - p0:hi - p0]
+        first = start // BLOCK * BLOCK  # blocks begin at multiples of BLOCK: a whole block fits the row
+        kb, vb = self._staging_buffers() if views is None else (None, None)
+        for b0 in range(first, stop, BLOCK) if views is None else ():
             b1 = min(b0 + BLOCK, stop)
             for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
                 lo, hi = max(b0, p0), min(b1, p1)
@@ -301,7 +308,10 @@ class KVArena(ArenaMemory):
         L, _, K, _, H = self.shape
         # pages of their own where large: stored and evicted by the prefix cache, they would fragment malloc's heap
         out = {name: host_memory.empty((L, 1, K, stop - start, H), self.dtype) for name in ("k", "v")}
-        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK):
+        views = self.host_views()
+        for view, name in zip(views, ("k", "v")) if views is not None else ():  # straight from the row's pages
+            out[name][:, 0] = view[:, row, :, start:stop]
+        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK) if views is None else ():
             lo, hi = max(b0, start), min(b0 + BLOCK, stop)
             blocks = jax.device_get(programs.read_slots(self.k, self.v, np.int32(row), np.int32(b0), np.int32(hi - b0),
                                                         kernel=self.kernel))
