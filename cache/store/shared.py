@@ -37,6 +37,8 @@ counted, deleted so that the next writer replaces it, and never restored.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -51,9 +53,11 @@ import numpy as np
 from jaxsmol.cache.store.shared_backends import BackendError, open_backend
 from jaxsmol.cache.store.snapshot import _dtype, identity
 from jaxsmol.model.kv_layout import SEQ_AXIS, seq_index
+from jaxsmol.system import host_memory
 
 CHUNK_TOKENS = 64
 WRITE_QUEUE = 16  # prompts waiting for the writer thread
+READERS = 2  # chunks a lookup reads at once (reader threads)
 FORMAT_VERSION = 1
 MAGIC = b"JXSMOLKV"
 _HEAD = struct.Struct("<8sI")  # magic, header length
@@ -121,8 +125,9 @@ def encode(key: str, ids, k: np.ndarray, v: np.ndarray) -> bytes:
 
 
 def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """(k, v) of the value `data` read under `key` for the chunk `ids`, read-only views of `data`; Refused
-    naming why it must not be used."""
+    """(k, v) of the value `data` read under `key` for the chunk `ids`, read-only arrays over `data` (its
+    keys' and values' bytes: over a backend's pages they own their memory); Refused naming why it must
+    not be used."""
     if len(data) < _HEAD.size:
         raise Refused(f"{len(data)} bytes, shorter than a value's head", "truncated")
     magic, header_len = _HEAD.unpack_from(data)
@@ -145,15 +150,16 @@ def decode(data: bytes, key: str, ids, dtype: np.dtype, shape: tuple) -> tuple[n
         raise Refused(f"the value of another chunk (key {str(header.get('key'))[:12]}, version {fields[0]}, "
                       f"{fields[3]} {fields[4]})", "foreign")
     start = _HEAD.size + header_len
-    k = np.frombuffer(data, dtype, int(np.prod(shape)), start).reshape(shape)
-    v = np.frombuffer(data, dtype, int(np.prod(shape)), start + nbytes).reshape(shape)
+    k, v = (np.ndarray(shape, dtype, buffer=data, offset=at) for at in (start, start + nbytes))
+    k.flags.writeable = v.flags.writeable = False
     return k, v
 
 
 class SharedStore:
     """Chunks of prompts' KV state in a backend, keyed by content (module docstring). Never raises for the
     backend's faults: a read that fails is a miss, a write that fails is dropped, both counted. Reads run
-    on the caller's thread, writes on the writer thread with background=True (each counter has one writer)."""
+    on reader threads, READERS chunks at once, and are counted on the caller's thread; writes run on the
+    writer thread with background=True (each counter has one writer)."""
 
     def __init__(self, backend, ident: dict, chunk_tokens: int = CHUNK_TOKENS, background: bool = False,
                  write_back: bool = False):
@@ -173,6 +179,7 @@ class SharedStore:
         self.dropped: Counter = Counter()  # BackendError.reason (or "busy": the queue full) -> chunks not written
         self.unavailable = 0  # reads that found the backend unreachable
         self._queue: queue.Queue | None = None
+        self._readers = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="jaxsmol-shared-reads")
         self._dropping = threading.Lock()  # `dropped` counts on both threads
         self.on_written = None  # called after each queued prompt's writes (the cache copies the counts)
         if background:
@@ -187,30 +194,60 @@ class SharedStore:
 
     def read_run(self, keys: list[str], tokens, first: int) -> list[dict]:
         """{"k", "v"} of chunks first, first + 1, ... of `tokens` under `keys`, up to the first one missing,
-        refused or unreadable."""
-        out = []
-        for i in range(first, len(keys)):
-            ids = tokens[i * self.chunk_tokens:(i + 1) * self.chunk_tokens]
-            t0 = time.perf_counter()
-            try:
-                data = self.backend.get(keys[i])
-            except BackendError:
-                self.unavailable += 1
-                data = None
-            if data is None:
-                self.misses += 1
+        refused or unreadable: READERS chunks read at once on the reader threads, in order."""
+        size, out, nbytes, started = self.chunk_tokens, [], 0, time.perf_counter()
+        todo, jobs = iter(range(first, len(keys))), collections.deque()
+
+        def more():
+            i = next(todo, None)
+            if i is not None:
+                jobs.append(self._readers.submit(self._fetch, keys[i], tokens[i * size:(i + 1) * size]))
+        for _ in range(READERS):
+            more()
+        while jobs:
+            outcome, got, n = jobs.popleft().result()
+            if outcome != "hit":
+                self._count_failed(outcome, got)
                 break
-            try:
-                out.append(dict(zip(("k", "v"), decode(data, keys[i], ids, self.dtype, self.shape))))
-            except Refused as e:
-                self.refused[e.reason] += 1
-                LOGGER.warning("shared cache: refused chunk %s (%s): %s", keys[i][:16], e.reason, e)
-                self.backend.delete(keys[i])
-                break
+            out.append(got)
             self.hits += 1
-            self.bytes_read += len(data)
-            self.read_s += time.perf_counter() - t0
+            nbytes += n
+            more()
+        for job in jobs:  # read past the run's end: only a refused value counts (it was deleted)
+            outcome, got, _ = job.result()
+            if outcome == "refused":
+                self.refused[got] += 1
+        if nbytes:
+            self.bytes_read += nbytes
+            self.read_s += time.perf_counter() - started
         return out
+
+    def _fetch(self, key: str, ids) -> tuple[str, object, int]:
+        """One chunk, on a reader thread: ("hit", its {"k", "v"} in memory of their own, bytes read),
+        ("miss" or "unavailable", None, 0), or ("refused", the reason, 0) for a value deleted as refused.
+        Fetching, hashing and copying let other threads run: chunks are read side by side."""
+        try:
+            data = self.backend.get(key)
+        except BackendError:
+            return "unavailable", None, 0
+        if data is None:
+            return "miss", None, 0
+        try:
+            k, v = decode(data, key, ids, self.dtype, self.shape)
+        except Refused as e:
+            LOGGER.warning("shared cache: refused chunk %s (%s): %s", key[:16], e.reason, e)
+            self.backend.delete(key)
+            return "refused", e.reason, 0
+        if not host_memory.owns(k):  # a reply in malloc's heap (redis-py's): kept by the store, it would fragment it
+            k, v = host_memory.copy(k), host_memory.copy(v)
+        return "hit", {"k": k, "v": v}, len(data)
+
+    def _count_failed(self, outcome: str, reason) -> None:
+        if outcome == "refused":
+            self.refused[reason] += 1
+        else:
+            self.misses += 1
+            self.unavailable += outcome == "unavailable"
 
     @property
     def read_rate(self) -> float | None:
@@ -281,6 +318,7 @@ class SharedStore:
 
     def close(self) -> None:
         self.drain()
+        self._readers.shutdown()
         self.backend.close()
 
 
@@ -296,6 +334,8 @@ def segment_over(parts: list[dict], base: int = 0):
     def segment(start: int, stop: int) -> dict:
         pieces = [(max(start, lo) - lo, min(stop, lo + p["k"].shape[SEQ_AXIS]) - lo, p) for lo, p in bounds]
         pieces = [(a, b, p) for a, b, p in pieces if a < b]
+        if len(pieces) == 1 and pieces[0][1] - pieces[0][0] == pieces[0][2]["k"].shape[SEQ_AXIS]:
+            return pieces[0][2]  # a whole part as it is: no view for the store to copy
         return {name: pieces[0][2][name][seq_index(*pieces[0][:2])] if len(pieces) == 1 else
                 np.concatenate([p[name][seq_index(a, b)] for a, b, p in pieces], axis=SEQ_AXIS)
                 for name in ("k", "v")}

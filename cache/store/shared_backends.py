@@ -13,7 +13,9 @@ only then. Short socket timeouts and no retries: a dead server costs a request o
 and for `DOWN_S` after a failure no call is tried at all (each answers `Unavailable` at once); the first
 call after that reconnects. A full server (maxmemory with noeviction answers SET with OOM) raises `Full`.
 
-Both raise `BackendError` subclasses, never the client's own errors; SharedStore counts them.
+Both raise `BackendError` subclasses, never the client's own errors; SharedStore counts them. Both read a
+value into pages of its own (an anonymous mapping, host_memory.read_pages; GET on Redis through
+cache/store/resp.py), which the store's arrays view as it is: a value is copied once on its way in.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jaxsmol.cache.store.resp import RespError, RespReader
 from jaxsmol.errors import JaxsmolError
+from jaxsmol.system import host_memory
 
 REDIS_PREFIX = "jaxsmol:kv:"
 SOCKET_TIMEOUT_S = 1.0  # per read or write on the socket: a 12 MB value takes ~10 ms on loopback
@@ -84,14 +88,18 @@ class DirBackend:
             raise ValueError(f"not a shared-store key: {key!r}")
         return self.dir / key[:2] / f"{key}.kv"
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str):
+        """The value (read into pages of its own: the store's arrays view it as it is), or None."""
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                data, got = host_memory.read_pages(f.readinto, os.fstat(f.fileno()).st_size)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise Unavailable(f"{path}: {e.strerror or e}") from None
+        if got < len(data):  # cut short under the reader: what was read, for the store to refuse
+            data = bytes(data[:got])
         if self.budget_bytes is not None:
             with contextlib.suppress(OSError):
                 os.utime(path)  # a hit is recent: the oldest-first eviction keeps it
@@ -184,6 +192,8 @@ class RedisBackend:
         self.url = url.replace(f":{parts.password}@", ":***@") if parts.password else url
         self.client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                            socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        # GET into pages of its own (cache/store/resp.py) on plain connections; TLS through redis-py
+        self._reader = RespReader(url, CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S) if parts.scheme == "redis" else None
         self._down_until = 0.0
         try:
             self.client.ping()
@@ -199,9 +209,11 @@ class RedisBackend:
             raise Unavailable(f"{self.url} was unreachable less than {DOWN_S} s ago")
         try:
             return fn(*args)
-        except (self._errors.ConnectionError, self._errors.TimeoutError) as e:
+        except (self._errors.ConnectionError, self._errors.TimeoutError, OSError) as e:
             self._down_until = time.monotonic() + DOWN_S
             raise Unavailable(f"{self.url}: {e}") from None
+        except RespError as e:
+            raise BackendError(f"{self.url}: {e}") from None
         except self._errors.ResponseError as e:
             if isinstance(e, getattr(self._errors, "OutOfMemoryError", ())) or str(e).startswith("OOM"):
                 raise Full(f"{self.url}: {e}") from None
@@ -209,8 +221,10 @@ class RedisBackend:
         except self._errors.RedisError as e:
             raise BackendError(f"{self.url}: {e}") from None
 
-    def get(self, key: str) -> bytes | None:
-        return self._call(self.client.get, REDIS_PREFIX + key)
+    def get(self, key: str):
+        if self._reader is None:
+            return self._call(self.client.get, REDIS_PREFIX + key)
+        return self._call(self._reader.get, (REDIS_PREFIX + key).encode())
 
     def exists(self, keys: list[str]) -> list[bool]:
         def ask():

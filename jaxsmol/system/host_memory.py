@@ -178,6 +178,25 @@ def empty(shape, dtype) -> np.ndarray:
     return np.ndarray(shape, dtype, buffer=mmap.mmap(-1, nbytes))
 
 
+def read_pages(readinto, nbytes: int):
+    """nbytes read by `readinto(buffer)` calls (a file's, a socket's) into pages of their own: (an anonymous
+    mapping of nbytes, or bytes where nbytes is 0; how many were read before the source ran dry). Arrays
+    over the mapping (np.ndarray(..., buffer=it)) own their memory as `empty`'s do: nothing is copied."""
+    if nbytes <= 0:
+        return b"", 0
+    pages, got = mmap.mmap(-1, nbytes), 0
+    view = memoryview(pages)
+    try:
+        while got < nbytes:
+            n = readinto(view[got:])
+            if not n:
+                break
+            got += n
+    finally:
+        view.release()  # a mapping with views exported cannot be closed when it goes
+    return pages, got
+
+
 def owns(a: np.ndarray) -> bool:
     """Whether the array owns its memory (malloc's, or pages of its own from `empty`), not a view."""
     return a.base is None or isinstance(a.base, mmap.mmap)
