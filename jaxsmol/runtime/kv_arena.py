@@ -255,18 +255,24 @@ class KVArena(ArenaMemory):
     def restore(self, row: int, parts, start: int, stop: int, exact: bool = False) -> None:
         """Positions [start, stop) of a stored prefix into `row` (it holds the positions before start):
         `parts` are the prefix's host segments {"k", "v"} [L, 1, K, n_i, H], in order from position 0,
-        copied a block of BLOCK slots at a time through staging buffers. `exact`: the prefix is the
-        exact state of its tokens (an exact cache's entry)."""
-        offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
+        copied straight into the row's pages where the arena is raw memory (`host_views`), else by
+        programs. `exact`: the prefix is the exact state of its tokens (an exact cache's entry)."""
         views = self.host_views()
-        if views is not None:  # straight into the row's pages
-            for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
-                lo, hi = max(start, p0), min(stop, p1)
-                for view, name in zip(views, ("k", "v")) if lo < hi else ():
-                    view[:, row, :, lo:hi] = part[name][:, 0, :, lo - p0:hi - p0]
-        first = start // BLOCK * BLOCK  # blocks begin at multiples of BLOCK: a whole block fits the row
-        kb, vb = self._staging_buffers() if views is None else (None, None)
-        for b0 in range(first, stop, BLOCK) if views is None else ():
+        offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
+        if views is None:
+            self._write_blocks(row, parts, offsets, start, stop)
+        for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]) if views is not None else ():
+            lo, hi = max(start, p0), min(stop, p1)
+            for view, name in zip(views, ("k", "v")) if lo < hi else ():
+                view[:, row, :, lo:hi] = part[name][:, 0, :, lo - p0:hi - p0]
+        self.pos[row] = stop
+        self.touched[row] = max(self.touched[row], stop if self.kernel else -(-stop // BLOCK) * BLOCK)
+        self.exact[row] = stop if exact and self.exact[row] >= start else min(self.exact[row], start)
+
+    def _write_blocks(self, row: int, parts, offsets, start: int, stop: int) -> None:
+        """restore's copy by programs: a block of BLOCK slots at a time through staging buffers."""
+        kb, vb = self._staging_buffers()
+        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK):  # blocks begin at multiples of BLOCK: a whole one fits
             b1 = min(b0 + BLOCK, stop)
             for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
                 lo, hi = max(b0, p0), min(b1, p1)
@@ -279,9 +285,6 @@ class KVArena(ArenaMemory):
             k, v = programs.write_slots(self.k, self.v, place(kb), place(vb), np.int32(row), np.int32(b0),
                                         np.int32(b1 - b0), kernel=self.kernel)
             self._took(*jax.block_until_ready((k, v)))  # read before the staging buffers are refilled
-        self.pos[row] = stop
-        self.touched[row] = max(self.touched[row], stop if self.kernel else -(-stop // BLOCK) * BLOCK)
-        self.exact[row] = stop if exact and self.exact[row] >= start else min(self.exact[row], start)
 
     def _staging_buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """Two host blocks [L, 1, K, BLOCK, H] in 64-byte aligned memory (a device_put may then alias them)."""
@@ -311,15 +314,20 @@ class KVArena(ArenaMemory):
         views = self.host_views()
         for view, name in zip(views, ("k", "v")) if views is not None else ():  # straight from the row's pages
             out[name][:, 0] = view[:, row, :, start:stop]
-        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK) if views is None else ():
+        if views is None:
+            self._read_blocks(row, start, stop, out)
+        for a in out.values():
+            a.flags.writeable = False
+        return out
+
+    def _read_blocks(self, row: int, start: int, stop: int, out: dict) -> None:
+        """segment's copy by programs: a block of BLOCK slots at a time."""
+        for b0 in range(start // BLOCK * BLOCK, stop, BLOCK):
             lo, hi = max(b0, start), min(b0 + BLOCK, stop)
             blocks = jax.device_get(programs.read_slots(self.k, self.v, np.int32(row), np.int32(b0), np.int32(hi - b0),
                                                         kernel=self.kernel))
             for name, block in zip(("k", "v"), blocks):
                 out[name][:, :, :, lo - start:hi - start] = block[:, :, :, lo - b0:hi - b0]
-        for a in out.values():
-            a.flags.writeable = False
-        return out
 
     def view(self, row: int) -> RowView:
         return RowView(self, row)
