@@ -1,10 +1,10 @@
 """Redis GET straight into pages of its own: the RESP protocol over a socket, a value read with `readinto`
 into an anonymous mapping of its size (host_memory.read_pages), which the shared store's arrays then
 view as they are (cache/store/shared.py). redis-py reads a value into a bytes object, which the store
-must copy again into memory of its own (a prefix store keeping replies would keep them in malloc's heap);
-for a 2000-token prefix's 31 chunks (91 MB) on loopback the two copies took ~180 ms, this read ~100 ms
-(docs/design.md). Only GET is spoken here, on plain `redis://` connections, one per reader thread; SET,
-EXISTS, DEL and TLS are redis-py's.
+must then copy into memory of its own (a prefix store keeping replies would keep them in malloc's heap):
+its GETs of a 2000-token prefix's 31 chunks (91 MB) on loopback took ~180 ms, these ~100 ms, and the
+store's copy is gone too (docs/serving.md has the figures). Only GET is spoken here, on plain `redis://`
+connections, one per reader thread; SET, EXISTS, DEL and TLS are redis-py's.
 """
 
 from __future__ import annotations
