@@ -39,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxsmol.cache.device_rows import DeviceRows
+from jaxsmol.cache.fetch import Fetch, Fetcher
 from jaxsmol.cache.named import NamedContents
 from jaxsmol.cache.pins import DEFAULT_BUDGET_BYTES, Pins
 from jaxsmol.cache.records import AnswerSave, CacheReport, CacheStats, Lookup
@@ -78,6 +79,7 @@ class PrefixCache(LowerTiers):
             raise JaxsmolError("a shared store takes exact states only: PrefixCache(exact=False) cannot use one")
         self.shared = shared if mode == "radix" else None
         self.prefill_timed, self.skipped_reads = [0, 0.0], 0  # positions prefilled and their seconds (note_prefill)
+        self.fetcher = Fetcher()  # the lower tiers read ahead for waiting requests (cache/fetch.py)
         if mode == "radix" and (self.disk is not None or self.shared is not None and self.shared.write_back):
             self.store.on_evict = self._evicted
         if self.shared is not None:  # counted where the values are read and written
@@ -141,9 +143,11 @@ class PrefixCache(LowerTiers):
         return [] if lk.ns is None or self.mode == "off" else self.store.continuation(lk.ns, lk.prompt, most)
 
     # ---- a request ------------------------------------------------------------------------------
-    def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False) -> Lookup:
+    def lookup(self, prompt_ids, max_tokens: int = 0, *, salt: str | None = None, bypass: bool = False,
+               fetched: Fetch | None = None) -> Lookup:
         """Check the prompt and find its longest stored prefix; the entries found stay pinned (never
-        evicted) until `release(lookup)`. Raises JaxsmolError for a bad prompt."""
+        evicted) until `release(lookup)`. `fetched`: its lower tiers' reads, made ahead (plan_fetch; done),
+        taken instead of reading them now. Raises JaxsmolError for a bad prompt."""
         prompt = self.engine.check_prompt(prompt_ids, max_tokens)
         n = len(prompt)
         reason = self._bypass_reason(n, bypass)  # a bypass needs no namespace (nor the weights' hash)
@@ -155,10 +159,12 @@ class PrefixCache(LowerTiers):
             return lk
         self.stats.lookups += 1
         match = self.store.lookup(lk.ns, prompt, gather=False)
+        if fetched is not None and (fetched.ns, fetched.prompt) != (lk.ns, tuple(prompt)):
+            raise ValueError("a fetch made for another prompt")
         if self.disk is not None and match.payload is None:
-            match = self._from_disk(lk.ns, prompt, match, report)
+            match = self._from_disk(lk.ns, prompt, match, report, fetched)
         if self.shared is not None and match.payload is None:
-            match = self._from_shared(lk.ns, prompt, match, report)
+            match = self._from_shared(lk.ns, prompt, match, report, fetched)
         report.matched, report.reused, report.nearest_len = match.length, match.reused, match.nearest_len
         report.exact_hit = match.payload is not None
         if report.reused:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import time
 
+from jaxsmol.cache.fetch import Fetch
 from jaxsmol.cache.records import CacheReport, Lookup
 from jaxsmol.cache.store.disk import Snapshot, SnapshotError
 from jaxsmol.cache.store.shared import segment_over
+from jaxsmol.cache.store.values import common_prefix_len
+from jaxsmol.errors import JaxsmolError
 
 
 PROBE_EVERY = 16  # of the lookups that measured reading the shared store slower, those that read it all the same
@@ -46,19 +49,20 @@ class LowerTiers:
         except OSError:  # a full or broken disk costs the entry, never the request
             pass
 
-    def _from_disk(self, ns, prompt, match, report: CacheReport):
-        """On a memory miss or partial match: if the disk tier holds a longer usable prefix, bring it
-        into memory and look up again."""
+    def _from_disk(self, ns, prompt, match, report: CacheReport, fetched: Fetch | None = None):
+        """On a memory miss or partial match: if the disk tier holds a longer usable prefix (read ahead
+        in `fetched`, else read now), bring it into memory and look up again."""
         n = len(prompt)
-        entry, common = self.disk.find(ns[1], prompt)
+        entry = self.disk.find(ns[1], prompt)[0] if fetched is None else fetched.disk_entry
         if entry is None:
             return match
-        usable = n if common == n and n in entry.logits_at else min(common, n - 1)
-        if usable <= match.reused:
-            return match
-        try:
-            snap = self.disk.load(entry, prompt)
+        try:  # what was read ahead is settled (a refused file leaves the disk) even where memory has it now
+            snap = self.disk.load(entry, prompt) if fetched is None else self.disk.settle(entry, fetched.snapshot)
         except SnapshotError:  # the store deleted it, saying why
+            return match
+        common = common_prefix_len(snap.tokens, prompt)
+        usable = n if common == n and n in snap.logits else min(common, n - 1)
+        if usable <= match.reused:
             return match
         self.store.release(match)
         self.add_snapshot(snap, salt=ns[1])
@@ -66,19 +70,23 @@ class LowerTiers:
         report.disk_loaded = usable
         return self.store.lookup(ns, prompt, gather=False)
 
-    def _from_shared(self, ns, prompt, match, report: CacheReport):
+    def _from_shared(self, ns, prompt, match, report: CacheReport, fetched: Fetch | None = None):
         """If the shared store holds more whole chunks of the prompt than `match` reuses (up to prompt_n - 1
         positions: a chunk carries no logits, so the last token is computed), bring those past the match
-        into memory and look up again."""
+        into memory (read ahead in `fetched`, else read now) and look up again."""
         size = self.shared.chunk_tokens
         usable = (len(prompt) - 1) // size
         if usable * size <= match.reused:
             return match
         first = match.length // size  # the positions before match.length are in memory already
-        if not self._reading_pays(usable - first):
+        if fetched is not None:  # chunks from fetched.shared_first on: those past the match, if they join it
+            start = fetched.shared_first
+            chunks = fetched.chunks[first - start:] if start is not None and start <= first else []
+        elif self._reading_pays(usable - first):
+            chunks = self.shared.read_run(self.shared.keys(ns[1], prompt[: usable * size]), prompt, first)
+        else:
             self.stats.shared_skipped += 1
             return match
-        chunks = self.shared.read_run(self.shared.keys(ns[1], prompt[: usable * size]), prompt, first)
         end = (first + len(chunks)) * size
         if end <= match.reused:
             return match
@@ -88,6 +96,47 @@ class LowerTiers:
         self.stats.shared_loads += 1
         report.shared_loaded = end
         return self.store.lookup(ns, prompt, gather=False)
+
+    def plan_fetch(self, prompt_ids, salt: str | None = None, bypass: bool = False) -> Fetch | None:
+        """What a lookup of this prompt would read from the lower tiers, to read ahead (cache/fetch.py):
+        decided now, once (a lookup given the fetch reads what it says, nothing more), and empty where it
+        would read nothing (memory holding as much, reading the shared store measured slower than
+        prefilling); None where a lookup reads no lower tier at all (none, a bypass, a bad prompt)."""
+        if self.mode != "radix" or self.disk is None and self.shared is None or bypass:
+            return None
+        try:
+            prompt = self.engine.check_prompt(prompt_ids, 0)
+        except JaxsmolError:  # its lookup says why
+            return None
+        n, ns = len(prompt), self.namespace(salt)
+        if self._bypass_reason(n, False):
+            return None
+        fetch = Fetch(ns, tuple(prompt), memory=self.store.peek(ns, prompt))
+        have = fetch.memory
+        if have == n:
+            return fetch
+        if self.disk is not None:
+            entry, common = self.disk.find(ns[1], prompt)
+            usable = 0 if entry is None else n if common == n and n in entry.logits_at else min(common, n - 1)
+            if usable > have:
+                fetch.disk_entry, have = entry, usable
+        size = self.shared.chunk_tokens if self.shared is not None else 0
+        if size and (n - 1) // size > have // size:
+            if self._reading_pays((n - 1) // size - have // size):
+                fetch.shared_first = have // size
+            else:
+                self.stats.shared_skipped += 1
+        return fetch
+
+    def read_ahead(self, fetch: Fetch) -> None:
+        """A fetch's reads, on the fetch thread: files and values only (never the store or the index)."""
+        if fetch.disk_entry is not None:
+            fetch.snapshot = self.disk.read(fetch.disk_entry, fetch.prompt)
+        if fetch.shared_first is not None:
+            size = self.shared.chunk_tokens
+            whole = (len(fetch.prompt) - 1) // size * size
+            fetch.chunks = self.shared.read_run(self.shared.keys(fetch.ns[1], fetch.prompt[:whole]), fetch.prompt,
+                                                fetch.shared_first)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A prompt's `tokens` positions were prefilled in `seconds` (the scheduler's measure, from the

@@ -137,6 +137,17 @@ def eng(tiny_engine):
 
 
 @pytest.fixture(scope="session")
+def replicas(tiny_engine):
+    """Two engines over the same weights (as two daemons would load them): A is the session's, B a second one
+    (the shared store's tests)."""
+    from jaxsmol.runtime.engine import Engine
+
+    other = Engine(tiny_engine.cfg, tiny_engine.params, None, ctx=tiny_engine.ctx)
+    other._fingerprint = tiny_engine.fingerprint
+    return tiny_engine, other
+
+
+@pytest.fixture(scope="session")
 def bpt(eng):
     return eng.kv_bytes_per_token  # 512 on the tiny config
 

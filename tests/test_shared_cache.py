@@ -24,7 +24,6 @@ from jaxsmol.cache.store.shared import (Refused, SharedStore, chunk_keys, decode
                                         open_shared)
 from jaxsmol.cache.store.shared_backends import DirBackend, open_backend
 from jaxsmol.errors import JaxsmolError
-from jaxsmol.runtime.engine import Engine
 from jaxsmol.runtime.sampling import SamplingParams
 from cache_runs import assert_same, toks
 from daemon import ROOT, free_port
@@ -37,18 +36,18 @@ IDENT = {"model": "m", "tokenizer": "t", "kv_dims": (2, 1, 2, 16), "kv_dtype": "
 SHAPE = (2, 1, 2, C, 16)
 
 
-@pytest.fixture(scope="module")
-def replicas(tiny_engine):
-    """Two engines over the same weights (as two daemons would load them): A is the session's, B a second one."""
-    other = Engine(tiny_engine.cfg, tiny_engine.params, None, ctx=tiny_engine.ctx)
-    other._fingerprint = tiny_engine.fingerprint
-    return tiny_engine, other
+def reads(cache: PrefixCache) -> PrefixCache:
+    """`cache`, measured as if prefilling took a second a position, so that it reads the shared store
+    whenever it holds more: the tiny model's prefill costs less than a read's thread hand-offs, and these
+    tests are about reading (test_a_store_measured_slower_than_prefilling_is_not_read sets its own)."""
+    cache.prefill_timed = [1, 1.0]
+    return cache
 
 
 def pair(replicas, spec, background=False):
     a, b = replicas
-    return (PrefixCache(a, shared=open_shared(spec, a, chunk_tokens=C, background=background)),
-            PrefixCache(b, shared=open_shared(spec, b, chunk_tokens=C)))
+    return (reads(PrefixCache(a, shared=open_shared(spec, a, chunk_tokens=C, background=background))),
+            reads(PrefixCache(b, shared=open_shared(spec, b, chunk_tokens=C))))
 
 
 def chunk(seed):
@@ -218,7 +217,7 @@ def test_write_back_writes_what_memory_evicts_and_the_rest_at_shutdown(replicas,
     room = (len(P) + 8) * a_engine.kv_bytes_per_token + 4 * a_engine.cfg.vocab_size  # one prompt at a time
     a = PrefixCache(a_engine, budget_bytes=room, shared=open_shared(tmp_path, a_engine, chunk_tokens=C,
                                                                      write_back=True))
-    b = PrefixCache(b_engine, shared=open_shared(tmp_path, b_engine, chunk_tokens=C))
+    b = reads(PrefixCache(b_engine, shared=open_shared(tmp_path, b_engine, chunk_tokens=C)))
     generate(a, P, SP)
     assert a.stats.shared_writes == 0  # not once computed
     generate(a, Q, SP)  # evicts P: its 3 chunks are written back
@@ -271,7 +270,7 @@ def test_damaged_values_are_refused_counted_and_the_answer_stays_exact(replicas,
     assert_same(gen, generate(replicas[1], P, SP))
     assert files[1].exists()  # B rewrote the chunk it refused (its write-through)
     files[2].write_bytes(files[0].read_bytes())  # another chunk's value under chunk 2's key
-    other = PrefixCache(replicas[1], shared=open_shared(tmp_path, replicas[1], chunk_tokens=C))
+    other = reads(PrefixCache(replicas[1], shared=open_shared(tmp_path, replicas[1], chunk_tokens=C)))
     gen = generate(other, P, SP)
     assert gen.report.shared_loaded == 2 * C and other.stats.shared_refused["foreign"] == 1
     assert_same(gen, generate(replicas[1], P, SP))

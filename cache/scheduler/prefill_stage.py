@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jaxsmol.cache.fetch import WAIT_S
 from jaxsmol.cache.scheduler.admission import admitted, next_index
 from jaxsmol.cache.scheduler.settings import PREFILLS_AT_ONCE, SPARE_ROWS
 from jaxsmol.cache.scheduler.requests import Request
@@ -56,11 +57,17 @@ class PrefillStage:
         rows (and memory) will be free for them and fewer than PREFILLS_AT_ONCE prompts are being prefilled."""
         if any(r.sink.cancelled() for r in self.pending):
             self.pending = collections.deque(r for r in self.pending if not r.sink.cancelled())
+        self._fetch_ahead()
         if self.free_rows <= 0 and all(r.decode_rows for r in self.pending):
             return  # every row taken: nothing to choose yet
         stored: dict = {}  # id(request) -> its stored prefix, looked up once a step
         while self.pending and len(self.prefills) < PREFILLS_AT_ONCE:
-            i = next_index(self.pending, self.settings, self.cache, stored)
+            i = next_index(self.pending, self.settings, self.cache, stored, lambda r: self.cache.fetcher.ready(r.fetch))
+            if i is None:  # waiting for reads: nothing else to do, wait a little for them (no spinning)
+                reading = [r.fetch for r in self.pending if r.fetch is not None and r.fetch.future is not None]
+                if reading and not (self.live or self.prefills or self.saves):
+                    reading[0].wait(WAIT_S)
+                return
             req = self.pending[i]
             if not self._room_for(req) or (not req.bypass and self.saves and self.saves.wanted_by(
                     req.prompt_ids, self.cache.namespace(req.salt))):  # store the answer it continues first
@@ -71,6 +78,16 @@ class PrefillStage:
                 self._begin(req)
             except JaxsmolError as e:
                 req.sink.error(e)
+
+    def _fetch_ahead(self) -> None:
+        """Plan each waiting request's reads from the lower tiers once, and start them, oldest first, while
+        the fetch thread has room (cache/fetch.py): they run while the request waits."""
+        fetcher = self.cache.fetcher
+        for r in self.pending:
+            if not r.planned:
+                r.fetch, r.planned = self.cache.plan_fetch(r.prompt_ids, salt=r.salt, bypass=r.bypass), True
+            if r.fetch is not None and not r.fetch.done and r.fetch.future is None and fetcher.room:
+                fetcher.start(r.fetch, self.cache.read_ahead)
 
     def _room_for(self, req: Request) -> bool:
         """Whether decode rows, arena rows and the KV budget will be free for req's choices, counting the
@@ -94,8 +111,12 @@ class PrefillStage:
         started, cfg = time.perf_counter(), self.engine.cfg
         constraints = [constraint_for(self.engine.tokenizer, cfg.eos_ids, cfg.vocab_size, sp.structured)
                        for sp in req.samplings]  # a bad spec fails here, before any model work
-        lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
-                               salt=req.salt, bypass=req.bypass)
+        try:
+            lk = self.cache.lookup(req.prompt_ids, max(sp.max_tokens for sp in req.samplings),
+                                   salt=req.salt, bypass=req.bypass, fetched=req.fetch)
+        finally:
+            self.cache.fetcher.taken(req.fetch)
+            req.fetch = None
         self.stats.admitted += 1
         n, reused = len(lk.prompt), lk.report.reused
         row = None

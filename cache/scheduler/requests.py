@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxsmol.cache.fetch import Fetch
 from jaxsmol.cache.records import CacheReport, PinOrder
 from jaxsmol.errors import JaxsmolError
 from jaxsmol.runtime.sampling import SamplingParams
@@ -117,6 +118,8 @@ class Request:
     detail: bool = False  # results carry the prompt's last logits and the cache report (library calls)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     overtaken: int = 0  # later requests admitted before it (cache-aware admission bounds this)
+    fetch: Fetch | None = None  # its lower tiers' reads, made while it waits (cache/fetch.py)
+    planned: bool = False  # whether `fetch` was planned (None then: nothing to read)
 
     def __post_init__(self):
         if not self.samplings:

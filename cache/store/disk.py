@@ -268,13 +268,27 @@ class DiskStore:
 
     def load(self, entry: DiskEntry, prompt=None) -> Snapshot:
         """Read and verify an entry; a refused one leaves the index and the disk (_refuse)."""
+        return self.settle(entry, self.read(entry, prompt))
+
+    def read(self, entry: DiskEntry, prompt=None) -> Snapshot | SnapshotError:
+        """An entry's snapshot, read and verified, or the error refusing it; nothing else is done, so any
+        thread may read (cache/fetch.py) while the index's own thread `settle`s what it got."""
         try:
-            snap = load_snapshot(entry.path, self.ident, prompt)
+            return load_snapshot(entry.path, self.ident, prompt)
         except SnapshotError as e:
-            self._refuse(entry.path, e)
-            raise
-        self._touch(entry)
-        return snap
+            return e
+
+    def settle(self, entry: DiskEntry, got: Snapshot | SnapshotError) -> Snapshot:
+        """What `read` gave: the entry touched, or, refused, out of the index and the disk (where it is
+        still the entry indexed: one written over it meanwhile stays) and the error raised."""
+        current = self.entries.get(entry.path.name) is entry
+        if isinstance(got, SnapshotError):
+            if current:
+                self._refuse(entry.path, got)
+            raise got
+        if current:
+            self._touch(entry)
+        return got
 
     def newest_first(self) -> list[DiskEntry]:
         return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)

@@ -113,7 +113,9 @@ class Daemon:
     async def prometheus(self, request: Request):
         self._auth(request, admin=True)
         stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
-        memory = self.memory.figures(stats["bytes_held"] + batch.get("draft_cache_bytes", 0), pool,
+        stats["fetched_bytes"] = self.cache.fetcher.nbytes  # read ahead for waiting requests (cache/fetch.py)
+        memory = self.memory.figures(stats["bytes_held"] + stats["fetched_bytes"] + batch.get("draft_cache_bytes", 0),
+                                     pool,
                                      batch.get("kv_bytes", 0), arena_span=self.worker.scheduler.arena_span,
                                      programs_after_ready=self.warmup.programs_after_ready())
         load = read_load(self.worker, self.engine.kv_bytes_per_token)
