@@ -196,6 +196,7 @@ class LowerTiers:
             if snap is not None:
                 snap.pinned = self.pins.is_pinned(ns, tokens, lasting=True)
                 self.disk.put(snap)
+        self.disk.drain()  # a background store's queued writes: in the files before this returns
         self.sync()
         return len(self.disk)
 

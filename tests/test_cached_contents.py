@@ -171,7 +171,12 @@ def test_a_24h_retention_keeps_the_prompt_on_disk_out_of_the_lru(make_client, tw
     kept = SYSTEM + " Q: Which one do we keep? A:"
     body = {"prompt": kept, "max_tokens": 1, "temperature": 0}
     assert c.post("/v1/completions", json={**body, "prompt_cache_retention": "24h"}).status_code == 200
-    [entry] = [e for e in list_dir(d)[0] if e.expires_at]
+    for _ in range(200):  # the file is written on the disk tier's writer thread, after the answer
+        retained = [e for e in list_dir(d)[0] if e.expires_at]
+        if retained:
+            break
+        time.sleep(0.05)
+    [entry] = retained
     assert not entry.pinned and 86000 < entry.expires_at - time.time() <= 86400
     for i in range(8):  # spills churn the disk LRU: the retained file stays
         r = c.post("/v1/completions", json={**body, "prompt": f"Churn number {i}: " + SYSTEM[::-1][:200]})

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -199,3 +200,46 @@ def test_daemon_restart_keeps_its_hits(tiny_model_dir, tmp_path):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == second["usage"]["prompt_tokens"]
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_a_background_store_writes_on_its_thread_and_reads_only_what_is_written(tiny_engine, tmp_path,
+                                                                                 monkeypatch):
+    """With background=True (the daemon's) a spill's file is written on the writer thread: the entry is
+    indexed at once but found only once written; a write that fails leaves the index at the next put, and
+    an entry dropped before its write leaves no file."""
+    from jaxsmol.cache.store import disk as disk_module
+
+    ident = snapshot.identity(tiny_engine)
+    gate, threads, save = threading.Event(), set(), disk_module.save_snapshot
+
+    def held_save(path, snap, ident_):
+        threads.add(threading.current_thread().name)
+        gate.wait(10)
+        if snap.length == 7:
+            raise OSError(28, "No space left on device")
+        return save(path, snap, ident_)
+    monkeypatch.setattr(disk_module, "save_snapshot", held_save)
+    store = DiskStore(tmp_path, ident, background=True)
+    cache = PrefixCache(tiny_engine, disk=store)
+    P = toks(40, 60)
+    generate(cache, P, SP)
+    snap = cache.snapshot_of(P)
+    assert store.put(snap) and store.entries[store.name_of("", P)].pending
+    assert store.find("", P) == (None, 0)  # not a file yet
+    gate.set()
+    store.drain()
+    assert threads == {"jaxsmol-disk-writes"} and store.find("", P)[1] == 40 and store.writes == 1
+    gen = generate(PrefixCache(tiny_engine, disk=DiskStore(tmp_path, ident)), P + [5], SP)
+    assert gen.report.disk_loaded == 40 and gen.cached_tokens == 40
+    failing = Snapshot(tuple(P[:7]), snap.k[:, :, :, :7], snap.v[:, :, :, :7], {}, salt="")
+    store.put(failing)
+    store.drain()
+    assert store.entries[store.name_of("", P[:7])].failed
+    gone = Snapshot(tuple(P[:9]), snap.k[:, :, :, :9], snap.v[:, :, :, :9], {}, salt="")
+    gate.clear()
+    store.put(gone)
+    assert store.forget("", P[:9])  # dropped while its write waits
+    gate.set()
+    store.drain()
+    store.put(snap)  # any put purges the failed entry
+    assert store.name_of("", P[:7]) not in store.entries and not (tmp_path / store.name_of("", P[:9])).exists()

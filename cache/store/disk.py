@@ -19,7 +19,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -98,6 +100,8 @@ class DiskEntry:
     pinned: bool = False
     expires_at: float | None = None  # a pin's expiry, or an unpinned file's retention (seconds since the epoch)
     record: dict | None = None  # a named cached content's record (cache/named.py)
+    pending: bool = False  # queued for the writer thread: not yet a file to read
+    failed: bool = False  # its write failed (the writer thread said why): out of the index at the next put
 
     @classmethod
     def of(cls, path: Path, m: dict, st: os.stat_result) -> DiskEntry:
@@ -135,7 +139,10 @@ class DiskStore:
     counts it by reason (SnapshotError.reason).
     """
 
-    def __init__(self, directory, ident: dict, budget_bytes: int = 4 << 30):
+    def __init__(self, directory, ident: dict, budget_bytes: int = 4 << 30, background: bool = False):
+        """background: files are written on a writer thread (the daemon's: a spill or a retention then
+        costs the request path the snapshot's copy, not its file); an entry is indexed at once and read
+        once written (`drain` waits for the writes queued)."""
         if budget_bytes < 0:
             raise JaxsmolError(f"disk cache budget must be >= 0 bytes, got {budget_bytes}")
         self.dir = Path(directory)
@@ -148,6 +155,10 @@ class DiskStore:
         self.skipped: list[tuple[str, str]] = []
         self.refused: Counter = Counter()  # SnapshotError.reason -> files deleted
         self.writes = 0
+        self._queue: queue.Queue | None = None
+        if background:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._writer, name="jaxsmol-disk-writes", daemon=True).start()
         now = time.time()
         for p in sorted(self.dir.iterdir()):
             if p.name.startswith(".") and p.name.endswith(".tmp") and _ENTRY_NAME.match(p.name[1:]):
@@ -218,6 +229,8 @@ class DiskStore:
         pinned one always goes in); False if it cannot fit. A file there already is kept, rewritten
         only when the snapshot's marks (pinned, expires_at, record) differ from it; a pinned or retained
         file is not made a plain one by a plain write (a spill, a persist)."""
+        for n in [n for n, e in self.entries.items() if e.failed]:
+            self.entries.pop(n)
         name, now = self.name_of(snap.salt, snap.tokens), time.time()
         old = self.entries.get(name)
         marks = (snap.pinned, snap.expires_at and round(snap.expires_at, 3), snap.record)
@@ -239,12 +252,38 @@ class DiskStore:
                 self._drop(n)
             if held + snap.nbytes > self.budget_bytes:  # the rest is retained until its expiry
                 return False
-        path = self.dir / name
-        size = save_snapshot(path, snap, self.ident)
-        self.entries[name] = DiskEntry(path, snap.salt, snap.tokens, tuple(sorted(snap.logits)), size, time.time(),
-                                       *marks)
+        entry = DiskEntry(self.dir / name, snap.salt, snap.tokens, tuple(sorted(snap.logits)), snap.nbytes,
+                          time.time(), *marks, pending=self._queue is not None)
+        if self._queue is not None:
+            self.entries[name] = entry
+            self._queue.put((entry, snap))
+            return True
+        entry.nbytes = save_snapshot(entry.path, snap, self.ident)
+        self.entries[name] = entry
         self.writes += 1
         return True
+
+    def _writer(self) -> None:
+        """The writer thread: each queued entry's file; one dropped from the index meanwhile is removed."""
+        while True:
+            entry, snap = self._queue.get()
+            try:
+                entry.nbytes = save_snapshot(entry.path, snap, self.ident)
+                entry.pending = False
+                self.writes += 1
+                if self.entries.get(entry.path.name) is not entry:
+                    with contextlib.suppress(OSError):
+                        entry.path.unlink()
+            except Exception as e:  # a full or broken disk costs the entry, never the thread
+                entry.failed = True
+                LOGGER.warning("disk tier: could not write %s: %s", entry.path, e)
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Until the writes queued are done."""
+        if self._queue is not None:
+            self._queue.join()
 
     def forget(self, salt: str, tokens) -> bool:
         """Delete the file of exactly this key (an unpinned prefix leaves disk until it is written again)."""
@@ -257,8 +296,8 @@ class DiskStore:
     def find(self, salt: str, prompt) -> tuple[DiskEntry | None, int]:
         """The entry sharing the longest prefix with `prompt` (ties: one with logits there), and that length."""
         best, best_key = None, (0, False)
-        for e in self.entries.values():
-            if e.salt != salt:
+        for e in list(self.entries.values()):
+            if e.salt != salt or e.pending or e.failed:
                 continue
             n = common_prefix_len(e.tokens, prompt)
             key = (n, n in e.logits_at)
@@ -291,7 +330,9 @@ class DiskStore:
         return got
 
     def newest_first(self) -> list[DiskEntry]:
-        return sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True)
+        """The entries written, the most recently used first."""
+        return sorted((e for e in self.entries.values() if not (e.pending or e.failed)),
+                      key=lambda e: e.last_used, reverse=True)
 
     def clear(self, keep_pinned: bool = False) -> None:
         for name in [n for n, e in self.entries.items() if not (keep_pinned and e.pinned)]:

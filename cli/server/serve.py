@@ -231,7 +231,7 @@ def create_app(engine, *, cache_bytes: int = 2 << 30, prefix_cache: bool = True,
     if cache_dir is not None and prefix_cache:
         from jaxsmol.cache.store.disk import DiskStore, identity
 
-        disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes)
+        disk = DiskStore(cache_dir, identity(engine), disk_cache_bytes, background=True)
         for name, reason in disk.skipped:
             print(f"warning: cache file {name} not used: {reason}", file=sys.stderr, flush=True)
     cache = PrefixCache(engine, mode=cache_mode if prefix_cache else "off", budget_bytes=cache_bytes, disk=disk,
