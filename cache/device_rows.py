@@ -67,10 +67,11 @@ class DeviceRows:
         holds the most of them as they are (an exact cache's), the rest copied from `parts` (the match's
         segments). `expect`: the positions its sequence is granted."""
         arena, held, row = lease.arena, 0, None
-        if length and self.cache.exact:
-            held, row = max(((min(shared_len(arena.tags[r], match), length, arena.exact[r]), r)
-                             for r in arena.free), default=(0, None))
-        row = lease.take(row if held else None, held, expect)
+        with arena.lock:  # chosen and taken at once: another user of the arena takes no row between
+            if length and self.cache.exact:
+                held, row = max(((min(shared_len(arena.tags[r], match), length, arena.exact[r]), r)
+                                 for r in arena.free), default=(0, None))
+            row = lease.take(row if held else None, held, expect)
         try:
             if held < length:
                 arena.restore(row, parts, held, length, exact=self.cache.exact)
