@@ -27,8 +27,9 @@ CACHE_COUNTERS = (
     ("saves", "Snapshots saved."), ("restores", "Snapshots restored."),
     ("tokens_reused", "Prompt positions restored instead of prefilled."),
     ("tokens_prefilled", "Prompt positions computed."), ("evictions", "Entries evicted."),
-    ("device_hits", "Requests whose KV arena row held (part of) their stored prefix: taken as it was."),
-    ("device_tokens", "Prompt positions such rows held: restored with no copy."),
+    ("device_hits", "KV arena rows taken for a stored prefix (a request's, an answer's being stored) that held part of "
+                    "it already: taken as they were."),
+    ("device_tokens", "Positions such rows held: restored with no copy."),
     ("disk_loads", "Entries loaded from the disk tier (--cache-dir)."),
     ("disk_writes", "Entries written to the disk tier."),
     ("shared_loads", "Prefixes restored with chunks of the shared store (--shared-cache)."),
