@@ -205,8 +205,8 @@ def test_daemon_restart_keeps_its_hits(tiny_model_dir, tmp_path):
 def test_a_background_store_writes_on_its_thread_and_reads_only_what_is_written(tiny_engine, tmp_path,
                                                                                  monkeypatch):
     """With background=True (the daemon's) a spill's file is written on the writer thread: the entry is
-    indexed at once but found only once written; a write that fails leaves the index at the next put, and
-    an entry dropped before its write leaves no file."""
+    indexed at once but found only once written; a write that fails leaves the index at the next put, an
+    entry dropped before its write leaves no file, and past QUEUE_BYTES queued a put writes at once."""
     from jaxsmol.cache.store import disk as disk_module
 
     ident = snapshot.identity(tiny_engine)
@@ -243,3 +243,7 @@ def test_a_background_store_writes_on_its_thread_and_reads_only_what_is_written(
     store.drain()
     store.put(snap)  # any put purges the failed entry
     assert store.name_of("", P[:7]) not in store.entries and not (tmp_path / store.name_of("", P[:9])).exists()
+    monkeypatch.setattr(disk_module, "QUEUE_BYTES", 0)  # the queue full: written on the caller's thread
+    store.put(Snapshot(tuple(P[:11]), snap.k[:, :, :, :11], snap.v[:, :, :, :11], {}, salt=""))
+    assert not store.entries[store.name_of("", P[:11])].pending and store.queued_bytes == 0
+    assert (tmp_path / store.name_of("", P[:11])).exists()

@@ -38,6 +38,9 @@ __all__ = ["DiskStore", "PromptCacheReport", "Snapshot", "SnapshotError", "ident
 SUFFIX = ".safetensors"
 _ENTRY_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))  # DiskStore's files; it touches no other
 LOGGER = logging.getLogger("jaxsmol.cache")
+# snapshots a background store holds for its writer thread; past this a put writes on the caller's thread (a
+# disk slower than the evictions slows them down rather than holding their snapshots without bound)
+QUEUE_BYTES = 256 << 20
 
 
 # ---- --prompt-cache FILE: one snapshot a file ---------------------------------------------------------
@@ -141,8 +144,8 @@ class DiskStore:
 
     def __init__(self, directory, ident: dict, budget_bytes: int = 4 << 30, background: bool = False):
         """background: files are written on a writer thread (the daemon's: a spill or a retention then
-        costs the request path the snapshot's copy, not its file); an entry is indexed at once and read
-        once written (`drain` waits for the writes queued)."""
+        costs the request path the snapshot's copy, not its file), QUEUE_BYTES of snapshots at most; an
+        entry is indexed at once and read once written (`drain` waits for the writes queued)."""
         if budget_bytes < 0:
             raise JaxsmolError(f"disk cache budget must be >= 0 bytes, got {budget_bytes}")
         self.dir = Path(directory)
@@ -252,9 +255,10 @@ class DiskStore:
                 self._drop(n)
             if held + snap.nbytes > self.budget_bytes:  # the rest is retained until its expiry
                 return False
+        later = self._queue is not None and self.queued_bytes + snap.nbytes <= QUEUE_BYTES
         entry = DiskEntry(self.dir / name, snap.salt, snap.tokens, tuple(sorted(snap.logits)), snap.nbytes,
-                          time.time(), *marks, pending=self._queue is not None)
-        if self._queue is not None:
+                          time.time(), *marks, pending=later)
+        if later:
             self.entries[name] = entry
             self._queue.put((entry, snap))
             return True
@@ -279,6 +283,11 @@ class DiskStore:
                 LOGGER.warning("disk tier: could not write %s: %s", entry.path, e)
             finally:
                 self._queue.task_done()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the snapshots waiting for the writer thread (held in memory until written)."""
+        return sum(e.nbytes for e in list(self.entries.values()) if e.pending)
 
     def drain(self) -> None:
         """Until the writes queued are done."""

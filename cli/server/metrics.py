@@ -208,6 +208,8 @@ class _ScrapeTime:
         yield GaugeMetricFamily("jaxsmol_cache_pinned_bytes", "Bytes of pinned prefixes (part of jaxsmol_cache_bytes; "
                                 "bounded by --pinned-bytes).", value=stats.get("pinned_bytes", 0))
         yield GaugeMetricFamily("jaxsmol_cache_disk_bytes", "Bytes held by the disk tier.", value=stats["disk_bytes"])
+        yield GaugeMetricFamily("jaxsmol_cache_disk_queued_bytes", "Bytes of snapshots waiting for the disk tier's "
+                                "writer thread (at most 256 MiB).", value=stats.get("disk_queued_bytes", 0))
         yield GaugeMetricFamily("jaxsmol_cache_fetched_bytes", "Bytes read ahead from the lower tiers for requests "
                                 "waiting for admission.", value=stats.get("fetched_bytes", 0))
 

@@ -114,8 +114,9 @@ class Daemon:
         self._auth(request, admin=True)
         stats, batch, pool = self.cache.stats.as_dict(), self.worker.scheduler.figures(), self.engine.pool_bytes
         stats["fetched_bytes"] = self.cache.fetcher.nbytes  # read ahead for waiting requests (cache/fetch.py)
-        memory = self.memory.figures(stats["bytes_held"] + stats["fetched_bytes"] + batch.get("draft_cache_bytes", 0),
-                                     pool,
+        stats["disk_queued_bytes"] = self.cache.disk.queued_bytes if self.cache.disk is not None else 0
+        held = stats["bytes_held"] + stats["fetched_bytes"] + stats["disk_queued_bytes"]
+        memory = self.memory.figures(held + batch.get("draft_cache_bytes", 0), pool,
                                      batch.get("kv_bytes", 0), arena_span=self.worker.scheduler.arena_span,
                                      programs_after_ready=self.warmup.programs_after_ready())
         load = read_load(self.worker, self.engine.kv_bytes_per_token)
