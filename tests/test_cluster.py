@@ -162,10 +162,12 @@ def test_cache_aware_reuses_prefixes_round_robin_spreads_them(small_engine):
     assert ca["hit_rate"] >= 0.7 and ca["hit_rate"] >= rr["hit_rate"] + 0.2, (ca, rr)
     assert ca["prefilled"] <= 0.5 * rr["prefilled"], (ca, rr)
 
-    # the same replicas sharing a directory (--shared-cache): no prefix prefilled twice across the fleet,
-    # and after every replica restarts, each tenant's first request restores its prefix's whole chunks
+    # the same replicas sharing a directory (--shared-cache): no prefix prefilled twice across the fleet
+    # (the bound above; not "<= the unshared run": both reach it here, and a router tie that sends a repeated
+    # prompt to the other replica costs it the last position, which chunks carry no logits for), and after
+    # every replica restarts, each tenant's first request restores its prefix's whole chunks
     shared, ca = rows["completions", "cache_aware + shared"], rows["completions", "cache_aware"]
-    assert shared["prefilled"] <= ca["prefilled"] and shared["hit_rate"] >= 0.8, (shared, ca)
+    assert shared["prefilled"] < tenants * prefix_tokens + requests * 40 and shared["hit_rate"] >= 0.8, (shared, ca)
     restart = res["restart"]
     assert restart["shared_loads"] == tenants and restart["reused"] >= tenants * (prefix_tokens // 64) * 64, restart
 
