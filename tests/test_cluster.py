@@ -164,7 +164,7 @@ def test_cache_aware_reuses_prefixes_round_robin_spreads_them(small_engine):
 
     # the same replicas sharing a directory (--shared-cache): no prefix prefilled twice across the fleet
     # (the bound above; not "<= the unshared run": both reach it here, and a router tie that sends a repeated
-    # prompt to the other replica costs it the last position, which chunks carry no logits for), and after
+    # prompt to the other replica may cost it its last position, which no chunk carries logits for), and after
     # every replica restarts, each tenant's first request restores its prefix's whole chunks
     shared, ca = rows["completions", "cache_aware + shared"], rows["completions", "cache_aware"]
     assert shared["prefilled"] < tenants * prefix_tokens + requests * 40 and shared["hit_rate"] >= 0.8, (shared, ca)
