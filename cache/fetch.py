@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import weakref
 from typing import Any
 
@@ -64,27 +65,33 @@ class Fetcher:
     def __init__(self):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsmol-cache-fetch")
         self.held: weakref.WeakSet[Fetch] = weakref.WeakSet()
+        self._lock = threading.Lock()  # /metrics counts `held` from another thread
 
     @property
     def room(self) -> bool:
-        return len(self.held) < FETCH_AHEAD
+        with self._lock:
+            return len(self.held) < FETCH_AHEAD
 
     def start(self, fetch: Fetch, read) -> Fetch:
         """Run read(fetch) on the fetch thread (an empty one: nothing to run); it is held until `taken`."""
         if fetch.empty:
             return fetch
-        self.held.add(fetch)
+        with self._lock:
+            self.held.add(fetch)
         fetch.future = self._pool.submit(read, fetch)
         return fetch
 
     def taken(self, fetch: Fetch | None) -> None:
         """Its request was admitted (or dropped): it no longer counts against FETCH_AHEAD."""
         if fetch is not None:
-            self.held.discard(fetch)
+            with self._lock:
+                self.held.discard(fetch)
 
     @property
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in list(self.held))
+        with self._lock:
+            fetches = list(self.held)
+        return sum(f.nbytes for f in fetches)
 
     def ready(self, fetch: Fetch | None) -> bool:
         """Whether a request with this fetch (None: nothing to read) may be admitted: its reads are done."""
