@@ -2,13 +2,14 @@
 shared store on a thread of its own while the request waits for admission, so that the scheduler's thread,
 which runs every stream's next step, never waits for a file or a network, and the read overlaps the wait.
 
-`PrefixCache.fetch_ahead` decides on the scheduler's thread, from what is cheap to know there (memory's
-match, a walk; the disk tier's index; the measured read and prefill rates), and starts a `Fetch`; the
-request is admitted once it is done, and its lookup takes what was read instead of reading it
-(`PrefixCache.lookup(fetched=...)`). Only the scheduler's thread touches the radix store and the disk
-tier's index: the fetch thread reads files and values, which are verified as on any read, and nothing
-else. At most FETCH_AHEAD fetches are held at once (their bytes count in `jaxsmol_cache_fetched_bytes`
-until their requests are admitted): what is read ahead is bounded, not a queue's worth.
+`PrefixCache.plan_fetch` decides on the scheduler's thread, from what is cheap to know there (memory's
+match, a walk; the disk tier's index; the measured read and prefill rates), the scheduler starts the
+`Fetch` (`PrefixCache.read_ahead` on the fetch thread), and the request is admitted once it is done; its
+lookup takes what was read instead of reading it (`PrefixCache.lookup(fetched=...)`). Only the
+scheduler's thread touches the radix store and the disk tier's index: the fetch thread reads files and
+values, which are verified as on any read, and nothing else. At most FETCH_AHEAD fetches are held at
+once (their bytes count in `jaxsmol_cache_fetched_bytes` until their requests are admitted): what is
+read ahead is bounded, not a queue's worth.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ class Fetch:
     with), and the shared store's whole chunks from chunk `first` on."""
     ns: tuple
     prompt: tuple
-    memory: int  # positions memory matched when it was planned (a lookup matching fewer reads again)
     disk_entry: Any = None  # the disk tier's entry to read, or None
     shared_first: int | None = None  # the first shared chunk to read, or None
     snapshot: Any = None  # what the disk read gave: a Snapshot, or the SnapshotError it raised

@@ -60,8 +60,7 @@ class LowerTiers:
             snap = self.disk.load(entry, prompt) if fetched is None else self.disk.settle(entry, fetched.snapshot)
         except SnapshotError:  # the store deleted it, saying why
             return match
-        common = common_prefix_len(snap.tokens, prompt)
-        usable = n if common == n and n in snap.logits else min(common, n - 1)
+        usable = _usable(n, common_prefix_len(snap.tokens, prompt), snap.logits)
         if usable <= match.reused:
             return match
         self.store.release(match)
@@ -111,13 +110,12 @@ class LowerTiers:
         n, ns = len(prompt), self.namespace(salt)
         if self._bypass_reason(n, False):
             return None
-        fetch = Fetch(ns, tuple(prompt), memory=self.store.peek(ns, prompt))
-        have = fetch.memory
+        fetch, have = Fetch(ns, tuple(prompt)), self.store.peek(ns, prompt)
         if have == n:
             return fetch
         if self.disk is not None:
             entry, common = self.disk.find(ns[1], prompt)
-            usable = 0 if entry is None else n if common == n and n in entry.logits_at else min(common, n - 1)
+            usable = 0 if entry is None else _usable(n, common, entry.logits_at)
             if usable > have:
                 fetch.disk_entry, have = entry, usable
         size = self.shared.chunk_tokens if self.shared is not None else 0
@@ -244,3 +242,9 @@ class LowerTiers:
         self.stats.disk_loads += loaded
         self.sync()
         return loaded + self.pins.restored
+
+
+def _usable(n: int, common: int, logits_at) -> int:
+    """Positions of an n-token prompt a stored prefix sharing `common` of them restores: all n where it has
+    the logits after them (an exact full hit), else at most n - 1 (the last token is computed)."""
+    return n if common == n and n in logits_at else min(common, n - 1)

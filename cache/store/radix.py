@@ -26,6 +26,7 @@ victims against a scan's).
 
 Every stored segment and payload owns its memory (a NumPy view given to `insert` is copied, a split
 copies both halves), so the bytes counted are the bytes held, and evicting a node frees what it counted.
+Listing the keys and walking the tree are in radix_listing.py.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ import numpy as np
 
 from jaxsmol.cache.store.nodes import Match, Node
 from jaxsmol.cache.store.pinned_keys import PinnedKeys
+from jaxsmol.cache.store.radix_listing import Listing
 from jaxsmol.cache.store.values import common_prefix_len, owned, tree_bytes
 
 
-class RadixStore(PinnedKeys):
+class RadixStore(PinnedKeys, Listing):
     """Longest-prefix store for token-keyed, sequence-sliceable values, LRU under a byte budget."""
 
     def __init__(self, budget_bytes: int, seq_axis: int = 0, max_keys: int | None = None):
@@ -216,22 +218,6 @@ class RadixStore(PinnedKeys):
         path.reverse()
         return namespace, Match(length=sum(len(n.tokens) for n in path), path=path)
 
-    def keys(self):
-        """(namespace, Match) of every stored key that no other extends (a leaf), least recently used first."""
-        for leaf in sorted(self._leaves(), key=lambda n: n.last_used):
-            yield self._key_of(leaf)
-
-    def entries(self) -> list:
-        """(namespace, tokens) of every stored key that no other extends, least recently used first."""
-        return [(ns, self.tokens(m)) for ns, m in self.keys()]
-
-    def state(self, namespace, tokens):
-        """(tokens, value, {length: payload}) of the longest stored prefix of `tokens`, or None."""
-        match = self.match(namespace, tokens)
-        if match.length == 0:
-            return None
-        return self.tokens(match), self.gather(match), self.payloads(match)
-
     # ---- insert ------------------------------------------------------------------------------
     def insert(self, namespace, tokens, value_of, payload=None) -> int:
         """Store the value of `tokens`; `value_of(start, stop)` gives the value of positions
@@ -384,21 +370,3 @@ class RadixStore(PinnedKeys):
             stack.extend(node.children.values())
             if not (node.leases or keep_pinned and node.pins):
                 node.segment = node.payload = None
-
-    def walk(self, keys_only: bool = True):
-        """(namespace, tokens, node, bytes of its whole state) of every stored key: a node that ends a
-        key with a payload, or a leaf (keys_only=False: of every node). The state's bytes are its
-        path's segments and its payload; a node's own bytes are `node.nbytes`."""
-        for ns, root in list(self._roots.items()):
-            stack = [(child, (), 0) for child in root.children.values()]
-            while stack:
-                node, above, above_bytes = stack.pop()
-                tokens, nbytes = above + node.tokens, above_bytes + tree_bytes(node.segment)
-                if not keys_only or node.payload is not None or not node.children:
-                    yield ns, tokens, node, nbytes + tree_bytes(node.payload)
-                stack.extend((c, tokens, nbytes) for c in node.children.values())
-
-    def __len__(self) -> int:
-        """Number of leaves: stored keys that no other stored key extends (a key that is a prefix of
-        another, e.g. a prompt whose answer was stored after it, is not counted)."""
-        return sum(1 for _ in self._leaves())

@@ -49,21 +49,15 @@ class RespReader:
         is none. OSError for the connection's faults, RespError for an error reply; either closes the
         connection (the next call opens another). A kept connection the server closed meanwhile (it
         restarted) is found closed before any reply: the call is made once more on a new one."""
-        kept = getattr(self._local, "conn", None) is not None
-        try:
-            return self._get(key)
-        except (Closed, ConnectionError):
-            self.close()
-            if not kept:
-                raise
-        except BaseException:
-            self.close()
-            raise
-        try:
-            return self._get(key)
-        except BaseException:
-            self.close()
-            raise
+        again = getattr(self._local, "conn", None) is not None  # a kept connection: one more try if found closed
+        while True:
+            try:
+                return self._get(key)
+            except BaseException as e:
+                self.close()
+                if not (again and isinstance(e, (Closed, ConnectionError))):
+                    raise
+                again = False
 
     def _get(self, key: bytes):
         sock, reply = self._connection()

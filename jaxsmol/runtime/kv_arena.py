@@ -261,10 +261,12 @@ class KVArena(ArenaMemory):
         offsets = np.cumsum([0] + [p["k"].shape[3] for p in parts])
         if views is None:
             self._write_blocks(row, parts, offsets, start, stop)
-        for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]) if views is not None else ():
-            lo, hi = max(start, p0), min(stop, p1)
-            for view, name in zip(views, ("k", "v")) if lo < hi else ():
-                view[:, row, :, lo:hi] = part[name][:, 0, :, lo - p0:hi - p0]
+        else:  # straight into the row's pages
+            for part, p0, p1 in zip(parts, offsets[:-1], offsets[1:]):
+                lo, hi = max(start, p0), min(stop, p1)
+                if lo < hi:
+                    for view, name in zip(views, ("k", "v")):
+                        view[:, row, :, lo:hi] = part[name][:, 0, :, lo - p0:hi - p0]
         self.pos[row] = stop
         self.touched[row] = max(self.touched[row], stop if self.kernel else -(-stop // BLOCK) * BLOCK)
         self.exact[row] = stop if exact and self.exact[row] >= start else min(self.exact[row], start)
@@ -312,10 +314,11 @@ class KVArena(ArenaMemory):
         # pages of their own where large: stored and evicted by the prefix cache, they would fragment malloc's heap
         out = {name: host_memory.empty((L, 1, K, stop - start, H), self.dtype) for name in ("k", "v")}
         views = self.host_views()
-        for view, name in zip(views, ("k", "v")) if views is not None else ():  # straight from the row's pages
-            out[name][:, 0] = view[:, row, :, start:stop]
         if views is None:
             self._read_blocks(row, start, stop, out)
+        else:  # straight from the row's pages
+            for view, name in zip(views, ("k", "v")):
+                out[name][:, 0] = view[:, row, :, start:stop]
         for a in out.values():
             a.flags.writeable = False
         return out
